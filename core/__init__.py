@@ -1,0 +1,86 @@
+"""gradseam: gradient checkpointing and activation offload for diffusers transformers.
+
+``import gradseam`` stays cheap: torch and diffusers load only when a model is patched.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from .config import BACKENDS, CheckpointConfig
+from .errors import GradseamError, PluginConflictError, UnsupportedModelError, UnsupportedStrategyError
+from .family import BlockClass, BlockList, Carry, Family, Preset
+from .hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from .patcher import PatchHandle, PipelineHandle
+    from .registry import Installed
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS",
+    "BlockClass",
+    "BlockList",
+    "Carry",
+    "CheckpointConfig",
+    "Family",
+    "GradseamError",
+    "PluginConflictError",
+    "Preset",
+    "UnsupportedModelError",
+    "UnsupportedStrategyError",
+    "families",
+    "handle_of",
+    "hookimpl",
+    "installed",
+    "patch",
+    "register",
+    "unregister",
+]
+
+
+def patch(target: Any, config: Any = None, **kwargs: Any) -> PatchHandle | PipelineHandle:
+    """Patch a diffusers model (or every supported component of a pipeline).
+
+    ``config`` is a :class:`CheckpointConfig`, a mapping of the config keys, or omitted in favour
+    of keyword arguments. Returns a handle whose ``remove()`` restores the model exactly.
+    """
+    from .patcher import patch as _patch
+
+    return _patch(target, config, **kwargs)
+
+
+def handle_of(model: Any) -> PatchHandle | None:
+    """The active patch handle of a model, or None."""
+    from .patcher import handle_of as _handle_of
+
+    return _handle_of(model)
+
+
+def families() -> list[Family]:
+    """The installed families (built-in and third-party), sorted by name."""
+    from .registry import REGISTRY
+
+    return REGISTRY.families()
+
+
+def installed() -> list[Installed]:
+    """Installed families with the plugin and distribution that provide each."""
+    from .registry import REGISTRY
+
+    return REGISTRY.installed()
+
+
+def register(plugin: Any, name: str | None = None) -> str:
+    """Register a plugin object (module or instance with ``@hookimpl`` functions) at runtime."""
+    from .registry import REGISTRY
+
+    return REGISTRY.register(plugin, name=name)
+
+
+def unregister(name: str) -> None:
+    """Remove a plugin registered at runtime, with its families."""
+    from .registry import REGISTRY
+
+    REGISTRY.unregister(name)

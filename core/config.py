@@ -1,0 +1,208 @@
+"""The user-facing configuration: the keys trainers already write, validated strictly.
+
+Users copy these keys between trainers, JSON files and notebooks, so the names are fixed and
+every mistake must be caught here, before a long job starts, with a message that names the key,
+shows the bad value and says what would have been accepted.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+BACKENDS: tuple[str, ...] = ("torch", "torch-ffn", "unsloth", "unsloth-ffn")
+DEFAULT_PIN_BUCKETS = 12
+
+_TRUE_STRINGS = {"true": True, "false": False}
+
+
+def _where(key: str) -> str:
+    return f"gradseam config key '{key}'"
+
+
+def _parse_bool(key: str, value: Any) -> bool:
+    # Truthiness would read "false" as True; only real booleans and the literal JSON words pass.
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE_STRINGS:
+        return _TRUE_STRINGS[value.strip().lower()]
+    raise ValueError(f"{_where(key)}: expected true or false, got {value!r} ({type(value).__name__}).")
+
+
+def _parse_int(key: str, value: Any, *, minimum: int, allow_none: bool) -> int | None:
+    if value is None:
+        if allow_none:
+            return None
+        raise ValueError(f"{_where(key)}: expected an integer >= {minimum}, got None.")
+    if isinstance(value, bool):  # bool is an int subclass; True must not mean 1 here
+        raise ValueError(f"{_where(key)}: expected an integer >= {minimum}, got {value!r} (bool).")
+    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+        value = int(value.strip())
+    if not isinstance(value, int):
+        allowed = f"an integer >= {minimum}" + (" or null" if allow_none else "")
+        raise ValueError(f"{_where(key)}: expected {allowed}, got {value!r} ({type(value).__name__}).")
+    if value < minimum:
+        hint = " (use null to disable)" if allow_none else ""
+        raise ValueError(f"{_where(key)}: must be >= {minimum}, got {value}{hint}.")
+    return value
+
+
+def _parse_backend(value: Any) -> str:
+    key = "gradient_checkpointing_backend"
+    if not isinstance(value, str):
+        raise ValueError(f"{_where(key)}: expected one of {list(BACKENDS)}, got {value!r} ({type(value).__name__}).")
+    if value in BACKENDS:
+        return value
+    close = difflib.get_close_matches(value.strip().lower().replace("_", "-"), BACKENDS, n=1, cutoff=0.5)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    raise ValueError(f"{_where(key)}: {value!r} is not a backend; allowed: {list(BACKENDS)}.{hint}")
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Which strategy gradseam applies; field names are exactly the keys users write.
+
+    Build it with keyword arguments, :meth:`from_dict` (a trainer config) or :meth:`from_json`.
+    """
+
+    gradient_checkpointing: bool = False
+    gradient_checkpointing_backend: str = "torch"
+    gradient_checkpointing_interval: int | None = None
+    gradient_checkpointing_segment_stride: int | None = None
+    gradient_checkpointing_offload_attention: bool = False
+    gradient_checkpointing_offload_pin_memory_max_buckets: int = DEFAULT_PIN_BUCKETS
+
+    def __post_init__(self) -> None:
+        # Frozen dataclass: normalise through object.__setattr__ so the stored values are the parsed ones.
+        set_ = object.__setattr__
+        set_(self, "gradient_checkpointing", _parse_bool("gradient_checkpointing", self.gradient_checkpointing))
+        set_(self, "gradient_checkpointing_backend", _parse_backend(self.gradient_checkpointing_backend))
+        interval = _parse_int(
+            "gradient_checkpointing_interval", self.gradient_checkpointing_interval, minimum=1, allow_none=True
+        )
+        stride = _parse_int(
+            "gradient_checkpointing_segment_stride",
+            self.gradient_checkpointing_segment_stride,
+            minimum=1,
+            allow_none=True,
+        )
+        if stride is not None and stride < (interval or 1):
+            raise ValueError(
+                f"{_where('gradient_checkpointing_segment_stride')}: must be >= "
+                f"gradient_checkpointing_interval ({interval or 1}), got {stride}. In each window of "
+                "`stride` blocks the first `interval` are checkpointed, so the window cannot be shorter."
+            )
+        set_(self, "gradient_checkpointing_interval", interval)
+        set_(self, "gradient_checkpointing_segment_stride", stride)
+        set_(
+            self,
+            "gradient_checkpointing_offload_attention",
+            _parse_bool("gradient_checkpointing_offload_attention", self.gradient_checkpointing_offload_attention),
+        )
+        set_(
+            self,
+            "gradient_checkpointing_offload_pin_memory_max_buckets",
+            _parse_int(
+                "gradient_checkpointing_offload_pin_memory_max_buckets",
+                self.gradient_checkpointing_offload_pin_memory_max_buckets,
+                minimum=0,
+                allow_none=False,
+            ),
+        )
+
+    # Short names for code; the long ones stay the source of truth.
+    @property
+    def enabled(self) -> bool:
+        return self.gradient_checkpointing
+
+    @property
+    def backend(self) -> str:
+        return self.gradient_checkpointing_backend
+
+    @property
+    def interval(self) -> int:
+        return self.gradient_checkpointing_interval or 1
+
+    @property
+    def stride(self) -> int | None:
+        return self.gradient_checkpointing_segment_stride
+
+    @property
+    def offload_attention(self) -> bool:
+        return self.gradient_checkpointing_offload_attention
+
+    @property
+    def pin_buckets(self) -> int:
+        return self.gradient_checkpointing_offload_pin_memory_max_buckets
+
+    @property
+    def ffn_scope(self) -> bool:
+        return self.backend.endswith("-ffn")
+
+    @property
+    def offloads_regions(self) -> bool:
+        return self.backend.startswith("unsloth")
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, ignore_unknown: bool = False) -> CheckpointConfig:
+        """Read the gradseam keys from a mapping; with ``ignore_unknown`` a whole trainer config can be passed."""
+        if not isinstance(data, Mapping):
+            raise TypeError(f"gradseam config must be a mapping of keys to values, got {type(data).__name__}.")
+        known = set(cls.keys())
+        unknown = [k for k in data if k not in known]
+        if unknown and not ignore_unknown:
+            key = unknown[0]
+            close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
+            hint = f" Did you mean '{close[0]}'?" if close else ""
+            raise ValueError(
+                f"unknown gradseam config key {key!r}.{hint} Valid keys: {sorted(known)}. "
+                "Pass ignore_unknown=True to read the gradseam keys out of a larger trainer config."
+            )
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @classmethod
+    def from_json(cls, path: str | os.PathLike[str], *, ignore_unknown: bool = False) -> CheckpointConfig:
+        text = open(path, encoding="utf-8").read()  # noqa: SIM115 - short read, closed by refcount
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"gradseam config file {os.fspath(path)!r} is not valid JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"gradseam config file {os.fspath(path)!r} must hold a JSON object of keys, "
+                f"got {type(data).__name__}."
+            )
+        return cls.from_dict(data, ignore_unknown=ignore_unknown)
+
+    @classmethod
+    def coerce(cls, value: CheckpointConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> CheckpointConfig:
+        """Accept what ``patch`` accepts: a config, a mapping, or keyword arguments."""
+        if isinstance(value, CheckpointConfig):
+            if kwargs:
+                return cls(**{**asdict(value), **kwargs})
+            return value
+        base = dict(value or {})
+        base.update(kwargs)
+        return cls.from_dict(base)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The keys as a trainer would write them (JSON-ready)."""
+        return asdict(self)
+
+    def describe(self) -> str:
+        parts = [self.backend if self.enabled else "no checkpointing"]
+        if self.enabled and self.gradient_checkpointing_interval:
+            parts.append(f"interval {self.interval}")
+        if self.enabled and self.stride:
+            parts.append(f"stride {self.stride}")
+        if self.offload_attention:
+            parts.append("attention offload")
+        return ", ".join(parts)

@@ -1,0 +1,402 @@
+"""``gradseam.patch``: resolve a model's family, plan its regions, install them, and undo it all.
+
+The plan is computed first and only then installed, so a refused configuration (an ``-ffn``
+backend on a family without an FFN boundary, say) raises before the model is touched.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from . import seams
+from .config import CheckpointConfig
+from .errors import PLUGIN_GUIDE, UnsupportedModelError, UnsupportedStrategyError
+from .family import BlockClass, BlockList, Family
+from .registry import REGISTRY
+from .strategies import BlockLink, Chain, Runner, SeamLink
+
+
+class GradseamWarning(UserWarning):
+    """A setting was accepted but cannot take effect as written; the message says what runs instead."""
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, GradseamWarning, stacklevel=3)
+
+
+# -- planning ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Region:
+    """One planned region: which modules, and what gradseam does with them."""
+
+    list_path: str
+    blocks: tuple[int, ...]  # indices in the block list
+    kind: str  # "block", "chunk", "ffn" or "attention-offload"
+    modules: tuple[nn.Module, ...]
+    seam: tuple[str, ...] = ()  # submodule paths for ffn/attention regions
+    block_class: str = ""
+
+
+@dataclass
+class Plan:
+    family: Family
+    config: CheckpointConfig
+    regions: list[Region] = field(default_factory=list)
+    plain: list[tuple[str, int, str]] = field(default_factory=list)  # blocks left as they are
+
+
+def _resolve(root: nn.Module, path: str) -> Any:
+    obj: Any = root
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _blocks(model: nn.Module, family: Family) -> list[tuple[BlockList, list[nn.Module]]]:
+    found = []
+    for block_list in family.block_lists:
+        modules = _resolve(model, block_list.path)
+        if modules is None:
+            if block_list.optional:
+                continue
+            raise UnsupportedModelError(
+                f"family {family.name!r} expects a block list at {type(model).__name__}.{block_list.path}, "
+                "but the model has none; the adapter does not match this model version."
+            )
+        found.append((block_list, list(modules)))
+    return found
+
+
+def _block_class(family: Family, block: nn.Module, where: str) -> BlockClass:
+    declared = family.block_class_for(type(block))
+    if declared is None:
+        raise UnsupportedModelError(
+            f"family {family.name!r} declares no block class for {type(block).__qualname__} at {where}; "
+            f"declared: {[bc.name.rsplit('.', 1)[-1] for bc in family.block_classes]}."
+        )
+    return declared
+
+
+def _selected(index: int, config: CheckpointConfig) -> bool:
+    if config.stride is None:
+        return True
+    return index % config.stride < config.interval
+
+
+def _submodule(block: nn.Module, path: str, family: Family, where: str) -> nn.Module:
+    sub = _resolve(block, path)
+    if not isinstance(sub, nn.Module):
+        raise UnsupportedModelError(
+            f"family {family.name!r} names submodule {path!r} of {type(block).__qualname__} ({where}), "
+            "but the block has no such module."
+        )
+    return sub
+
+
+def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
+    """Decide every region without touching the model."""
+    result = Plan(family, config)
+    whole = config.enabled and not config.ffn_scope
+    if config.enabled and config.ffn_scope and not family.has_ffn:
+        missing = [bc.name.rsplit(".", 1)[-1] for bc in family.block_classes if not bc.ffn]
+        raise UnsupportedStrategyError(
+            f"backend {config.backend!r} needs an FFN boundary, but family {family.name!r} declares none "
+            f"for {missing}; gradseam will not silently run another scope. Use "
+            f"'{config.backend.replace('-ffn', '')}' (whole-block) instead."
+        )
+    if config.offload_attention and not family.has_attention:
+        raise UnsupportedStrategyError(
+            f"gradient_checkpointing_offload_attention needs an attention side, but family {family.name!r} "
+            "declares none; turn attention offload off for this model."
+        )
+    if config.enabled and config.gradient_checkpointing_interval and config.interval > 1:
+        if config.ffn_scope:
+            _warn_once(
+                f"gradient_checkpointing_interval={config.interval} does not group FFN regions (attention "
+                f"sits between them); with {config.backend!r} the interval only selects blocks through "
+                "gradient_checkpointing_segment_stride."
+            )
+        elif not family.supports_interval:
+            _warn_once(
+                f"family {family.name!r} does not support gradient_checkpointing_interval; ignoring "
+                f"interval={config.interval} and checkpointing every selected block on its own."
+            )
+
+    for block_list, blocks in _blocks(model, family):
+        chunk: list[int] = []
+
+        def flush(chunk: list[int], block_list: BlockList = block_list, blocks: list[nn.Module] = blocks) -> None:
+            if not chunk:
+                return
+            kind = "chunk" if len(chunk) > 1 else "block"
+            result.regions.append(
+                Region(
+                    block_list.path,
+                    tuple(chunk),
+                    kind,
+                    tuple(blocks[i] for i in chunk),
+                    block_class=type(blocks[chunk[0]]).__qualname__,
+                )
+            )
+            chunk.clear()
+
+        group = config.interval if block_list.carry is not None else 1
+        for index, block in enumerate(blocks):
+            where = f"{block_list.path}[{index}]"
+            declared = _block_class(family, block, where)
+            selected = config.enabled and _selected(index, config)
+            if whole:
+                if not selected:
+                    flush(chunk)
+                elif chunk and (index - chunk[0] >= group or index != chunk[-1] + 1):
+                    flush(chunk)
+                    chunk.append(index)
+                else:
+                    chunk.append(index)
+            elif selected:
+                for seam in declared.ffn:
+                    subs = tuple(_submodule(block, p, family, where) for p in seam)
+                    result.regions.append(
+                        Region(block_list.path, (index,), "ffn", subs, seam, type(block).__qualname__)
+                    )
+            if not selected or not whole:
+                if config.offload_attention:
+                    for path in declared.attention:
+                        sub = _submodule(block, path, family, where)
+                        result.regions.append(
+                            Region(block_list.path, (index,), "attention-offload", (sub,), (path,),
+                                   type(block).__qualname__)
+                        )
+                if not selected and not config.offload_attention:
+                    result.plain.append((block_list.path, index, type(block).__qualname__))
+        if whole:
+            flush(chunk)
+    return result
+
+
+# -- installing and removing ------------------------------------------------------------------
+
+
+def _runner_for(config: CheckpointConfig, model: nn.Module) -> Runner:
+    if config.offloads_regions:
+        from .offload import region_offload_hooks  # imported lazily: only the unsloth backends need it
+
+        return Runner(saved_hooks=region_offload_hooks(model, config))
+    return Runner()
+
+
+class _GuardedEnable:
+    """Stands in for ``model.enable_gradient_checkpointing`` while gradseam owns checkpointing.
+
+    Calling the built-in flag on top of gradseam would checkpoint twice (and, on Chroma's single
+    blocks, drop the attention mask), so the call is recorded and replayed only on ``remove()``.
+    """
+
+    def __init__(self, handle: PatchHandle, enable: bool) -> None:
+        self.handle = handle
+        self.enable = enable
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        what = "enable" if self.enable else "disable"
+        _warn_once(
+            f"{what}_gradient_checkpointing() called on a model patched by gradseam; gradseam owns "
+            "checkpointing while the patch is active, so the call is deferred until handle.remove()."
+        )
+        self.handle._deferred = (self.enable, args, kwargs)
+
+
+_HANDLES: weakref.WeakKeyDictionary[nn.Module, PatchHandle] = weakref.WeakKeyDictionary()
+
+
+class PatchHandle:
+    """A patched model: ``.remove()`` undoes everything, ``.summary()`` says what was done."""
+
+    def __init__(self, model: nn.Module, plan: Plan) -> None:
+        self.model = model
+        self.plan = plan
+        self.family = plan.family
+        self.config = plan.config
+        self._seams: list[seams.SeamForward] = []
+        self._flags: list[tuple[nn.Module, bool]] = []
+        self._deferred: tuple[bool, tuple, dict] | None = None
+        self.active = False
+
+    def _install(self) -> None:
+        model, config = self.model, self.config
+        # Own checkpointing: the model's built-in flag would nest a second checkpoint around ours.
+        for module in model.modules():
+            if getattr(module, "gradient_checkpointing", False) is True:
+                self._flags.append((module, True))
+                module.gradient_checkpointing = False
+        for name, enable in (("enable_gradient_checkpointing", True), ("disable_gradient_checkpointing", False)):
+            if hasattr(model, name):
+                setattr(model, name, _GuardedEnable(self, enable))
+        runner = _runner_for(config, model) if config.enabled else Runner()
+        attention_offload = None
+        for region in self.plan.regions:
+            if region.kind == "attention-offload":
+                if attention_offload is None:
+                    from .offload import AttentionOffload
+
+                    attention_offload = AttentionOffload(model, config)
+                self._seams.append(seams.install(region.modules[0], attention_offload))
+                continue
+            if region.kind == "chunk":
+                block_list = next(bl for bl in self.family.block_lists if bl.path == region.list_path)
+                assert block_list.carry is not None
+                link = BlockLink(block_list.carry)
+            else:
+                link = SeamLink() if len(region.modules) > 1 else None
+            chain = Chain(region.modules, link, runner, label=f"{region.list_path}{list(region.blocks)}")
+            for index, module in enumerate(region.modules):
+                seam = seams.install(module, chain.handler(index))
+                chain.attach(index, seam.original)
+                self._seams.append(seam)
+        self.active = True
+
+    def remove(self) -> None:
+        """Restore the model exactly as it was (idempotent)."""
+        if not self.active:
+            return
+        for seam in reversed(self._seams):
+            seams.uninstall(seam)
+        self._seams.clear()
+        for name in ("enable_gradient_checkpointing", "disable_gradient_checkpointing"):
+            if isinstance(self.model.__dict__.get(name), _GuardedEnable):
+                delattr(self.model, name)
+        for module, value in self._flags:
+            module.gradient_checkpointing = value
+        self._flags.clear()
+        if self._deferred is not None:
+            enable, args, kwargs = self._deferred
+            getattr(self.model, "enable_gradient_checkpointing" if enable else "disable_gradient_checkpointing")(
+                *args, **kwargs
+            )
+            self._deferred = None
+        if _HANDLES.get(self.model) is self:
+            del _HANDLES[self.model]
+        self.active = False
+
+    def __enter__(self) -> PatchHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def summary(self) -> Summary:
+        from .summary import Summary
+
+        return Summary.of(self)
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "removed"
+        return f"<gradseam patch {self.family.name} [{self.config.describe()}] {state}>"
+
+
+class PipelineHandle:
+    """Handles for every patched component of a pipeline."""
+
+    def __init__(self, pipeline: Any, handles: Mapping[str, PatchHandle]) -> None:
+        self.pipeline = pipeline
+        self.handles = dict(handles)
+
+    def remove(self) -> None:
+        for handle in self.handles.values():
+            handle.remove()
+
+    def summary(self) -> Summary:
+        from .summary import Summary
+
+        return Summary.merge({name: h.summary() for name, h in self.handles.items()})
+
+    def __getitem__(self, name: str) -> PatchHandle:
+        return self.handles[name]
+
+    def __enter__(self) -> PipelineHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def family_for(model: nn.Module) -> Family:
+    family = REGISTRY.for_model_type(type(model))
+    if family is None:
+        installed = ", ".join(f.name for f in REGISTRY.families()) or "none"
+        raise UnsupportedModelError(
+            f"no gradseam family handles {type(model).__module__}.{type(model).__qualname__}. "
+            f"Installed families: {installed}. To support it, install or write a plugin: see {PLUGIN_GUIDE}."
+        )
+    return family
+
+
+def patch_model(model: nn.Module, config: CheckpointConfig) -> PatchHandle:
+    family = family_for(model)
+    previous = _HANDLES.get(model)
+    the_plan = plan(model, family, config)  # raises before anything is touched
+    if previous is not None:
+        previous.remove()  # a second patch replaces the first, never stacks
+    handle = PatchHandle(model, the_plan)
+    handle._install()
+    _HANDLES[model] = handle
+    return handle
+
+
+def _pipeline_components(target: Any) -> dict[str, nn.Module] | None:
+    components = getattr(target, "components", None)
+    if not isinstance(components, Mapping) or isinstance(target, nn.Module):
+        return None
+    return {name: c for name, c in components.items() if isinstance(c, nn.Module)}
+
+
+def patch(
+    target: Any, config: CheckpointConfig | Mapping[str, Any] | None = None, **kwargs: Any
+) -> PatchHandle | PipelineHandle:
+    """Patch a diffusers model, or every supported component of a pipeline, with ``config``."""
+    cfg = CheckpointConfig.coerce(config, **kwargs)
+    if not cfg.enabled:
+        set_keys = [k for k in ("gradient_checkpointing_interval", "gradient_checkpointing_segment_stride")
+                    if getattr(cfg, k) is not None]
+        if cfg.backend != "torch":
+            set_keys.insert(0, "gradient_checkpointing_backend")
+        if set_keys:
+            _warn_once(
+                f"{', '.join(set_keys)} set but gradient_checkpointing is false: no checkpointing will run. "
+                "Set gradient_checkpointing to true to use them."
+            )
+    components = _pipeline_components(target)
+    if components is None:
+        if not isinstance(target, nn.Module):
+            raise TypeError(f"gradseam.patch expects a diffusers model or pipeline, got {type(target).__name__}.")
+        return patch_model(target, cfg)
+    supported = {n: m for n, m in components.items() if REGISTRY.for_model_type(type(m)) is not None}
+    if not supported:
+        installed = ", ".join(f.name for f in REGISTRY.families()) or "none"
+        kinds = ", ".join(f"{n}={type(m).__name__}" for n, m in components.items())
+        raise UnsupportedModelError(
+            f"no component of {type(target).__name__} is handled by an installed gradseam family "
+            f"(components: {kinds}; installed families: {installed}). See {PLUGIN_GUIDE}."
+        )
+    plans = {name: plan(model, family_for(model), cfg) for name, model in supported.items()}
+    del plans  # validated every component first, so a refusal leaves the pipeline untouched
+    return PipelineHandle(target, {name: patch_model(model, cfg) for name, model in supported.items()})
+
+
+def handle_of(model: nn.Module) -> PatchHandle | None:
+    """The active gradseam handle of a model, if it is patched."""
+    return _HANDLES.get(model)

@@ -1,0 +1,66 @@
+"""Tiny, deterministic instances of every built-in family for the conformance kit (CPU, fp32)."""
+
+from __future__ import annotations
+
+import torch
+
+from gradseam.testing import Case
+
+
+def _randn(g: torch.Generator, *shape: int, grad: bool = False) -> torch.Tensor:
+    return torch.randn(*shape, generator=g).requires_grad_(grad)
+
+
+# -- Flux ---------------------------------------------------------------------------------------
+def flux_model():
+    from diffusers import FluxTransformer2DModel
+
+    return FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=2, num_single_layers=5, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8, axes_dims_rope=[2, 2, 4],
+    )
+
+
+def flux_inputs(g: torch.Generator) -> dict:
+    return {
+        "hidden_states": _randn(g, 1, 16, 4, grad=True),
+        "encoder_hidden_states": _randn(g, 1, 8, 16, grad=True),
+        "pooled_projections": _randn(g, 1, 8),
+        "timestep": torch.tensor([0.5]),
+        "img_ids": _randn(g, 16, 3),
+        "txt_ids": torch.zeros(8, 3),
+    }
+
+
+FLUX = Case("flux", flux_model, flux_inputs)
+
+
+# -- Wan ----------------------------------------------------------------------------------------
+def wan_model():
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=4,
+        text_dim=16, freq_dim=16, ffn_dim=32, num_layers=5, rope_max_seq_len=32,
+    )
+
+
+def wan_inputs(g: torch.Generator) -> dict:
+    return {
+        "hidden_states": _randn(g, 1, 4, 2, 4, 4, grad=True),
+        "timestep": torch.tensor([500]),
+        "encoder_hidden_states": _randn(g, 1, 6, 16, grad=True),
+    }
+
+
+def wan_ti2v_inputs(g: torch.Generator) -> dict:
+    # Wan 2.2 TI2V: one timestep per token (2 frames x 2 x 2 patches = 8 tokens)
+    x = wan_inputs(g)
+    x["timestep"] = torch.arange(8).reshape(1, 8) * 100
+    return x
+
+
+WAN = Case("wan", wan_model, wan_inputs)
+WAN_TI2V = Case("wan-ti2v", wan_model, wan_ti2v_inputs)
+
+ALL = [FLUX, WAN]

@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run with -m cuda on a GPU machine)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings():
+    # gradseam warns once per message per process; tests that check warnings need a clean slate.
+    from gradseam import patcher
+
+    patcher._warned.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        yield
