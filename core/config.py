@@ -7,6 +7,7 @@ shows the bad value and says what would have been accepted.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import os
@@ -41,7 +42,10 @@ def _parse_int(key: str, value: Any, *, minimum: int, allow_none: bool) -> int |
     if isinstance(value, bool):  # bool is an int subclass; True must not mean 1 here
         raise ValueError(f"{_where(key)}: expected an integer >= {minimum}, got {value!r} (bool).")
     if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        value = int(value.strip())
+        # "²" and "--2" pass isdigit() but not int(), nor do strings over int()'s digit limit:
+        # those stay a str and are reported below with the key
+        with contextlib.suppress(ValueError):
+            value = int(value.strip())
     if not isinstance(value, int):
         allowed = f"an integer >= {minimum}" + (" or null" if allow_none else "")
         raise ValueError(f"{_where(key)}: expected {allowed}, got {value!r} ({type(value).__name__}).")
@@ -170,10 +174,14 @@ class CheckpointConfig:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str], *, ignore_unknown: bool = False) -> CheckpointConfig:
-        text = open(path, encoding="utf-8").read()  # noqa: SIM115 - short read, closed by refcount
+        try:
+            with open(path, encoding="utf-8") as file:
+                text = file.read()
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"gradseam config file {os.fspath(path)!r} is not UTF-8 text: {exc}") from None
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as exc:
+        except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nesting too deep
             raise ValueError(f"gradseam config file {os.fspath(path)!r} is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise ValueError(
@@ -183,11 +191,15 @@ class CheckpointConfig:
         return cls.from_dict(data, ignore_unknown=ignore_unknown)
 
     @classmethod
-    def coerce(cls, value: CheckpointConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> CheckpointConfig:
-        """Accept what ``patch`` accepts: a config, a mapping, or keyword arguments."""
+    def coerce(
+        cls, value: CheckpointConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None, **kwargs: Any
+    ) -> CheckpointConfig:
+        """Accept what ``patch`` accepts: a config, a mapping, a JSON file path, or keyword arguments."""
+        if isinstance(value, (str, os.PathLike)):
+            value = cls.from_json(value)
         if isinstance(value, CheckpointConfig):
             if kwargs:
-                return cls(**{**asdict(value), **kwargs})
+                return cls.from_dict({**asdict(value), **kwargs})  # unknown kwargs get the key suggestion
             return value
         base = dict(value or {})
         base.update(kwargs)

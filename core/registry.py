@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import threading
+import warnings
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import pluggy
 
 from . import hookspecs
-from .errors import PluginConflictError
+from .errors import GradseamError, PluginConflictError
 from .family import Family
 
 ENTRY_POINT_GROUP = "gradseam"
@@ -52,12 +53,30 @@ class Registry:
 
     def _load_entry_points(self) -> None:
         allowed = self._allowed()
-        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        points = list(metadata.entry_points(group=ENTRY_POINT_GROUP))
+        if allowed is not None:
+            unknown = sorted(allowed - {ep.name for ep in points})
+            if unknown:
+                warnings.warn(
+                    f"{PLUGINS_ENV} names {unknown}, which no installed distribution provides; "
+                    f"installed gradseam plugins: {sorted(ep.name for ep in points)}.",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+        for ep in points:
             if allowed is not None and ep.name not in allowed:
                 continue
             if self.pm.has_plugin(ep.name):
                 continue
-            plugin = ep.load()
+            try:
+                plugin = ep.load()
+            except Exception as exc:
+                dist = getattr(getattr(ep, "dist", None), "name", "an unknown distribution")
+                raise GradseamError(
+                    f"gradseam plugin {ep.name!r} (from {dist}, {ep.value}) failed to import: "
+                    f"{type(exc).__name__}: {exc}. Fix or uninstall it, or load only the plugins you "
+                    f"need with {PLUGINS_ENV}=name,name..."
+                ) from exc
             self.pm.register(plugin, name=ep.name)
             dist = getattr(ep, "dist", None)
             self._dists[ep.name] = (dist.name, dist.version) if dist is not None else (None, None)
@@ -113,6 +132,9 @@ class Registry:
         """Register a plugin object at runtime (its families are added at once)."""
         self.ensure_loaded()
         with self._lock:
+            # pluggy raises a bare ValueError for a taken name or object; say it as a plugin conflict
+            if (name is not None and self.pm.has_plugin(name)) or self.pm.is_registered(plugin):
+                raise PluginConflictError(f"plugin {name or plugin!r} is already registered.")
             plugin_name = self.pm.register(plugin, name=name)
             if plugin_name is None:
                 raise PluginConflictError(f"plugin {name or plugin!r} is already registered.")
@@ -153,7 +175,11 @@ class Registry:
         """The family that handles a model class (or one of its bases)."""
         self.ensure_loaded()
         for klass in model_type.__mro__:
-            found = self._by_model.get(f"{klass.__module__}.{klass.__qualname__}")
+            # A full dotted name first; a bare class name (declared without a module) matches any module,
+            # for classes whose home module is not settled upstream yet.
+            found = self._by_model.get(f"{klass.__module__}.{klass.__qualname__}") or self._by_model.get(
+                klass.__qualname__
+            )
             if found is not None:
                 return found.family
         return None
