@@ -3,7 +3,9 @@
 This module and :mod:`gradseam.hookspecs` are the only parts of the core an adapter imports.
 Classes are named by their qualified name (``"diffusers.models....FluxTransformer2DModel"``)
 so an adapter can describe a class before the installed diffusers has it, and so that listing
-families never imports diffusers model modules.
+families never imports diffusers model modules. A bare class name without a module
+(``"MageFlowTransformer2DModel"``) matches a class of that name from any module, for classes
+whose upstream home is not settled yet.
 """
 
 from __future__ import annotations
@@ -108,7 +110,7 @@ class Family:
         """The declaration matching a block's class, looking through subclasses' MRO."""
         by_name = {bc.name: bc for bc in self.block_classes}
         for klass in module_type.__mro__:
-            found = by_name.get(class_name(klass))
+            found = by_name.get(class_name(klass)) or by_name.get(klass.__qualname__)
             if found is not None:
                 return found
         return None
