@@ -10,7 +10,7 @@ import warnings
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
@@ -20,6 +20,9 @@ from .errors import PLUGIN_GUIDE, UnsupportedModelError, UnsupportedStrategyErro
 from .family import BlockClass, BlockList, Family
 from .registry import REGISTRY
 from .strategies import BlockLink, Chain, Runner, SeamLink
+
+if TYPE_CHECKING:
+    from .summary import Summary
 
 
 class GradseamWarning(UserWarning):
@@ -192,12 +195,25 @@ def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
 # -- installing and removing ------------------------------------------------------------------
 
 
-def _runner_for(config: CheckpointConfig, model: nn.Module) -> Runner:
-    if config.offloads_regions:
-        from .offload import region_offload_hooks  # imported lazily: only the unsloth backends need it
+def _model_device(model: nn.Module) -> str:
+    for p in model.parameters():
+        return p.device.type
+    return "cpu"
 
-        return Runner(saved_hooks=region_offload_hooks(model, config))
-    return Runner()
+
+def _check_offload_device(model: nn.Module, config: CheckpointConfig) -> None:
+    from .offload import cpu_allowed
+
+    wants = [f"backend {config.backend!r}"] if config.enabled and config.offloads_regions else []
+    if config.offload_attention:
+        wants.append("gradient_checkpointing_offload_attention")
+    device = _model_device(model)
+    if wants and device == "cpu" and not cpu_allowed():
+        raise UnsupportedStrategyError(
+            f"{' and '.join(wants)} move activations from GPU to CPU memory and need a CUDA model, but "
+            f"{type(model).__name__} is on the CPU. Move the model to a GPU first (model.to('cuda')), "
+            "or use backend 'torch' / 'torch-ffn' on the CPU."
+        )
 
 
 class _GuardedEnable:
@@ -234,6 +250,7 @@ class PatchHandle:
         self._seams: list[seams.SeamForward] = []
         self._flags: list[tuple[nn.Module, bool]] = []
         self._deferred: tuple[bool, tuple, dict] | None = None
+        self.engine: Any = None  # the OffloadEngine, for offload configurations
         self.active = False
 
     def _install(self) -> None:
@@ -246,14 +263,21 @@ class PatchHandle:
         for name, enable in (("enable_gradient_checkpointing", True), ("disable_gradient_checkpointing", False)):
             if hasattr(model, name):
                 setattr(model, name, _GuardedEnable(self, enable))
-        runner = _runner_for(config, model) if config.enabled else Runner()
+        runner = Runner()
         attention_offload = None
+        if (config.enabled and config.offloads_regions) or config.offload_attention:
+            from .offload import (  # only offload configs pay for it
+                AttentionOffload,
+                RegionOffload,
+                engine_for,
+            )
+
+            self.engine = engine_for(config.pin_buckets)
+            attention_offload = AttentionOffload(self.engine)
+            if config.offloads_regions:
+                runner = Runner(saved_hooks=RegionOffload(self.engine))
         for region in self.plan.regions:
             if region.kind == "attention-offload":
-                if attention_offload is None:
-                    from .offload import AttentionOffload
-
-                    attention_offload = AttentionOffload(model, config)
                 self._seams.append(seams.install(region.modules[0], attention_offload))
                 continue
             if region.kind == "chunk":
@@ -349,6 +373,7 @@ def patch_model(model: nn.Module, config: CheckpointConfig) -> PatchHandle:
     family = family_for(model)
     previous = _HANDLES.get(model)
     the_plan = plan(model, family, config)  # raises before anything is touched
+    _check_offload_device(model, config)
     if previous is not None:
         previous.remove()  # a second patch replaces the first, never stacks
     handle = PatchHandle(model, the_plan)

@@ -54,18 +54,25 @@ class Runner:
     (its inputs), which is exactly what the unsloth backends move to the CPU.
     """
 
-    def __init__(self, saved_hooks: Callable[[], Any] | None = None) -> None:
+    def __init__(self, saved_hooks: Callable[[tuple, dict], Any] | None = None) -> None:
         self.saved_hooks = saved_hooks
 
     def __call__(self, fn: Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        def region(*a: Any, **k: Any) -> Any:
-            with _RegionScope():
-                return fn(*a, **k)
+        # Keyword arguments go in positionally: checkpoint keeps positional tensors through
+        # save_for_backward (visible to saved-tensor hooks, so they can be offloaded) but keyword
+        # arguments only in a closure, out of any hook's reach.
+        names = tuple(kwargs)
+        n = len(args)
 
+        def region(*flat: Any) -> Any:
+            with _RegionScope():
+                return fn(*flat[:n], **dict(zip(names, flat[n:])))
+
+        flat = (*args, *kwargs.values())
         if self.saved_hooks is None:
-            return checkpoint(region, *args, use_reentrant=False, **kwargs)
-        with self.saved_hooks():
-            return checkpoint(region, *args, use_reentrant=False, **kwargs)
+            return checkpoint(region, *flat, use_reentrant=False)
+        with self.saved_hooks(args, kwargs):
+            return checkpoint(region, *flat, use_reentrant=False)
 
 
 # -- how a chain member is called from its predecessor's output ------------------------------

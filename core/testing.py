@@ -1,11 +1,16 @@
 """The conformance kit: what any adapter (built-in or third-party) must pass.
 
-A plugin describes its family's tiny test model as a :class:`Case` and calls the checks here, or
-subclasses :class:`ConformanceSuite` in its own pytest run. gradseam's own tests use exactly
-these functions for every built-in family.
+A plugin describes its family's tiny test model as a :class:`Case` and either subclasses
+:class:`ConformanceSuite` in its own pytest run (one test per configuration, so a failure names
+the configuration) or calls the checks here directly. gradseam's own tests use exactly these
+functions for every built-in family.
 
 The checks compare against the *unpatched* model on the CPU in float32, where gradseam must be
-exact: same outputs, same gradient for every parameter and every input, to the bit.
+exact: same outputs, same gradient for every parameter and every input, to the bit. Exactness
+alone is not enough, though: a seam that the model never calls is trivially exact and saves
+nothing, and an interval chunk that falls back to per-block regions is exact but not what the
+user asked for. :func:`check_regions` therefore also records, per planned region, how often it
+ran and whether it ran as one region.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -63,7 +68,9 @@ def count_saved_bytes(params: set[int]) -> Iterator[list[int]]:
     total = [0]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in params and not isinstance(t, nn.Parameter):
+        # Linear layers save ``weight.t()``: a view that owns no memory beyond the parameter's.
+        base = t._base
+        if id(t) not in params and not isinstance(t, nn.Parameter) and not (base is not None and id(base) in params):
             storage = t.untyped_storage()
             key = (storage.data_ptr(), storage.nbytes())
             if key not in seen and storage.nbytes() > 0:
@@ -151,6 +158,9 @@ def check_strategy(case: Case, config: CheckpointConfig | dict[str, Any], *, ato
     try:
         assert list(model.state_dict().keys()) == keys_before, "patching changed state_dict() keys"
         patched = run_step(model, case)
+        engine = getattr(handle, "engine", None)
+        if engine is not None and not getattr(engine, "min_bytes", 0):
+            assert engine.copies > 0, f"{case.name} {cfg.describe()}: the offload strategy moved nothing"
         # a second step must be exact too (chains keep state between calls)
         assert_same_step(reference, run_step(model, case), atol=atol, what=f"{case.name} {cfg.describe()} step 2")
     finally:

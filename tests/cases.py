@@ -64,3 +64,9 @@ WAN = Case("wan", wan_model, wan_inputs)
 WAN_TI2V = Case("wan-ti2v", wan_model, wan_ti2v_inputs)
 
 ALL = [FLUX, WAN]
+
+# One representative case per built-in family: the offload and GPU matrices run over these.
+from cases_image import CHROMA, KREA2, ZIMAGE  # noqa: E402
+from cases_video import LTX2, MAGEFLOW  # noqa: E402
+
+FAMILIES = [FLUX, WAN, CHROMA, KREA2, ZIMAGE, LTX2, MAGEFLOW]

@@ -1,0 +1,465 @@
+"""Saved-tensor offload: move what autograd keeps for backward to host memory, and back in time.
+
+This module knows nothing of diffusers or families. It provides ``saved_tensors_hooks`` pairs:
+
+* around a checkpoint call, the hooks see only the checkpoint's inputs (non-reentrant checkpoint
+  saves them through ``save_for_backward``), so offloading there is the *unsloth* strategy;
+* around an un-checkpointed attention call, they see everything attention saves.
+
+How the copies stay off the critical path (each point is a decision, not an accident):
+
+* **Device-to-host on a side stream.** At pack time the producing kernel has only been enqueued.
+  We record an event on the compute stream and make the copy stream wait for it, so the copy
+  starts exactly when the data exists, while the compute stream runs on. The GPU tensor is kept
+  referenced by its group until the group closes (so no storage in the group can be freed and its
+  address reused while we deduplicate by address), then released with ``record_stream`` on the
+  copy stream: the caching allocator will not hand that memory out again before the copy is done.
+* **One copy per storage.** q, k and v are often views of one projection; the Linear layers of one
+  attention save the same input three times. Packs are keyed by storage (within a group), the
+  storage span is copied once, and each view is rebuilt with its own size, stride and offset.
+* **Pinned buffers from a pool.** Pinning costs ~1 s/GiB, so buffers are pooled by size class and
+  dtype (at most ``max_buckets`` classes) and reused across steps; a size with no bucket under the
+  cap, or a failed pinning, falls back to pageable memory (warning once for the failure).
+* **Host-to-device prefetch in backward.** Backward visits groups in reverse forward order. When
+  the first tensor of group *g* is needed, group *g-1* is already queued on the load stream, so
+  its transfer overlaps group *g*'s backward. Loaded tensors are allocated on the load stream and
+  marked with ``record_stream`` for the compute stream that consumes them.
+* **A pinned buffer returns to the pool** only after the device-to-host copy into it and every
+  host-to-device copy out of it have completed (tracked with events).
+
+Autograd's in-place check does not run on hooked tensors, so each pack remembers the tensor's
+version counter and unpack raises the same error autograd would if it changed.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+MIN_OFFLOAD_BYTES = 1 << 20  # smaller tensors cost more in launch and bookkeeping than they save
+_WHOLE_STORAGE_FACTOR = 4  # copy the whole storage when a view covers at least 1/4 of it
+
+
+Bucket = tuple[int, torch.dtype]
+
+
+def size_class(nbytes: int) -> int:
+    """Round up to four steps per power of two (at most 25% waste), so shapes share buffers."""
+    if nbytes <= 4096:
+        return 4096
+    step = 1 << max(int(math.log2(nbytes)) - 2, 0)
+    return -(-nbytes // step) * step
+
+
+class PinnedPool:
+    """Reusable host buffers, grouped in buckets by (size class, dtype); at most ``max_buckets`` buckets.
+
+    ``pin=False`` (or ``max_buckets == 0``) hands out plain pageable memory. Buffers are only handed
+    out again once the events recorded against them have completed.
+    """
+
+    def __init__(self, max_buckets: int, pin: bool = True, allocate: Callable[[int], torch.Tensor] | None = None) -> None:
+        self.max_buckets = max_buckets
+        self.pin = pin and max_buckets > 0
+        # How a bucket buffer is made; tests substitute plain memory to exercise the pool on the CPU.
+        self._allocate = allocate or (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
+        self._free: dict[Bucket, list[tuple[torch.Tensor, list[Any]]]] = {}
+        self._buckets: set[Bucket] = set()
+        self._lock = threading.RLock()
+        self.pinned_allocations = 0
+        self.pinned_bytes = 0
+        self.pageable_allocations = 0
+        self.checked_out = 0
+        self._warned = False
+
+    @property
+    def buckets(self) -> int:
+        return len(self._buckets)
+
+    def acquire(self, nbytes: int, dtype: torch.dtype) -> tuple[torch.Tensor, Bucket | None]:
+        """A uint8 host buffer of at least ``nbytes``; returns it with its bucket (None: pageable)."""
+        key: Bucket | None = (size_class(nbytes), dtype)
+        with self._lock:
+            self.checked_out += 1
+            if self.pin and key in self._buckets:
+                free = self._free.setdefault(key, [])
+                for i, (buf, events) in enumerate(free):
+                    if all(e.query() for e in events):
+                        del free[i]
+                        return buf, key
+            elif self.pin and len(self._buckets) < self.max_buckets:
+                self._buckets.add(key)
+            else:
+                key = None
+        if key is not None and self.pin:
+            try:
+                buf = self._allocate(key[0])
+                with self._lock:
+                    self.pinned_allocations += 1
+                    self.pinned_bytes += key[0]
+                return buf, key
+            except RuntimeError as exc:  # pinned memory exhausted or capped (e.g. WSL2)
+                self._pinning_failed(exc)
+        with self._lock:
+            self.pageable_allocations += 1
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=False), None
+
+    def _pinning_failed(self, exc: BaseException) -> None:
+        with self._lock:
+            self.pin = False
+            warn = not self._warned
+            self._warned = True
+        if warn:
+            warnings.warn(
+                f"gradseam could not allocate pinned host memory ({str(exc).splitlines()[0]}); offloaded "
+                "activations now use pageable memory (slower copies). Lower "
+                "gradient_checkpointing_offload_pin_memory_max_buckets or raise the pinned-memory limit.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def release(self, buf: torch.Tensor, bucket: Bucket | None, events: list[Any]) -> None:
+        with self._lock:
+            self.checked_out -= 1
+            if bucket is not None and self.pin:
+                self._free.setdefault(bucket, []).append((buf, events))
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "buckets": self.buckets,
+            "pinned_allocations": self.pinned_allocations,
+            "pinned_bytes": self.pinned_bytes,
+            "pageable_allocations": self.pageable_allocations,
+            "checked_out": self.checked_out,
+        }
+
+
+class _Done:
+    """An already-completed event (CPU path)."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+@dataclass(eq=False)
+class _Stored:
+    """One storage span copied to the host; shared by every view packed from it."""
+
+    group: _Group
+    nbytes: int
+    device: torch.device
+    host: torch.Tensor | None = None
+    bucket: Bucket | None = None
+    copied: Any = None  # event: device-to-host copy done
+    loads: list[Any] = field(default_factory=list)  # events of host-to-device copies out of the buffer
+    gpu: torch.Tensor | None = None  # loaded bytes, kept until every view has been unpacked
+    loaded: Any = None  # event: host-to-device copy done
+    users: int = 0
+    unpacked: int = 0
+
+    def __del__(self) -> None:
+        host = self.host
+        if host is not None:
+            self.host = None
+            events = [e for e in [self.copied, *self.loads] if e is not None]
+            self.group.engine.pool.release(host, self.bucket, events)
+
+
+class _Packed:
+    """What autograd holds instead of a tensor: how to rebuild it from its storage copy."""
+
+    __slots__ = ("dtype", "offset", "ref", "size", "stored", "stride", "version")
+
+    def __init__(self, t: torch.Tensor, stored: _Stored, offset: int) -> None:
+        self.stored = stored
+        self.dtype = t.dtype
+        self.size = t.size()
+        self.stride = t.stride()
+        self.offset = offset  # in elements, relative to the copied span
+        self.version = t._version
+        self.ref = weakref.ref(t)
+
+
+class _Group:
+    """The tensors packed by one region call (one block, chunk, FFN seam or attention call)."""
+
+    def __init__(self, engine: OffloadEngine, index: int) -> None:
+        self.engine = engine
+        self.index = index
+        self.by_storage: dict[tuple[int, int, int], _Stored] = {}
+        self.holding: list[torch.Tensor] = []  # GPU sources kept alive until the group closes
+        self.stored: list[weakref.ref[_Stored]] = []
+
+    def __del__(self) -> None:
+        engine = self.engine
+        with engine._lock:
+            engine._groups.pop(self.index, None)
+
+
+class OffloadEngine:
+    """Offloads saved tensors of a model's regions; one engine per patched model.
+
+    ``device_test_mode`` lets the CPU stand in for the device (host copies are made as for a GPU,
+    streams and events become no-ops) so the engine's logic is tested exactly without CUDA.
+    """
+
+    def __init__(
+        self, max_buckets: int, *, min_bytes: int = MIN_OFFLOAD_BYTES, device_test_mode: bool = False
+    ) -> None:
+        if device_test_mode:  # same pool logic, plain memory standing in for pinned buffers
+            self.pool = PinnedPool(max_buckets, allocate=lambda n: torch.empty(n, dtype=torch.uint8))
+        else:
+            self.pool = PinnedPool(max_buckets, pin=torch.cuda.is_available())
+        self.min_bytes = min_bytes
+        self.test_mode = device_test_mode
+        self._lock = threading.RLock()  # RLock: a group's __del__ may run from GC while we hold it
+        self._groups: OrderedDict[int, weakref.ref[_Group]] = OrderedDict()
+        self._next_index = 0
+        self._streams: dict[torch.device, tuple[Any, Any]] = {}
+        self.offloaded_bytes = 0
+        self.copies = 0
+
+    # -- streams ---------------------------------------------------------------------------
+    def _side_streams(self, device: torch.device) -> tuple[Any, Any]:
+        streams = self._streams.get(device)
+        if streams is None:
+            # Separate streams for the two directions: a prefetch must never queue behind a
+            # device-to-host copy of the forward (gradient accumulation interleaves them).
+            streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+            self._streams[device] = streams
+        return streams
+
+    def _offloadable(self, t: torch.Tensor) -> bool:
+        if isinstance(t, nn.Parameter) or t.layout is not torch.strided:
+            return False
+        if t.device.type != "cuda" and not (self.test_mode and t.device.type == "cpu"):
+            return False
+        return t.numel() * t.element_size() >= self.min_bytes
+
+    # -- grouping --------------------------------------------------------------------------
+    @contextmanager
+    def group(self, select: Callable[[torch.Tensor], bool] | None = None) -> Iterator[None]:
+        """Offload what autograd saves inside this block (optionally only tensors ``select`` accepts)."""
+        with self._lock:
+            index = self._next_index
+            self._next_index += 1
+        group = _Group(self, index)
+        with self._lock:
+            self._groups[index] = weakref.ref(group)
+
+        def pack(t: torch.Tensor) -> Any:
+            if not self._offloadable(t) or (select is not None and not select(t)):
+                return t
+            return self._pack(group, t)
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+                yield
+        finally:
+            self._close(group)
+
+    def _pack(self, group: _Group, t: torch.Tensor) -> _Packed:
+        storage = t.untyped_storage()
+        item = t.element_size()
+        span_lo = t.storage_offset() * item
+        span_hi = span_lo + (1 + sum((s - 1) * st for s, st in zip(t.size(), t.stride()) if s > 0)) * item
+        if storage.nbytes() <= _WHOLE_STORAGE_FACTOR * (span_hi - span_lo):
+            span_lo, span_hi = 0, storage.nbytes()
+        key = (storage.data_ptr(), span_lo, span_hi)
+        stored = group.by_storage.get(key)
+        if stored is None:
+            stored = self._copy_out(group, t, storage, span_lo, span_hi)
+            group.by_storage[key] = stored
+            group.stored.append(weakref.ref(stored))
+        stored.users += 1
+        return _Packed(t, stored, t.storage_offset() - span_lo // item)
+
+    def _copy_out(self, group: _Group, t: torch.Tensor, storage: Any, lo: int, hi: int) -> _Stored:
+        nbytes = hi - lo
+        host, bucket = self.pool.acquire(nbytes, t.dtype)
+        stored = _Stored(group, nbytes, t.device, host, bucket)
+        src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)[lo:hi]
+        if t.device.type == "cuda":
+            d2h, _ = self._side_streams(t.device)
+            produced = torch.cuda.Event()
+            produced.record(torch.cuda.current_stream(t.device))
+            d2h.wait_event(produced)
+            with torch.cuda.stream(d2h):
+                host[:nbytes].copy_(src, non_blocking=stored.bucket is not None)
+                stored.copied = torch.cuda.Event()
+                stored.copied.record(d2h)
+        else:
+            host[:nbytes].copy_(src)
+            stored.copied = _Done()
+        group.holding.append(src)  # no storage of this group may be freed (and its address reused) yet
+        self.offloaded_bytes += nbytes
+        self.copies += 1
+        return stored
+
+    def _close(self, group: _Group) -> None:
+        # Release the GPU sources: the allocator may reuse them once the copy stream is past them.
+        for src in group.holding:
+            if src.device.type == "cuda":
+                d2h, _ = self._side_streams(src.device)
+                src.record_stream(d2h)
+        group.holding.clear()
+        group.by_storage.clear()
+
+    # -- backward --------------------------------------------------------------------------
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Packed):
+            return packed
+        live = packed.ref()
+        if live is not None and live._version != packed.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: [{packed.dtype} {list(packed.size)}] is at version {live._version}; expected "
+                f"version {packed.version} instead (detected by gradseam's activation offload)."
+            )
+        stored = packed.stored
+        group = stored.group
+        self._load_group(group)
+        self._prefetch_before(group.index)
+        data = self._ready(stored)
+        out = torch.empty(0, dtype=packed.dtype, device=data.device).set_(
+            data.untyped_storage(), packed.offset, packed.size, packed.stride
+        )
+        stored.unpacked += 1
+        if stored.unpacked >= stored.users:  # every view has its tensor: drop our reference
+            stored.gpu = None
+            stored.unpacked = 0
+        return out
+
+    def _load_group(self, group: _Group) -> None:
+        for ref in group.stored:
+            stored = ref()
+            if stored is not None and stored.gpu is None:
+                self._copy_in(stored)
+
+    def _prefetch_before(self, index: int) -> None:
+        with self._lock:
+            earlier = [i for i in self._groups if i < index]
+            ref = self._groups.get(earlier[-1]) if earlier else None
+        group = ref() if ref is not None else None
+        if group is not None:
+            self._load_group(group)
+
+    def _copy_in(self, stored: _Stored) -> None:
+        host = stored.host
+        assert host is not None, "offloaded tensor unpacked after its group was released"
+        if stored.device.type != "cuda":
+            stored.gpu = host[: stored.nbytes].clone()
+            stored.loaded = _Done()
+            return
+        _, h2d = self._side_streams(stored.device)
+        with torch.cuda.stream(h2d):
+            h2d.wait_event(stored.copied)  # the host buffer is complete
+            try:
+                gpu = torch.empty(stored.nbytes, dtype=torch.uint8, device=stored.device)
+            except torch.OutOfMemoryError as exc:
+                raise torch.OutOfMemoryError(
+                    f"{exc}\n[gradseam] out of GPU memory while reloading offloaded activations "
+                    f"({stored.nbytes / 2**20:.1f} MiB). Try a smaller batch or resolution, a stronger "
+                    "strategy (e.g. 'unsloth' instead of 'unsloth-ffn'), or a larger segment stride "
+                    "interval."
+                ) from None
+            gpu.copy_(host[: stored.nbytes], non_blocking=stored.bucket is not None)
+            loaded = torch.cuda.Event()
+            loaded.record(h2d)
+        stored.loads.append(loaded)
+        stored.gpu = gpu
+        stored.loaded = loaded
+
+    def _ready(self, stored: _Stored) -> torch.Tensor:
+        gpu = stored.gpu
+        assert gpu is not None
+        if gpu.device.type == "cuda":
+            compute = torch.cuda.current_stream(gpu.device)
+            compute.wait_event(stored.loaded)
+            gpu.record_stream(compute)  # allocated on the load stream, consumed on this one
+        return gpu
+
+    def stats(self) -> dict[str, int]:
+        return {**self.pool.stats(), "offloaded_bytes": self.offloaded_bytes, "copies": self.copies}
+
+
+# -- what the patcher installs ----------------------------------------------------------------
+
+
+class RegionOffload:
+    """A ``saved_hooks`` factory for :class:`gradseam.strategies.Runner` (the unsloth backends).
+
+    Only the stream a region carries is moved: its first argument (the hidden states) and any
+    tensor input that requires grad (encoder hidden states on dual-stream blocks). Conditioning
+    shared by every block (timestep embeddings, rotary tables, masks) stays on the GPU: the
+    model's loop references it anyway, so offloading it would cost copies and free nothing.
+    """
+
+    def __init__(self, engine: OffloadEngine) -> None:
+        self.engine = engine
+
+    def __call__(self, args: tuple, kwargs: dict) -> Any:
+        chosen = set()
+        first = True
+        for value in [*args, *kwargs.values()]:
+            if isinstance(value, torch.Tensor) and (first or value.requires_grad):
+                chosen.add(value.untyped_storage().data_ptr())
+            first = False
+        return self.engine.group(lambda t: t.untyped_storage().data_ptr() in chosen)
+
+
+class AttentionOffload:
+    """Handler installed as an attention submodule's forward: offload everything it saves."""
+
+    def __init__(self, engine: OffloadEngine) -> None:
+        self.engine = engine
+
+    def __call__(self, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        from .strategies import inside_region
+
+        if not torch.is_grad_enabled() or inside_region():
+            return call(*args, **kwargs)
+        with self.engine.group():
+            return call(*args, **kwargs)
+
+
+# -- the CPU stand-in used by tests -----------------------------------------------------------
+
+_cpu_test_mode: list[int] = []  # a stack of min_bytes values while active
+
+
+@contextmanager
+def cpu_test_mode(min_bytes: int = 0) -> Iterator[None]:
+    """Let offload strategies run on a CPU model, copying into host buffers as a GPU run would.
+
+    For tests only: on a real CPU model offloading is pointless, so outside this block gradseam
+    refuses the offload options there.
+    """
+    _cpu_test_mode.append(min_bytes)
+    try:
+        yield
+    finally:
+        _cpu_test_mode.pop()
+
+
+def engine_for(max_buckets: int) -> OffloadEngine:
+    if _cpu_test_mode:
+        return OffloadEngine(max_buckets, min_bytes=_cpu_test_mode[-1], device_test_mode=True)
+    return OffloadEngine(max_buckets)
+
+
+def cpu_allowed() -> bool:
+    return bool(_cpu_test_mode)

@@ -1,0 +1,187 @@
+"""The offload engine's logic on the CPU stand-in path (pool, caps, views, dedup, version checks)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from cases import FAMILIES as ALL
+
+import gradseam
+from gradseam.errors import UnsupportedStrategyError
+from gradseam.offload import OffloadEngine, PinnedPool, cpu_test_mode, size_class
+from gradseam.testing import check_strategy, config_id
+
+OFFLOAD_CONFIGS = [
+    {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth"},
+    {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth-ffn"},
+    {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_interval": 2,
+     "gradient_checkpointing_segment_stride": 4},
+    {"gradient_checkpointing_offload_attention": True},
+    {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch", "gradient_checkpointing_segment_stride": 3,
+     "gradient_checkpointing_offload_attention": True},
+    {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn",
+     "gradient_checkpointing_offload_attention": True},
+    {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth-ffn",
+     "gradient_checkpointing_offload_attention": True},
+]
+MATRIX = [(case, cfg) for case in ALL for cfg in OFFLOAD_CONFIGS]
+
+
+@pytest.mark.parametrize(("case", "config"), MATRIX, ids=[f"{c.name}-{config_id(k)}" for c, k in MATRIX])
+def test_offload_parity_through_the_engine(case, config):
+    """Every byte goes through host buffers and comes back: results must stay bit-identical."""
+    with cpu_test_mode():
+        check_strategy(case, config)
+
+
+def _plain_pool(max_buckets: int) -> PinnedPool:
+    return PinnedPool(max_buckets, allocate=lambda n: torch.empty(n, dtype=torch.uint8))
+
+
+def test_size_classes_waste_at_most_a_quarter():
+    for n in [1, 4096, 4097, 10_000, 1 << 20, (1 << 20) + 1, 3 * (1 << 24) + 7]:
+        c = size_class(n)
+        assert c >= n and (n <= 4096 or c <= n * 1.25)
+
+
+def test_pool_reuses_buffers_and_caps_buckets():
+    pool = _plain_pool(2)
+    a, ka = pool.acquire(5000, torch.bfloat16)
+    pool.release(a, ka, [])
+    b, kb = pool.acquire(5000, torch.bfloat16)
+    assert b is a and kb == ka and pool.pinned_allocations == 1  # reused, not reallocated
+    c, kc = pool.acquire(1 << 20, torch.bfloat16)  # second bucket
+    d, kd = pool.acquire(1 << 22, torch.bfloat16)  # third size: over the cap -> pageable
+    assert kc is not None and kd is None and pool.buckets == 2 and pool.pageable_allocations == 1
+    e, ke = pool.acquire(5000, torch.float32)  # same size, other dtype: another bucket, also over the cap
+    assert ke is None
+    for buf, key in [(b, kb), (c, kc), (d, kd), (e, ke)]:
+        pool.release(buf, key, [])
+    assert pool.checked_out == 0
+
+
+def test_pool_waits_for_pending_events():
+    class Pending:
+        done = False
+
+        def query(self):
+            return self.done
+
+    pool = _plain_pool(1)
+    a, ka = pool.acquire(5000, torch.float32)
+    event = Pending()
+    pool.release(a, ka, [event])
+    b, _ = pool.acquire(5000, torch.float32)
+    assert b is not a  # the copy out of `a` has not finished: never hand it out
+    event.done = True
+    c, _ = pool.acquire(5000, torch.float32)
+    assert c is a
+
+
+def test_zero_buckets_means_pageable_only():
+    pool = PinnedPool(0)
+    buf, key = pool.acquire(1 << 20, torch.float32)
+    assert key is None and not buf.is_pinned() and pool.pinned_allocations == 0
+
+
+def test_pinning_failure_falls_back_with_one_warning():
+    def refuse(n):
+        raise RuntimeError("CUDA error: out of memory (simulated pinned-memory cap)")
+
+    pool = PinnedPool(4, allocate=refuse)
+    with pytest.warns(RuntimeWarning, match="pinned host memory") as record:
+        first, k1 = pool.acquire(1 << 20, torch.float32)
+        second, k2 = pool.acquire(1 << 21, torch.float32)
+    assert len(record) == 1 and k1 is None and k2 is None and not pool.pin
+
+
+def _engine(**kw) -> OffloadEngine:
+    return OffloadEngine(kw.pop("max_buckets", 4), min_bytes=kw.pop("min_bytes", 0), device_test_mode=True)
+
+
+def test_views_are_restored_with_strides_and_storage_copied_once():
+    engine = _engine()
+    w = torch.randn(6, 4, requires_grad=True)
+    x = torch.randn(5, 6, requires_grad=True)
+    with engine.group():
+        qkv = x @ w  # (5, 4)
+        q, k = qkv[:, :2], qkv.t()[2:]  # two views of one storage, different strides
+        y = (q.sin() * k.t().cos()).sum()
+    # six saved tensors (x, w, q, k viewed back, sin(q), cos(k)); q and k share one storage copy
+    assert engine.copies == 5
+    y.backward()
+    expected_w, expected_x = w.grad.clone(), x.grad.clone()
+    w.grad = x.grad = None
+    qkv = x @ w
+    (qkv[:, :2].sin() * qkv.t()[2:].t().cos()).sum().backward()
+    assert torch.equal(w.grad, expected_w) and torch.equal(x.grad, expected_x)
+
+
+def test_storage_saved_twice_is_copied_once():
+    engine = _engine()
+    x = torch.randn(8, 8, requires_grad=True)
+    with engine.group():
+        h = x * 2
+        y = (h.sin() + h.cos() + h * h).sum()  # h saved four times
+    assert engine.copies == 1
+    y.backward()
+
+
+def test_in_place_modification_of_a_saved_tensor_still_raises():
+    engine = _engine()
+    x = torch.randn(8, requires_grad=True)
+    with engine.group():
+        h = x * 2
+        y = h.sin().sum()
+    with torch.no_grad():
+        h.mul_(3)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+def test_small_tensors_and_parameters_stay_put():
+    engine = _engine(min_bytes=1 << 20)
+    lin = torch.nn.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+    with engine.group():
+        lin(x).sum().backward()
+    assert engine.copies == 0
+
+
+def test_buffers_return_to_the_pool_and_nothing_leaks():
+    engine = _engine()
+    for _ in range(3):
+        x = torch.randn(64, 64, requires_grad=True)
+        with engine.group():
+            y = (x * 2).sin().sum()
+        y.backward()
+        del y
+        gc.collect()
+    assert engine.pool.checked_out == 0
+    assert engine.pool.pinned_allocations == 1  # one bucket buffer, reused by steps 2 and 3
+
+
+def test_exception_mid_forward_leaks_no_buffer():
+    engine = _engine()
+    x = torch.randn(64, 64, requires_grad=True)
+    with pytest.raises(ValueError, match="boom"), engine.group():
+        (x * 2).sin()
+        raise ValueError("boom")
+    gc.collect()
+    assert engine.pool.checked_out == 0
+
+
+def test_offload_strategies_need_a_cuda_model():
+    from cases import FLUX
+
+    model = FLUX.build()
+    for config in (
+        {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth"},
+        {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth-ffn"},
+        {"gradient_checkpointing_offload_attention": True},
+    ):
+        with pytest.raises(UnsupportedStrategyError, match="need a CUDA model.*model.to\\('cuda'\\)"):
+            gradseam.patch(model, config)
+        assert gradseam.handle_of(model) is None
