@@ -1,0 +1,3 @@
+from gradseam.cli import main
+
+main()
