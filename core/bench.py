@@ -46,7 +46,13 @@ GRADSEAM_ROWS: list[tuple[str, dict[str, Any]]] = [
     ),
     ("torch, interval 2", {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}),
 ]
-REFERENCE_ROWS = ["none", "ref: torch.utils.checkpoint", "ref: naive unsloth", "ref: save_on_cpu"]
+REFERENCE_ROWS = [
+    "none",
+    "ref: torch.utils.checkpoint",
+    "ref: torch.utils.checkpoint (FFN)",
+    "ref: naive unsloth",
+    "ref: save_on_cpu",
+]
 
 
 @dataclass
@@ -100,17 +106,20 @@ class _ReferenceWrap(nn.Module):
 
 
 @contextmanager
-def reference(model: nn.Module, blocks_attr: str, mode: str) -> Iterator[None]:
+def reference(model: nn.Module, blocks_attr: str, mode: str, submodule: str | None = None) -> Iterator[None]:
+    """Wrap every block (or its ``submodule``, e.g. the FFN) with a hand-written reference strategy."""
     blocks = getattr(model, blocks_attr)
-    original = list(blocks)
+    owners = [getattr(b, "_modules") for b in blocks] if submodule else [blocks._modules]
+    keys = [submodule] * len(owners) if submodule else list(blocks._modules)
+    original = [owner[key] for owner, key in zip(owners, keys)]
     buffers: dict[int, torch.Tensor] = {}
-    for i, block in enumerate(original):
-        blocks[i] = _ReferenceWrap(block, mode, buffers)
+    for owner, key, module in zip(owners, keys, original):
+        owner[key] = _ReferenceWrap(module, mode, buffers)
     try:
         yield
     finally:
-        for i, block in enumerate(original):
-            blocks[i] = block
+        for owner, key, module in zip(owners, keys, original):
+            owner[key] = module
 
 
 # -- measuring ----------------------------------------------------------------------------------
@@ -139,6 +148,8 @@ def _strategy_context(model: nn.Module, name: str, config: dict[str, Any] | None
         return nullcontext()
     if name == "ref: torch.utils.checkpoint":
         return reference(model, blocks_attr, "checkpoint")
+    if name == "ref: torch.utils.checkpoint (FFN)":
+        return reference(model, blocks_attr, "checkpoint", submodule="ffn")
     if name == "ref: naive unsloth":
         return reference(model, blocks_attr, "naive-unsloth")
     if name == "ref: save_on_cpu":

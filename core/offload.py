@@ -9,11 +9,15 @@ This module knows nothing of diffusers or families. It provides ``saved_tensors_
 How the copies stay off the critical path (each point is a decision, not an accident):
 
 * **Device-to-host on a side stream.** At pack time the producing kernel has only been enqueued.
-  We record an event on the compute stream and make the copy stream wait for it, so the copy
-  starts exactly when the data exists, while the compute stream runs on. The GPU tensor is kept
-  referenced by its group until the group closes (so no storage in the group can be freed and its
-  address reused while we deduplicate by address), then released with ``record_stream`` on the
-  copy stream: the caching allocator will not hand that memory out again before the copy is done.
+  The copy stream waits for the compute stream up to that point, so the copy starts exactly when
+  the data exists, while the compute stream runs on. ``record_stream`` on the copy stream tells
+  the caching allocator not to reuse the source before the copy has read it.
+* **The newest group keeps its sources.** Backward starts with the last group of the forward,
+  usually before its copy out has even run (the copy queue lags the compute stream), so its
+  sources stay referenced and are used as they are: no wait behind the copy queue, no round trip.
+  Every older group lets go of its sources when the next group closes. Reaping sources from the
+  CPU once their copies complete would not work: the CPU runs far ahead of the GPU, so at pack
+  time almost no copy has completed yet, and nothing would ever be freed in time.
 * **One copy per storage.** q, k and v are often views of one projection; the Linear layers of one
   attention save the same input three times. Packs are keyed by storage (within a group), the
   storage span is copied once, and each view is rebuilt with its own size, stride and offset.
@@ -21,8 +25,9 @@ How the copies stay off the critical path (each point is a decision, not an acci
   dtype (at most ``max_buckets`` classes) and reused across steps; a size with no bucket under the
   cap, or a failed pinning, falls back to pageable memory (warning once for the failure).
 * **Host-to-device prefetch in backward.** Backward visits groups in reverse forward order. When
-  the first tensor of group *g* is needed, group *g-1* is already queued on the load stream, so
-  its transfer overlaps group *g*'s backward. Loaded tensors are allocated on the load stream and
+  the first tensor of group *g* is needed, the rest of *g* and all of group *g-1* are queued on
+  the load stream, so the transfer overlaps group *g*'s backward. A storage whose views have all
+  been unpacked is never loaded again by a prefetch (only on demand, for a second backward). Loaded tensors are allocated on the load stream and
   marked with ``record_stream`` for the compute stream that consumes them.
 * **A pinned buffer returns to the pool** only after the device-to-host copy into it and every
   host-to-device copy out of it have completed (tracked with events).
@@ -37,7 +42,7 @@ import math
 import threading
 import warnings
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -48,6 +53,7 @@ from torch import nn
 
 MIN_OFFLOAD_BYTES = 1 << 20  # smaller tensors cost more in launch and bookkeeping than they save
 _WHOLE_STORAGE_FACTOR = 4  # copy the whole storage when a view covers at least 1/4 of it
+KEEP_RECENT = 1  # closed groups whose GPU sources stay referenced (see OffloadEngine._close)
 
 
 Bucket = tuple[int, torch.dtype]
@@ -167,8 +173,10 @@ class _Stored:
     loads: list[Any] = field(default_factory=list)  # events of host-to-device copies out of the buffer
     gpu: torch.Tensor | None = None  # loaded bytes, kept until every view has been unpacked
     loaded: Any = None  # event: host-to-device copy done
+    src: torch.Tensor | None = None  # the GPU bytes themselves, while the copy out may still be running
     users: int = 0
     unpacked: int = 0
+    consumed: bool = False  # every view was unpacked once: prefetching it again would be wasted
 
     def __del__(self) -> None:
         host = self.host
@@ -200,8 +208,9 @@ class _Group:
         self.engine = engine
         self.index = index
         self.by_storage: dict[tuple[int, int, int], _Stored] = {}
-        self.holding: list[torch.Tensor] = []  # GPU sources kept alive until the group closes
         self.stored: list[weakref.ref[_Stored]] = []
+        self.closed = False
+        self.prefetched = False
 
     def __del__(self) -> None:
         engine = self.engine
@@ -229,8 +238,16 @@ class OffloadEngine:
         self._groups: OrderedDict[int, weakref.ref[_Group]] = OrderedDict()
         self._next_index = 0
         self._streams: dict[torch.device, tuple[Any, Any]] = {}
+        # The most recently closed groups keep their GPU sources (see the module docstring).
+        self._recent: deque[_Group] = deque()
         self.offloaded_bytes = 0
         self.copies = 0
+        self.loads = 0
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A deep-copied or unpickled model gets a fresh engine with the same settings: buffers,
+        # streams, locks and in-flight groups belong to the process and the steps that made them.
+        return (_fresh_engine, (self.pool.max_buckets, self.min_bytes, self.test_mode))
 
     # -- streams ---------------------------------------------------------------------------
     def _side_streams(self, device: torch.device) -> tuple[Any, Any]:
@@ -294,29 +311,33 @@ class OffloadEngine:
         src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)[lo:hi]
         if t.device.type == "cuda":
             d2h, _ = self._side_streams(t.device)
-            produced = torch.cuda.Event()
-            produced.record(torch.cuda.current_stream(t.device))
-            d2h.wait_event(produced)
+            d2h.wait_stream(torch.cuda.current_stream(t.device))  # the producing kernel is enqueued before us
             with torch.cuda.stream(d2h):
-                host[:nbytes].copy_(src, non_blocking=stored.bucket is not None)
+                host[:nbytes].copy_(src, non_blocking=bucket is not None)
                 stored.copied = torch.cuda.Event()
                 stored.copied.record(d2h)
+            # The allocator must not reuse these bytes before the copy has read them, whenever we let go.
+            src.record_stream(d2h)
         else:
             host[:nbytes].copy_(src)
             stored.copied = _Done()
-        group.holding.append(src)  # no storage of this group may be freed (and its address reused) yet
+        stored.src = src  # held at least until the group closes (see _close)
         self.offloaded_bytes += nbytes
         self.copies += 1
         return stored
 
     def _close(self, group: _Group) -> None:
-        # Release the GPU sources: the allocator may reuse them once the copy stream is past them.
-        for src in group.holding:
-            if src.device.type == "cuda":
-                d2h, _ = self._side_streams(src.device)
-                src.record_stream(d2h)
-        group.holding.clear()
-        group.by_storage.clear()
+        group.closed = True
+        group.by_storage.clear()  # same-address dedup is only valid while the group's sources live
+        # Keep the sources of the last KEEP_RECENT groups: backward starts with them, usually before
+        # their copies are done, and uses them as they are instead of waiting behind the copy queue
+        # and bringing them back. Older groups let go; record_stream keeps that safe while copying.
+        self._recent.append(group)
+        while len(self._recent) > KEEP_RECENT:
+            for ref in self._recent.popleft().stored:
+                stored = ref()
+                if stored is not None:
+                    stored.src = None
 
     # -- backward --------------------------------------------------------------------------
     def _unpack(self, packed: Any) -> torch.Tensor:
@@ -331,22 +352,30 @@ class OffloadEngine:
             )
         stored = packed.stored
         group = stored.group
-        self._load_group(group)
-        self._prefetch_before(group.index)
-        data = self._ready(stored)
+        data = stored.src
+        if data is None:
+            if stored.gpu is None:
+                self._copy_in(stored)
+            data = self._ready(stored)
+        if not group.prefetched:  # first touch of this group: bring the rest of it and the one before
+            group.prefetched = True
+            self._load_group(group)
+            self._prefetch_before(group.index)
+        item = packed.dtype.itemsize
         out = torch.empty(0, dtype=packed.dtype, device=data.device).set_(
-            data.untyped_storage(), packed.offset, packed.size, packed.stride
+            data.untyped_storage(), data.storage_offset() // item + packed.offset, packed.size, packed.stride
         )
         stored.unpacked += 1
-        if stored.unpacked >= stored.users:  # every view has its tensor: drop our reference
-            stored.gpu = None
+        if stored.unpacked >= stored.users:  # every view has its tensor: drop our references
+            stored.gpu = stored.src = None
             stored.unpacked = 0
+            stored.consumed = True
         return out
 
     def _load_group(self, group: _Group) -> None:
         for ref in group.stored:
             stored = ref()
-            if stored is not None and stored.gpu is None:
+            if stored is not None and stored.gpu is None and stored.src is None and not stored.consumed:
                 self._copy_in(stored)
 
     def _prefetch_before(self, index: int) -> None:
@@ -354,12 +383,13 @@ class OffloadEngine:
             earlier = [i for i in self._groups if i < index]
             ref = self._groups.get(earlier[-1]) if earlier else None
         group = ref() if ref is not None else None
-        if group is not None:
+        if group is not None and not group.prefetched:
             self._load_group(group)
 
     def _copy_in(self, stored: _Stored) -> None:
         host = stored.host
         assert host is not None, "offloaded tensor unpacked after its group was released"
+        self.loads += 1
         if stored.device.type != "cuda":
             stored.gpu = host[: stored.nbytes].clone()
             stored.loaded = _Done()
@@ -393,7 +423,12 @@ class OffloadEngine:
         return gpu
 
     def stats(self) -> dict[str, int]:
-        return {**self.pool.stats(), "offloaded_bytes": self.offloaded_bytes, "copies": self.copies}
+        return {**self.pool.stats(), "offloaded_bytes": self.offloaded_bytes, "copies": self.copies,
+                "loads": self.loads}
+
+
+def _fresh_engine(max_buckets: int, min_bytes: int, device_test_mode: bool) -> OffloadEngine:
+    return OffloadEngine(max_buckets, min_bytes=min_bytes, device_test_mode=device_test_mode)
 
 
 # -- what the patcher installs ----------------------------------------------------------------
