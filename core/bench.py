@@ -109,7 +109,7 @@ class _ReferenceWrap(nn.Module):
 def reference(model: nn.Module, blocks_attr: str, mode: str, submodule: str | None = None) -> Iterator[None]:
     """Wrap every block (or its ``submodule``, e.g. the FFN) with a hand-written reference strategy."""
     blocks = getattr(model, blocks_attr)
-    owners = [getattr(b, "_modules") for b in blocks] if submodule else [blocks._modules]
+    owners = [b._modules for b in blocks] if submodule else [blocks._modules] * len(blocks)
     keys = [submodule] * len(owners) if submodule else list(blocks._modules)
     original = [owner[key] for owner, key in zip(owners, keys)]
     buffers: dict[int, torch.Tensor] = {}
