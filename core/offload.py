@@ -259,12 +259,32 @@ class OffloadEngine:
             self._streams[device] = streams
         return streams
 
-    def _offloadable(self, t: torch.Tensor) -> bool:
-        if isinstance(t, nn.Parameter) or t.layout is not torch.strided:
+    def watch(self, model: nn.Module) -> None:
+        """Never offload this model's parameters or buffers (they stay on the GPU regardless)."""
+        self._model = weakref.ref(model)
+        self._excluded_key: tuple[int, ...] = ()
+        self._excluded: set[int] = set()
+
+    def _state_storages(self) -> set[int]:
+        model = self._model() if getattr(self, "_model", None) is not None else None
+        if model is None:
+            return set()
+        tensors = [*model.parameters(), *model.buffers()]
+        # Parameters move (``.to()``, loading weights); re-read their addresses when the first ones change.
+        key = tuple(t.untyped_storage().data_ptr() for t in tensors[:4])
+        if key != self._excluded_key:
+            self._excluded = {t.untyped_storage().data_ptr() for t in tensors}
+            self._excluded_key = key
+        return self._excluded
+
+    def _offloadable(self, t: torch.Tensor, state: set[int]) -> bool:
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or t.layout is not torch.strided:
             return False
         if t.device.type != "cuda" and not (self.test_mode and t.device.type == "cpu"):
             return False
-        return t.numel() * t.element_size() >= self.min_bytes
+        if t.numel() * t.element_size() < self.min_bytes:
+            return False
+        return t.untyped_storage().data_ptr() not in state
 
     # -- grouping --------------------------------------------------------------------------
     @contextmanager
@@ -277,8 +297,10 @@ class OffloadEngine:
         with self._lock:
             self._groups[index] = weakref.ref(group)
 
+        state = self._state_storages()
+
         def pack(t: torch.Tensor) -> Any:
-            if not self._offloadable(t) or (select is not None and not select(t)):
+            if not self._offloadable(t, state) or (select is not None and not select(t)):
                 return t
             return self._pack(group, t)
 

@@ -185,3 +185,20 @@ def test_offload_strategies_need_a_cuda_model():
         with pytest.raises(UnsupportedStrategyError, match="need a CUDA model.*model.to\\('cuda'\\)"):
             gradseam.patch(model, config)
         assert gradseam.handle_of(model) is None
+
+
+def test_module_buffers_are_never_offloaded():
+    class WithTable(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("table", torch.randn(64, 64))
+
+    module = WithTable()
+    engine = _engine()
+    engine.watch(module)
+    x = torch.randn(64, 64, requires_grad=True)
+    with engine.group():
+        y = (x.sin() * module.table).sum()  # sin saves x, the product saves the buffer
+    assert engine.copies == 1  # x only
+    y.backward()
+    assert torch.equal(x.grad, x.detach().cos() * module.table)
