@@ -128,27 +128,149 @@ def assert_same_step(expected: Step, got: Step, *, atol: float = 0.0, what: str 
 
 
 @dataclass
+class RegionRun:
+    """How one planned region behaved while the model ran (see :func:`record_regions`).
+
+    ``calls`` counts how often the model called each member module; ``runs`` counts the
+    checkpoint regions the chain actually computed in forward. A region *ran whole* when every
+    member was called as often as the first and each call of the first computed exactly one
+    region: the later members were served from it instead of computing on their own.
+    """
+
+    label: str  # "transformer_blocks[2, 3]" or "transformer_blocks[0].ff"
+    kind: str  # "block", "chunk" or "ffn"
+    calls: list[int]
+    runs: int
+    fallback: bool
+
+    @property
+    def ran(self) -> bool:
+        return self.calls[0] > 0
+
+    @property
+    def whole(self) -> bool:
+        first = self.calls[0]
+        return not self.fallback and self.runs == first and all(c == first for c in self.calls)
+
+
+class _CountedHandler:
+    __slots__ = ("calls", "handler", "index")
+
+    def __init__(self, handler: Any, calls: list[int], index: int) -> None:
+        self.handler, self.calls, self.index = handler, calls, index
+
+    def __call__(self, original: Any, args: tuple, kwargs: dict) -> Any:
+        if torch.is_grad_enabled():
+            self.calls[self.index] += 1
+        return self.handler(original, args, kwargs)
+
+
+class _CountedRunner:
+    __slots__ = ("counter", "runner")
+
+    def __init__(self, runner: Any, counter: list[int]) -> None:
+        self.runner, self.counter = runner, counter
+
+    def __call__(self, fn: Any, args: tuple, kwargs: dict) -> Any:
+        self.counter[0] += 1
+        return self.runner(fn, args, kwargs)
+
+
+@contextmanager
+def record_regions(handle: Any) -> Iterator[list[RegionRun]]:
+    """Count, while the block is active, how each checkpoint region of ``handle`` runs.
+
+    Yields a list that is filled with one :class:`RegionRun` per region when the block exits.
+    Attention-offload regions are not regions of recompute and are not listed. Test
+    instrumentation: it swaps counting wrappers into the installed seams and restores them.
+    """
+    regions = {tuple(id(m) for m in r.modules): r for r in handle.plan.regions if r.kind != "attention-offload"}
+    chains: dict[int, tuple[Any, list[int], list[int]]] = {}
+    swapped: list[tuple[Any, Any]] = []
+    runners: list[tuple[Any, Any]] = []
+    for seam in handle._seams:
+        handler = seam.handler
+        chain = getattr(handler, "chain", None)
+        if chain is None:
+            continue
+        if id(chain) not in chains:
+            chains[id(chain)] = (chain, [0] * len(chain.members), [0])
+            runners.append((chain, chain.runner))
+            chain.runner = _CountedRunner(chain.runner, chains[id(chain)][2])
+        seam.handler = _CountedHandler(handler, chains[id(chain)][1], handler.index)
+        swapped.append((seam, handler))
+    found: list[RegionRun] = []
+    try:
+        yield found
+    finally:
+        for seam, handler in swapped:
+            seam.handler = handler
+        for chain, runner in runners:
+            chain.runner = runner
+        for chain, calls, runs in chains.values():
+            region = regions.get(tuple(id(m) for m in chain.members))
+            kind = region.kind if region is not None else "?"
+            label = chain.label + (f".{'→'.join(region.seam)}" if region is not None and region.seam else "")
+            found.append(RegionRun(label, kind, calls, runs[0], chain.fallback))
+
+
+def assert_regions_whole(regions: list[RegionRun], *, what: str = "") -> None:
+    """Every region ran during the step, and every chunk or multi-module seam ran as one region."""
+    prefix = f"{what}: " if what else ""
+    for r in regions:
+        assert r.ran, (
+            f"{prefix}region {r.label} ({r.kind}) never ran: the model did not call that module during the step, "
+            "so checkpointing it saves nothing. The family declares a block list or FFN seam that this "
+            "model's forward does not use."
+        )
+        if r.whole:
+            continue
+        if r.kind == "chunk":
+            why = (
+                "the model changed a value between the blocks (a residual added in its loop), passed the next "
+                "block other arguments, or the family's Carry does not say where the block's outputs go "
+                "(see 'Carry' in docs/plugins.md)"
+            )
+        else:
+            why = (
+                "the seam's modules are not called strictly one on the previous one's output "
+                "(see 'FFN seams' in docs/plugins.md)"
+            )
+        raise AssertionError(
+            f"{prefix}region {r.label} ({r.kind}) did not run as one region: its members were called "
+            f"{r.calls} times and it computed {r.runs} region(s)"
+            f"{', then fell back to per-module regions' if r.fallback else ''}. Results stay exact, but {why}."
+        )
+
+
+@dataclass
 class ParityReport:
     config: CheckpointConfig
     reference: Step
     patched: Step
     after_remove: Step
+    regions: list[RegionRun] = field(default_factory=list)  # recorded over both patched steps
 
     @property
     def saved_ratio(self) -> float:
         return self.patched.saved_bytes / max(self.reference.saved_bytes, 1)
 
 
-def check_strategy(case: Case, config: CheckpointConfig | dict[str, Any], *, atol: float = 0.0) -> ParityReport:
+def check_strategy(
+    case: Case, config: CheckpointConfig | dict[str, Any], *, atol: float = 0.0, whole: bool = False
+) -> ParityReport:
     """The core conformance check for one configuration.
 
     Patched and unpatched runs must agree exactly; the patch must keep fewer bytes between
     forward and backward whenever it checkpoints anything; ``remove()`` must restore the model
-    (same results, and no instance attribute left behind on any module).
+    (same results, and no instance attribute left behind on any module). With ``whole=True``
+    every planned region must also have run, and run as one region (:func:`assert_regions_whole`);
+    leave it off for inputs that make a chunk fall back on purpose.
     """
     import gradseam
 
     cfg = CheckpointConfig.coerce(config)
+    what = f"{case.name} {cfg.describe()}"
     torch.manual_seed(case.seed)
     model = case.build()
     before_dicts = {name: set(m.__dict__) for name, m in model.named_modules()}
@@ -157,25 +279,46 @@ def check_strategy(case: Case, config: CheckpointConfig | dict[str, Any], *, ato
     handle = gradseam.patch(model, cfg)
     try:
         assert list(model.state_dict().keys()) == keys_before, "patching changed state_dict() keys"
-        patched = run_step(model, case)
-        engine = getattr(handle, "engine", None)
-        if engine is not None and not getattr(engine, "min_bytes", 0):
-            assert engine.copies > 0, f"{case.name} {cfg.describe()}: the offload strategy moved nothing"
-        # a second step must be exact too (chains keep state between calls)
-        assert_same_step(reference, run_step(model, case), atol=atol, what=f"{case.name} {cfg.describe()} step 2")
+        with record_regions(handle) as regions:
+            patched = run_step(model, case)
+            engine = getattr(handle, "engine", None)
+            if engine is not None and not getattr(engine, "min_bytes", 0):
+                assert engine.copies > 0, f"{what}: the offload strategy moved nothing"
+            # a second step must be exact too (chains keep state between calls)
+            assert_same_step(reference, run_step(model, case), atol=atol, what=f"{what} step 2")
     finally:
         handle.remove()
-    assert_same_step(reference, patched, atol=atol, what=f"{case.name} {cfg.describe()}")
+    assert_same_step(reference, patched, atol=atol, what=what)
     after = run_step(model, case)
     assert_same_step(reference, after, what=f"{case.name} after remove()")
     after_dicts = {name: set(m.__dict__) for name, m in model.named_modules()}
     assert after_dicts == before_dicts, "remove() left attributes behind on some module"
     if cfg.enabled:
         assert patched.saved_bytes < reference.saved_bytes, (
-            f"{case.name} {cfg.describe()}: kept {patched.saved_bytes} bytes between forward and backward, "
+            f"{what}: kept {patched.saved_bytes} bytes between forward and backward, "
             f"not fewer than unpatched ({reference.saved_bytes})"
         )
-    return ParityReport(cfg, reference, patched, after)
+    if whole:
+        assert_regions_whole(regions, what=what)
+    return ParityReport(cfg, reference, patched, after, regions)
+
+
+def check_no_grad(case: Case, config: CheckpointConfig | dict[str, Any] | None = None) -> None:
+    """Under ``torch.no_grad()`` (sampling, validation) a patched model computes exactly as before and
+    runs no checkpoint region at all."""
+    import gradseam
+
+    cfg = CheckpointConfig.coerce(config or {"gradient_checkpointing": True})
+    torch.manual_seed(case.seed)
+    model = case.build()
+    with torch.no_grad():
+        expected = _as_tuple(case.output(model(**case.inputs(torch.Generator().manual_seed(1)))))
+        with gradseam.patch(model, cfg) as handle, record_regions(handle) as regions:
+            got = _as_tuple(case.output(model(**case.inputs(torch.Generator().manual_seed(1)))))
+    for i, (a, b) in enumerate(zip(expected, got)):
+        assert torch.equal(a, b), f"{case.name} {cfg.describe()} under no_grad: output {i} differs"
+    busy = [r.label for r in regions if r.runs]
+    assert not busy, f"{case.name} {cfg.describe()} under no_grad ran checkpoint regions: {busy[:5]}"
 
 
 def cpu_configs(*, ffn: bool = True, interval: bool = True, stride: bool = True) -> list[dict[str, Any]]:
@@ -196,23 +339,141 @@ def cpu_configs(*, ffn: bool = True, interval: bool = True, stride: bool = True)
     return out
 
 
+def offload_configs(*, ffn: bool = True, interval: bool = True, attention: bool = True) -> list[dict[str, Any]]:
+    """Offload configurations; run them inside :func:`gradseam.offload.cpu_test_mode` on the CPU,
+    where every offloaded byte goes through host buffers and back exactly as on a GPU."""
+    on = {"gradient_checkpointing": True}
+    out: list[dict[str, Any]] = [{**on, "gradient_checkpointing_backend": "unsloth"}]
+    if interval:
+        out.append({**on, "gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_interval": 2,
+                    "gradient_checkpointing_segment_stride": 4})
+    if ffn:
+        out.append({**on, "gradient_checkpointing_backend": "unsloth-ffn"})
+    if attention:
+        out.append({"gradient_checkpointing_offload_attention": True})
+        out.append({**on, "gradient_checkpointing_segment_stride": 3, "gradient_checkpointing_offload_attention": True})
+        if ffn:
+            out.append({**on, "gradient_checkpointing_backend": "torch-ffn",
+                        "gradient_checkpointing_offload_attention": True})
+            out.append({**on, "gradient_checkpointing_backend": "unsloth-ffn",
+                        "gradient_checkpointing_offload_attention": True})
+    return out
+
+
 def config_id(config: dict[str, Any]) -> str:
+    """A short, stable test id for a configuration (``torch-ffn+interval2+stride4``)."""
     cfg = CheckpointConfig.coerce(config)
     return cfg.describe().replace(", ", "+").replace(" ", "")
 
 
+# -- the pytest suite a plugin subclasses --------------------------------------------------------
+
+_FAMILIES: dict[int, Any] = {}
+
+
+def _over(kind: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    def mark(test: Callable[..., None]) -> Callable[..., None]:
+        test.conformance_configs = kind  # type: ignore[attr-defined]
+        return test
+
+    return mark
+
+
 class ConformanceSuite:
-    """Subclass in a plugin's tests and set ``case``; pytest then runs the whole matrix.
+    """Subclass in a plugin's tests and set ``case``; pytest runs one test per configuration.
 
     Example::
 
+        from gradseam.testing import Case, ConformanceSuite
+
         class TestMyFamily(ConformanceSuite):
             case = Case("mymodel", build=tiny_model, inputs=tiny_inputs)
+
+    The configurations follow from the family the model resolves to (no ``-ffn`` backends without
+    an FFN seam, no interval without a ``Carry``, no attention offload without an attention side).
+    Override ``configs`` / ``offload`` with explicit lists to change them, set ``whole_regions =
+    False`` if the case's inputs make chunks fall back on purpose, or ``atol`` to compare with a
+    tolerance instead of bit for bit (never needed on the CPU so far).
     """
 
-    case: Case
-    configs: list[dict[str, Any]] = cpu_configs()
+    case: ClassVar[Case]
+    configs: ClassVar[list[dict[str, Any]] | None] = None
+    offload: ClassVar[list[dict[str, Any]] | None] = None
+    whole_regions: ClassVar[bool] = True
+    atol: ClassVar[float] = 0.0
 
-    def test_matrix(self) -> None:
-        for config in self.configs:
-            check_strategy(self.case, copy.deepcopy(config))
+    @classmethod
+    def family(cls) -> Any:
+        """The family the case's model resolves to (the model is built once per case to find it)."""
+        key = id(cls.case)
+        if key not in _FAMILIES:
+            from .patcher import family_for
+
+            torch.manual_seed(cls.case.seed)
+            _FAMILIES[key] = family_for(cls.case.build())
+        return _FAMILIES[key]
+
+    @classmethod
+    def strategy_configs(cls) -> list[dict[str, Any]]:
+        if cls.configs is not None:
+            return cls.configs
+        family = cls.family()
+        return cpu_configs(ffn=family.has_ffn, interval=family.supports_interval)
+
+    @classmethod
+    def offload_configs(cls) -> list[dict[str, Any]]:
+        if cls.offload is not None:
+            return cls.offload
+        family = cls.family()
+        return offload_configs(ffn=family.has_ffn, interval=family.supports_interval, attention=family.has_attention)
+
+    def pytest_generate_tests(self, metafunc: Any) -> None:
+        kind = getattr(metafunc.function, "conformance_configs", None)
+        if kind is None or "config" not in metafunc.fixturenames:
+            return
+        configs = self.strategy_configs() if kind == "strategy" else self.offload_configs()
+        metafunc.parametrize("config", [copy.deepcopy(c) for c in configs], ids=[config_id(c) for c in configs])
+
+    def test_family_is_installed(self) -> None:
+        import gradseam
+
+        family = self.family()
+        assert family.name in {f.name for f in gradseam.families()}
+
+    @_over("strategy")
+    def test_strategy(self, config: dict[str, Any]) -> None:
+        """Exact outputs and gradients, less kept memory, an exact ``remove()``, regions that run whole."""
+        check_strategy(self.case, config, atol=self.atol, whole=self.whole_regions)
+
+    @_over("offload")
+    def test_offload(self, config: dict[str, Any]) -> None:
+        """The same through the offload engine (CPU stand-in: host buffers, same copies as on a GPU)."""
+        from .offload import cpu_test_mode
+
+        with cpu_test_mode():
+            check_strategy(self.case, config, atol=self.atol, whole=self.whole_regions)
+
+    def test_no_grad(self) -> None:
+        """Sampling under ``torch.no_grad()`` is untouched by a patch."""
+        check_no_grad(self.case)
+
+    def test_refuses_what_it_cannot_do(self) -> None:
+        """Options the family cannot run are refused, with the model left untouched."""
+        import gradseam
+
+        from .errors import UnsupportedStrategyError
+
+        family = self.family()
+        refused = []
+        if not family.has_ffn:
+            refused.append({"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"})
+        if not family.has_attention:
+            refused.append({"gradient_checkpointing_offload_attention": True})
+        for config in refused:
+            model = self.case.build()
+            try:
+                gradseam.patch(model, config)
+            except UnsupportedStrategyError:
+                assert gradseam.handle_of(model) is None
+            else:
+                raise AssertionError(f"{self.case.name}: {config_id(config)} was accepted by a family that cannot run it")

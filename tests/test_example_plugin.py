@@ -1,0 +1,109 @@
+"""The example third-party plugin (docs/examples/gradseam-sd3) works the way the plugin guide says.
+
+It is pip-installed, as a separate distribution, into a throw-away ``--target`` directory that only
+the subprocesses here put on their path, so the shared environment and this process's registry
+never see it: gradseam must find it through the ``gradseam`` entry-point group alone, list it, pass
+the conformance kit from the plugin's own repository, and forget it again once it is uninstalled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "examples" / "gradseam-sd3"
+
+
+def _env(site: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "GRADSEAM_PLUGINS"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(site), env.get("PYTHONPATH")) if p)
+    env.update(OMP_NUM_THREADS="1", COLUMNS="250", PYTHONDONTWRITEBYTECODE="1")
+    return env
+
+
+def _run(args: list[str], site: Path, cwd: Path | None = None, timeout: int = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, env=_env(site), cwd=cwd, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def installed():
+    """(source copy, site dir) with gradseam-sd3 installed into the site dir; all removed afterwards."""
+    pytest.importorskip("setuptools", reason="building the example plugin needs setuptools")
+    root = Path(tempfile.mkdtemp(prefix="gradseam-sd3-"))
+    try:
+        src, site = root / "src", root / "site"
+        # a copy, so the build leaves no build/ or *.egg-info in the repository
+        shutil.copytree(EXAMPLE, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", ".pytest_cache"))
+        pip = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
+               "--no-cache-dir", "--disable-pip-version-check", "--quiet", "--target", str(site), str(src)]
+        out = subprocess.run(pip, capture_output=True, text=True, timeout=180)
+        assert out.returncode == 0, f"pip install of the example plugin failed:\n{out.stdout}\n{out.stderr}"
+        yield src, site
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_families_and_cli_list_the_plugin(installed):
+    _, site = installed
+    code = (
+        "import gradseam, json\n"
+        "print(json.dumps([[i.family.name, i.plugin, i.distribution] for i in gradseam.installed()]))\n"
+    )
+    out = _run([sys.executable, "-c", code], site)
+    assert out.returncode == 0, out.stderr
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    assert ["sd3", "sd3", "gradseam-sd3"] in rows
+    assert {"flux", "wan"} <= {r[0] for r in rows}  # the built-ins are still there
+
+    cli = _run([sys.executable, "-m", "gradseam", "families"], site)
+    assert cli.returncode == 0, cli.stderr
+    sd3_rows = [line for line in cli.stdout.splitlines() if " sd3 " in line]
+    assert sd3_rows and "gradseam-sd3" in sd3_rows[0] and "SD3Transformer2DModel" in sd3_rows[0], cli.stdout
+
+
+def test_plugin_passes_the_conformance_kit_from_its_own_repository(installed):
+    """The plugin's own tests: the kit's whole matrix on a tiny SD3, exact to the bit."""
+    src, site = installed
+    out = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], site, cwd=src, timeout=300)
+    summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
+    assert out.returncode == 0, f"{out.stdout[-4000:]}\n{out.stderr[-2000:]}"
+    assert " passed" in summary and "failed" not in summary and "skipped" not in summary, summary
+
+
+def test_uninstalling_brings_the_clear_error_back(installed):
+    src, site = installed
+    site = Path(shutil.copytree(site, site.parent / "site-uninstalled"))
+    # What `pip uninstall` does: remove every file the distribution's RECORD lists, then the record.
+    (dist_info,) = site.glob("gradseam_sd3-*.dist-info")
+    for line in (dist_info / "RECORD").read_text().splitlines():
+        path = site / line.split(",")[0]
+        if path.is_file():
+            path.unlink()
+    shutil.rmtree(dist_info, ignore_errors=True)
+    assert not list(site.glob("gradseam_sd3*"))
+    code = (
+        "import json, sys\n"
+        f"sys.path.insert(0, {str(src / 'tests')!r})\n"
+        "import gradseam\n"
+        "from test_sd3 import tiny_sd3\n"
+        "try:\n"
+        "    gradseam.patch(tiny_sd3(), gradient_checkpointing=True)\n"
+        "    error = None\n"
+        "except gradseam.UnsupportedModelError as exc:\n"
+        "    error = str(exc)\n"
+        "print(json.dumps({'families': [f.name for f in gradseam.families()], 'error': error}))\n"
+    )
+    out = _run([sys.executable, "-c", code], site)
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "sd3" not in result["families"]
+    error = result["error"]
+    assert error is not None, "an SD3 model was patched without the plugin installed"
+    assert "SD3Transformer2DModel" in error and "docs/plugins.md" in error and "flux" in error, error
