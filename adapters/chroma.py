@@ -30,6 +30,25 @@ from gradseam.hookspecs import hookimpl
 
 _M = "diffusers.models.transformers.transformer_chroma"
 
+
+def make_inputs(model, device, dtype, tokens=None, *, image_tokens=4096, text_tokens=512) -> dict:
+    """One real-size batch: Flux's inputs without the pooled CLIP vector and guidance."""
+    import torch
+
+    from gradseam.adapters.flux import image_ids
+
+    cfg = model.config
+    img_ids, txt_ids = image_ids(text_tokens, tokens or image_tokens, device)
+    return {
+        "hidden_states": torch.randn(
+            1, img_ids.shape[0], cfg.in_channels, device=device, dtype=dtype, requires_grad=True
+        ),
+        "encoder_hidden_states": torch.randn(1, text_tokens, cfg.joint_attention_dim, device=device, dtype=dtype),
+        "timestep": torch.full((1,), 0.5, device=device, dtype=dtype),
+        "img_ids": img_ids.to(dtype),
+        "txt_ids": txt_ids.to(dtype),
+    }
+
 CHROMA = Family(
     name="chroma",
     description="Chroma1 (ChromaTransformer2DModel), Flux trunk with pruned modulation",
@@ -48,6 +67,7 @@ CHROMA = Family(
             "(4096 image + 512 text tokens)",
             config={},  # the class defaults are the flagship config
             inputs={"image_tokens": 4096, "text_tokens": 512},
+            make_inputs=make_inputs,
         ),
     },
 )

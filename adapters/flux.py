@@ -17,6 +17,37 @@ from gradseam.hookspecs import hookimpl
 
 _M = "diffusers.models.transformers.transformer_flux"
 
+
+def image_ids(n_text: int, tokens: int, device, *, text_ids: bool = True):
+    """Square-grid position ids ``(tokens', 3)`` (``[0, row, col]``) and zero text ids, Flux-style."""
+    import torch
+
+    side = max(1, round(tokens**0.5))
+    rows, cols = torch.meshgrid(torch.arange(side, device=device), torch.arange(side, device=device), indexing="ij")
+    ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3)
+    return ids, torch.zeros(n_text, 3, device=device, dtype=ids.dtype)
+
+
+def make_inputs(model, device, dtype, tokens=None, *, image_tokens=4096, text_tokens=512, pooled=True) -> dict:
+    """One real-size batch: packed latents (grad), T5 states, CLIP pooled vector, ids (image ``tokens``)."""
+    import torch
+
+    cfg = model.config
+    img_ids, txt_ids = image_ids(text_tokens, tokens or image_tokens, device)
+    n = img_ids.shape[0]
+    inputs = {
+        "hidden_states": torch.randn(1, n, cfg.in_channels, device=device, dtype=dtype, requires_grad=True),
+        "encoder_hidden_states": torch.randn(1, text_tokens, cfg.joint_attention_dim, device=device, dtype=dtype),
+        "timestep": torch.full((1,), 0.5, device=device, dtype=dtype),
+        "img_ids": img_ids.to(dtype),
+        "txt_ids": txt_ids.to(dtype),
+    }
+    if pooled:
+        inputs["pooled_projections"] = torch.randn(1, cfg.pooled_projection_dim, device=device, dtype=dtype)
+    if getattr(cfg, "guidance_embeds", False):
+        inputs["guidance"] = torch.full((1,), 3.5, device=device, dtype=dtype)
+    return inputs
+
 FLUX = Family(
     name="flux",
     description="FLUX.1 dev / schnell / Krea dev (FluxTransformer2DModel)",
@@ -34,6 +65,7 @@ FLUX = Family(
             "Flux dev trunk (19 double + 38 single blocks, 24 x 128 heads) at 1024x1024 (4096 image + 512 text tokens)",
             config={},  # the class defaults are the flagship config
             inputs={"image_tokens": 4096, "text_tokens": 512},
+            make_inputs=make_inputs,
         ),
     },
 )

@@ -33,6 +33,26 @@ from gradseam.hookspecs import hookimpl
 _M = "diffusers.models.transformers.transformer_krea2"
 _HIDDEN = Carry({"hidden_states": None})
 
+
+def make_inputs(model, device, dtype, tokens=None, *, image_tokens=4096, text_tokens=512) -> dict:
+    """One real-size batch: packed latents (grad), the tapped text-encoder layers, position ids."""
+    import torch
+
+    from gradseam.adapters.flux import image_ids
+
+    cfg = model.config
+    img_ids, txt_ids = image_ids(text_tokens, tokens or image_tokens, device)
+    return {
+        "hidden_states": torch.randn(
+            1, img_ids.shape[0], cfg.in_channels, device=device, dtype=dtype, requires_grad=True
+        ),
+        "encoder_hidden_states": torch.randn(
+            1, text_tokens, cfg.num_text_layers, cfg.text_hidden_dim, device=device, dtype=dtype
+        ),
+        "timestep": torch.full((1,), 0.7, device=device, dtype=dtype),
+        "position_ids": torch.cat([txt_ids, img_ids]).long(),
+    }
+
 KREA2 = Family(
     name="krea2",
     description="Krea 2 text-to-image (Krea2Transformer2DModel), incl. its text-fusion blocks",
@@ -52,6 +72,7 @@ KREA2 = Family(
             "12 tapped layers of width 2560) at 1024x1024 (4096 image + 512 text tokens)",
             config={},  # the class defaults are the flagship config
             inputs={"image_tokens": 4096, "text_tokens": 512},
+            make_inputs=make_inputs,
         ),
     },
 )

@@ -25,6 +25,42 @@ from gradseam.hookspecs import hookimpl
 
 _M = "diffusers.models.transformers.transformer_ltx2"
 
+
+def make_inputs(
+    model, device, dtype, tokens=None, *, frames=121, height=512, width=768, fps=24, text_tokens=1024
+) -> dict:
+    """One real-size batch: packed video and audio latents (both grad), caption states for both streams.
+
+    Video latents are ``(frames-1)/8+1`` frames of ``H/32 x W/32``; audio gets one latent per
+    ``hop_length x audio_scale_factor`` samples of the clip's duration. ``tokens`` overrides the
+    video token count by changing the number of latent frames (the audio stays the preset's).
+    """
+    import torch
+
+    cfg = model.config
+    st, sh, sw = cfg.vae_scale_factors
+    h, w = height // sh, width // sw
+    latent_frames = (frames - 1) // st + 1
+    if tokens:
+        latent_frames = max(1, round(tokens / (h * w)))
+    audio = round(frames / fps * cfg.audio_sampling_rate / cfg.audio_hop_length / cfg.audio_scale_factor)
+
+    def randn(*shape, grad=False):
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
+
+    return {
+        "hidden_states": randn(1, latent_frames * h * w, cfg.in_channels, grad=True),
+        "audio_hidden_states": randn(1, audio, cfg.audio_in_channels, grad=True),
+        "encoder_hidden_states": randn(1, text_tokens, cfg.caption_channels),
+        "audio_encoder_hidden_states": randn(1, text_tokens, cfg.caption_channels),
+        "timestep": torch.full((1,), 500.0, device=device, dtype=dtype),
+        "num_frames": latent_frames,
+        "height": h,
+        "width": w,
+        "fps": float(fps),
+        "audio_num_frames": audio,
+    }
+
 LTX2 = Family(
     name="ltx2",
     description="LTX-2 / LTX-2.3 joint audio-video generation (LTX2VideoTransformer3DModel)",
@@ -52,6 +88,7 @@ LTX2 = Family(
             "at 24 fps (6144 video + 126 audio tokens, 1024 text tokens)",
             config={},  # the class defaults are the flagship config
             inputs={"frames": 121, "height": 512, "width": 768, "fps": 24, "text_tokens": 1024},
+            make_inputs=make_inputs,
         ),
     },
 )

@@ -21,6 +21,20 @@ from __future__ import annotations
 from gradseam.family import BlockClass, BlockList, Carry, Family, Preset
 from gradseam.hookspecs import hookimpl
 
+
+def make_inputs(model, device, dtype, tokens=None, *, image_tokens=4096, text_tokens=512) -> dict:
+    """One real-size batch: packed latents (grad), text features, a timestep in [0, 1]."""
+    import torch
+
+    cfg = model.config
+    n = max(1, round((tokens or image_tokens) ** 0.5)) ** 2
+    return {
+        "hidden_states": torch.randn(1, n, cfg.in_channels, device=device, dtype=dtype, requires_grad=True),
+        "encoder_hidden_states": torch.randn(1, text_tokens, cfg.joint_attention_dim, device=device, dtype=dtype),
+        "timestep": torch.full((1,), 0.5, device=device, dtype=dtype),
+    }
+
+
 MAGEFLOW = Family(
     name="mageflow",
     description="MageFlow dual-stream text-to-image (MageFlowTransformer2DModel, not yet in a diffusers release)",
@@ -37,6 +51,7 @@ MAGEFLOW = Family(
             "(4096 image + 512 text tokens)",
             config={"num_layers": 12, "num_attention_heads": 24, "attention_head_dim": 128},
             inputs={"image_tokens": 4096, "text_tokens": 512},
+            make_inputs=make_inputs,
         ),
     },
 )

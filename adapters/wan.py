@@ -16,6 +16,28 @@ from gradseam.hookspecs import hookimpl
 
 _M = "diffusers.models.transformers.transformer_wan"
 
+
+def make_inputs(model, device, dtype, tokens=None, *, frames=81, height=480, width=832, text_tokens=512) -> dict:
+    """One real-size batch: a VAE latent video ``(1, C, (frames-1)/4+1, H/8, W/8)`` (grad) and T5 states.
+
+    ``tokens`` overrides the video token count by changing the number of latent frames.
+    """
+    import torch
+
+    cfg = model.config
+    pt, ph, pw = cfg.patch_size
+    h, w = height // 8, width // 8
+    latent_frames = (frames - 1) // 4 + 1
+    if tokens:
+        latent_frames = max(1, round(tokens * pt / ((h // ph) * (w // pw))))
+    return {
+        "hidden_states": torch.randn(
+            1, cfg.in_channels, latent_frames, h, w, device=device, dtype=dtype, requires_grad=True
+        ),
+        "timestep": torch.full((1,), 500.0, device=device, dtype=dtype),
+        "encoder_hidden_states": torch.randn(1, text_tokens, cfg.text_dim, device=device, dtype=dtype),
+    }
+
 WAN = Family(
     name="wan",
     description="Wan 2.1 / 2.2 text/image-to-video (WanTransformer3DModel)",
@@ -27,11 +49,13 @@ WAN = Family(
             "Wan 2.1 14B (40 blocks, 40 x 128 heads, FFN 13824) at 480x832, 81 frames",
             config={"num_layers": 40, "num_attention_heads": 40, "attention_head_dim": 128, "ffn_dim": 13824},
             inputs={"frames": 81, "height": 480, "width": 832},
+            make_inputs=make_inputs,
         ),
         "1.3b-480p": Preset(
             "Wan 2.1 1.3B (30 blocks, 12 x 128 heads, FFN 8960) at 480x832, 81 frames",
             config={"num_layers": 30, "num_attention_heads": 12, "attention_head_dim": 128, "ffn_dim": 8960},
             inputs={"frames": 81, "height": 480, "width": 832},
+            make_inputs=make_inputs,
         ),
     },
 )

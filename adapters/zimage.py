@@ -28,6 +28,19 @@ from gradseam.hookspecs import hookimpl
 _M = "diffusers.models.transformers.transformer_z_image"
 _X = Carry({"x": None})
 
+
+def make_inputs(model, device, dtype, tokens=None, *, image_tokens=4096, text_tokens=512) -> dict:
+    """One real-size batch: a list with one latent ``(C, 1, H, W)`` (grad, 2x2 patches) and one caption."""
+    import torch
+
+    cfg = model.config
+    side = 2 * max(1, round((tokens or image_tokens) ** 0.5))
+    return {
+        "x": [torch.randn(cfg.in_channels, 1, side, side, device=device, dtype=dtype, requires_grad=True)],
+        "t": torch.full((1,), 0.3, device=device, dtype=dtype),
+        "cap_feats": [torch.randn(text_tokens, cfg.cap_feat_dim, device=device, dtype=dtype)],
+    }
+
 ZIMAGE = Family(
     name="zimage",
     description="Z-Image / Z-Image-Turbo / Z-Image Omni (ZImageTransformer2DModel)",
@@ -47,6 +60,7 @@ ZIMAGE = Family(
             "SwiGLU 10240) at 1024x1024 (4096 image + 512 caption tokens)",
             config={},  # the class defaults are the flagship config
             inputs={"image_tokens": 4096, "text_tokens": 512},
+            make_inputs=make_inputs,
         ),
     },
 )

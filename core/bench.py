@@ -46,6 +46,10 @@ GRADSEAM_ROWS: list[tuple[str, dict[str, Any]]] = [
     ),
     ("torch, interval 2", {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}),
 ]
+# Rows of a real-model workload (``gradseam bench --family``): the references a user has today
+# (no checkpointing, diffusers' own flag, ``save_on_cpu``), then gradseam's strategies.
+DIFFUSERS_ROW = "ref: diffusers enable_gradient_checkpointing()"
+REAL_REFERENCE_ROWS = ["none", DIFFUSERS_ROW, "ref: save_on_cpu"]
 REFERENCE_ROWS = [
     "none",
     "ref: torch.utils.checkpoint",
@@ -154,7 +158,21 @@ def _strategy_context(model: nn.Module, name: str, config: dict[str, Any] | None
         return reference(model, blocks_attr, "naive-unsloth")
     if name == "ref: save_on_cpu":
         return torch.autograd.graph.save_on_cpu(pin_memory=True)
+    if name == DIFFUSERS_ROW:
+        return _diffusers_checkpointing(model)
     raise ValueError(f"unknown strategy {name!r}")
+
+
+@contextmanager
+def _diffusers_checkpointing(model: nn.Module) -> Iterator[None]:
+    enable = getattr(model, "enable_gradient_checkpointing", None)
+    if enable is None or not getattr(model, "_supports_gradient_checkpointing", False):
+        raise gradseam.UnsupportedStrategyError(f"{type(model).__name__} has no diffusers gradient checkpointing")
+    enable()
+    try:
+        yield
+    finally:
+        model.disable_gradient_checkpointing()
 
 
 class _Patched(AbstractContextManager):
@@ -202,6 +220,10 @@ def run_rows(
                             pinned_allocations_after_warmup=pinned)
         except torch.OutOfMemoryError:
             result = Result(workload, tokens, name, None, None, "OOM")
+        except gradseam.UnsupportedStrategyError as exc:
+            result = Result(workload, tokens, name, None, None, f"unsupported: {exc}")
+        except Exception as exc:  # one broken cell must not lose the sweep; the row says what broke
+            result = Result(workload, tokens, name, None, None, f"error: {type(exc).__name__}: {exc}"[:300])
         finally:
             step = None  # type: ignore[assignment]
         results.append(result)
@@ -248,6 +270,76 @@ def synthetic(
     return results
 
 
+def real(
+    family: str,
+    preset: str | None = None,
+    *,
+    layers: int | None = None,
+    tokens: list[int | None] | None = None,
+    rows: list[str] | None = None,
+    steps: int = 3,
+    on_row: Callable[[Result], None] | None = None,
+) -> list[Result]:
+    """Every row on a family preset's real-size model (random bf16 weights, built on the GPU)."""
+    from .workloads import build, make_step, sequence_length
+
+    workload = build(family, preset, layers=layers, device="cuda")
+    chosen = real_rows(rows)
+    results = []
+    for count in tokens or [None]:
+        inputs = workload.inputs(count)
+        seq = sequence_length(workload.model, workload.family, inputs)
+
+        def step_factory(inputs: dict[str, Any] = inputs) -> Callable[[], None]:
+            return make_step(workload.model, inputs)
+
+        results += run_rows(workload.label(seq), seq, workload.model, step_factory, chosen, steps=steps,
+                            on_row=on_row)
+        del inputs
+    return results
+
+
+def real_rows(rows: list[str] | None = None) -> list[tuple[str, dict[str, Any] | None]]:
+    chosen: list[tuple[str, dict[str, Any] | None]] = [(n, None) for n in REAL_REFERENCE_ROWS]
+    chosen += [(n, c) for n, c in GRADSEAM_ROWS]
+    if rows is not None:
+        chosen = [r for r in chosen if r[0] in rows]
+    return chosen
+
+
+def chart(rows: list[dict[str, Any]], path: Any, title: str = "gradseam bench") -> bool:
+    """Memory (x) vs step time (y), one point per strategy, one panel per workload; False without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    fig, axes = plt.subplots(1, max(1, len(workloads)), figsize=(7 * max(1, len(workloads)), 6), squeeze=False)
+    for ax, workload in zip(axes[0], workloads):
+        mine = [r for r in rows if r["workload"] == workload and r["status"] == "ok"]
+        failed = [r["strategy"] for r in rows if r["workload"] == workload and r["status"] != "ok"]
+        for r in mine:
+            ref = r["strategy"] == "none" or r["strategy"].startswith("ref:")
+            ax.scatter(r["peak_gib"], r["step_ms"], marker="s" if ref else "o", color="grey" if ref else "C0")
+            ax.annotate(r["strategy"], (r["peak_gib"], r["step_ms"]), fontsize=7, xytext=(4, 3),
+                        textcoords="offset points")
+        ax.set_xlabel("activation peak (GiB)")
+        ax.set_ylabel("step time (ms)")
+        ax.set_title(workload, fontsize=9)
+        ax.grid(alpha=0.3)
+        if failed:
+            ax.text(0.01, 0.01, "not shown: " + ", ".join(failed), transform=ax.transAxes, fontsize=7,
+                    va="bottom", wrap=True)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def with_ratios(results: list[Result]) -> list[dict[str, Any]]:
     """Rows as dicts with ``vs_none`` and ``vs_torch`` step-time ratios per workload."""
     out = []
@@ -274,9 +366,10 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
         if r["status"] != "ok":
             lines.append(f"| {workload} | {r['strategy']} | {r['status']} | | | |")
             continue
+        vs_none = f"{r['vs_none']:.2f}" if r["vs_none"] is not None else ""
+        vs_torch = f"{r['vs_torch']:.3f}" if r["vs_torch"] is not None else ""
         lines.append(
-            f"| {workload} | {r['strategy']} | {r['peak_gib']:.2f} | {r['step_ms']:.1f} | "
-            f"{r['vs_none']:.2f} | {r['vs_torch']:.3f} |"
+            f"| {workload} | {r['strategy']} | {r['peak_gib']:.2f} | {r['step_ms']:.1f} | {vs_none} | {vs_torch} |"
         )
     return "\n".join(lines)
 

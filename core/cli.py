@@ -1,4 +1,4 @@
-"""The ``gradseam`` command: ``families``, ``demo`` and ``bench`` (only calls the public API)."""
+"""The ``gradseam`` command: ``families``, ``demo``, ``bench`` and ``advise``."""
 
 from __future__ import annotations
 
@@ -86,34 +86,146 @@ def demo(
     )
 
 
-@app.command()
-def bench(
-    json_path: Annotated[Path, typer.Option("--json", help="where to write the results")] = Path(
-        "gradseam-bench.json"
-    ),
-    steps: Annotated[int, typer.Option(help="timed steps per strategy (median reported)")] = 5,
-) -> None:
-    """Benchmark every strategy on the synthetic block stack (needs a CUDA GPU)."""
+def _need_cuda(what: str) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        console.print("[red]gradseam bench measures GPU memory and time and needs a CUDA GPU.[/red]")
+        console.print(f"[red]gradseam {what} measures GPU memory and time and needs a CUDA GPU; none is available.[/red]")
         raise typer.Exit(2)
-    from .bench import GRADSEAM_ROWS, REFERENCE_ROWS, SYNTHETIC_SHAPES, synthetic, to_markdown, with_ratios
 
-    total = len(SYNTHETIC_SHAPES) * (len(REFERENCE_ROWS) + len(GRADSEAM_ROWS))
+
+def _quiet_diffusers() -> None:
+    # building random-weight models logs a bf16-cast notice per model; it is noise here
+    from diffusers.utils import logging as dlogging
+
+    dlogging.set_verbosity_error()
+
+
+@app.command()
+def bench(
+    family: Annotated[str | None, typer.Option(help="benchmark this family's real-size preset model (random weights)")] = None,
+    preset: Annotated[str | None, typer.Option(help="the family's preset (default: its first)")] = None,
+    layers: Annotated[int | None, typer.Option(min=1, help="keep only the first K blocks of every block list")] = None,
+    tokens: Annotated[list[int] | None, typer.Option(help="image/video tokens per workload (repeat for several; default: the preset's)")] = None,
+    synthetic: Annotated[bool, typer.Option("--synthetic", help="the synthetic block stack (the default without --family)")] = False,
+    json_path: Annotated[Path, typer.Option("--json", help="where to write the results")] = Path("gradseam-bench.json"),
+    png_path: Annotated[Path | None, typer.Option("--png", help="chart path (default: the JSON path with .png)")] = None,
+    steps: Annotated[int, typer.Option(min=1, help="timed steps per strategy (median reported)")] = 5,
+) -> None:
+    """Benchmark every strategy: activation peak and step time (needs a CUDA GPU).
+
+    Without --family: the synthetic block stack. With --family NAME [--preset P]: the family's
+    real-size model with random bf16 weights built on the GPU, frozen, latents requiring grad.
+    """
+    if synthetic and family:
+        console.print("[red]--synthetic and --family exclude each other.[/red]")
+        raise typer.Exit(2)
+    if family is None and (preset or layers or tokens):
+        console.print("[red]--preset, --layers and --tokens need --family.[/red]")
+        raise typer.Exit(2)
+    _need_cuda("bench")
+    from . import bench as b
+
+    if family is not None:
+        from .workloads import find_family, find_preset
+
+        try:
+            fam = find_family(family)
+            preset, _ = find_preset(fam, preset)
+        except gradseam.GradseamError as exc:
+            console.print(f"[red]{exc}[/red]")
+            raise typer.Exit(2) from None
+        _quiet_diffusers()
+        total = len(tokens or [None]) * len(b.real_rows())
+        title = f"gradseam bench: {family} {preset}" + (f", first {layers} blocks of each list" if layers else "")
+    else:
+        total = len(b.SYNTHETIC_SHAPES) * (len(b.REFERENCE_ROWS) + len(b.GRADSEAM_ROWS))
+        title = "gradseam bench: synthetic block stack"
     with _progress() as progress:
-        task = progress.add_task("bench", total=total)
+        task = progress.add_task("building" if family else "bench", total=total)
 
         def on_row(result):
             progress.advance(task)
             progress.update(task, description=f"{result.workload}: {result.strategy}")
+            if result.status != "ok":
+                progress.console.print(f"{result.strategy}: {result.status}")
 
-        results = synthetic(steps=steps, on_row=on_row)
-    rows = with_ratios(results)
-    json_path.write_text(json.dumps(rows, indent=1))
-    console.print(to_markdown(rows))
+        if family is not None:
+            try:
+                results = b.real(family, preset, layers=layers, tokens=list(tokens) if tokens else None,
+                                 steps=steps, on_row=on_row)
+            except gradseam.GradseamError as exc:
+                console.print(f"[red]{exc}[/red]")
+                raise typer.Exit(2) from None
+        else:
+            results = b.synthetic(steps=steps, on_row=on_row)
+    rows = b.with_ratios(results)
+    payload = {"title": title, "family": family, "preset": preset, "layers": layers, "steps": steps, "rows": rows}
+    json_path.write_text(json.dumps(payload, indent=1))
+    console.print(title)
+    console.print(b.to_markdown(rows))
     console.print(f"wrote {json_path}")
+    png_path = png_path or json_path.with_suffix(".png")
+    if b.chart(rows, png_path, title):
+        console.print(f"wrote {png_path}")
+    else:
+        console.print("matplotlib is not installed, so no chart was written (pip install 'gradseam[bench]').")
+
+
+@app.command()
+def advise(
+    family: Annotated[str, typer.Option(help="the family whose real-size preset model is measured")],
+    budget: Annotated[str, typer.Option(help="GPU memory budget: '40GiB', '40 GB', '40960MiB' or GiB as a number")],
+    preset: Annotated[str | None, typer.Option(help="the family's preset (default: its first)")] = None,
+    layers: Annotated[int | None, typer.Option(min=1, help="keep only the first K blocks of every block list")] = None,
+    tokens: Annotated[int | None, typer.Option(help="image/video tokens (default: the preset's)")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="also write every measurement here")] = None,
+) -> None:
+    """Measure the strategy ladder on a preset model and recommend the fastest config that fits the budget."""
+    from .advise import NoFitError, parse_budget
+
+    try:
+        budget_gib = parse_budget(budget)
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+    _need_cuda("advise")
+    from .advise import advise as run_advise
+    from .workloads import build
+
+    _quiet_diffusers()
+    try:
+        with console.status("building the model"):
+            workload = build(family, preset, layers=layers, device="cuda")
+            inputs = workload.inputs(tokens)
+        with console.status("measuring the ladder (one warm-up + one timed step per candidate)"):
+            result = run_advise(workload.model, inputs, budget_gib)
+        code = 0
+    except NoFitError as exc:
+        result, code = exc.advice, 1
+    except gradseam.GradseamError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from None
+    console.print(f"{workload.family.name} {workload.preset_name} ({workload.layers_note})")
+    table = Table(title=f"strategies within {budget_gib:.2f} GiB (static {result.static_gib:.2f} GiB)")
+    for column in ("", "candidate", "act. peak GiB", "step ms", "verdict"):
+        table.add_column(column, justify="right" if "GiB" in column or "ms" in column else "left")
+    for t in result.trials:
+        table.add_row(
+            "->" if t is result.chosen else "", t.label,
+            f"{t.peak_gib:.2f}" if t.peak_gib is not None else "-",
+            f"{t.step_ms:.1f}" if t.step_ms is not None else "-",
+            t.status + (f": {t.reason}" if t.reason else ""),
+        )
+    console.print(table)
+    if json_path is not None:
+        json_path.write_text(json.dumps(result.to_dict(), indent=1))
+        console.print(f"wrote {json_path}")
+    if result.chosen is None:
+        console.print(f"[red]{result.no_fit_message()}[/red]")
+        raise typer.Exit(code)
+    console.print(f"recommended ({result.chosen.label}); paste into your trainer config:")
+    console.print_json(result.to_json())
 
 
 def main() -> None:

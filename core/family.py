@@ -10,7 +10,7 @@ whose upstream home is not settled yet.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,11 +72,19 @@ class BlockClass:
 
 @dataclass(frozen=True)
 class Preset:
-    """A real-size architecture config (constructor kwargs) for benchmarks; weights are never downloaded."""
+    """A real-size architecture config (constructor kwargs) for benchmarks; weights are never downloaded.
+
+    ``make_inputs(model, device, dtype, tokens, **inputs)`` builds one real-size batch of forward
+    keyword arguments for ``model`` (built from ``config``, possibly with truncated block lists)
+    directly on ``device``: floating inputs in ``dtype``, the latents requiring grad. ``tokens``
+    overrides the preset's image (or video) token count, approximately; None keeps the preset's.
+    The preset's ``inputs`` are passed as keyword arguments, so they stay the one source of the sizes.
+    """
 
     description: str
     config: Mapping[str, Any]
     inputs: Mapping[str, Any] = field(default_factory=dict)
+    make_inputs: Callable[..., Mapping[str, Any]] | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,269 @@
+"""gradseam.advise: budget parsing, the ladder logic (with a fake measurer) and the real-size workloads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gradseam import UnsupportedStrategyError
+from gradseam.advise import LADDER, GiB, NoFitError, advise, parse_budget, run_ladder
+from gradseam.errors import GradseamError
+
+# -- budgets ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "gib"),
+    [
+        ("40GiB", 40.0), ("40 GiB", 40.0), ("40gib", 40.0), ("40G", 40.0), ("40960MiB", 40.0),
+        ("40 GB", 40e9 / GiB), ("1TiB", 1024.0), (42.5, 42.5), (40, 40.0), ("42.5", 42.5), (" 0.5 GiB ", 0.5),
+    ],
+)
+def test_parse_budget(text, gib):
+    assert parse_budget(text) == pytest.approx(gib)
+
+
+@pytest.mark.parametrize("bad", ["", "GiB", "40 parsecs", "forty GiB", "-4GiB", "0", 0, -1.0, True, "4 0GiB", "inf"])
+def test_parse_budget_errors(bad):
+    with pytest.raises(ValueError, match="memory budget"):
+        parse_budget(bad)
+
+
+# -- the ladder ---------------------------------------------------------------------------------
+
+
+def _key(config) -> tuple:
+    return tuple(sorted((k, v) for k, v in config.items() if v not in (None, False)))
+
+
+class FakeMeasure:
+    """Deterministic peaks/times per config; ``table`` maps a label-ish key to (peak, ms) or an exception."""
+
+    def __init__(self, by_label: dict[str, object], default=(100.0, 1.0)):
+        self.by_config = {}
+        self.default = default
+        for label, config in LADDER:
+            self.by_config[_key(config)] = by_label.get(label, default)
+        self.extra = {k: v for k, v in by_label.items() if isinstance(k, tuple)}
+        self.calls: list[dict] = []
+
+    def __call__(self, config):
+        self.calls.append(dict(config))
+        key = _key(config)
+        value = self.extra.get(key, self.by_config.get(key, self.default))
+        if isinstance(value, BaseException):
+            raise value
+        return value
+
+
+LADDER_VALUES = {
+    "off": (60.0, 100.0),
+    "torch-ffn": (40.0, 110.0),
+    "torch": (20.0, 130.0),
+    "unsloth-ffn": (30.0, 125.0),
+    "unsloth": (5.0, 140.0),
+    "attention offload": (45.0, 120.0),
+    "torch-ffn + attention offload": (25.0, 128.0),
+    "unsloth-ffn + attention offload": (18.0, 135.0),
+}
+
+
+def test_picks_off_when_it_fits():
+    fake = FakeMeasure(LADDER_VALUES)
+    advice = advise(None, {}, "80GiB", measure=fake, static_gib=10.0)
+    assert advice.chosen.label == "off"
+    assert advice.config == {"gradient_checkpointing": False}
+    assert len(fake.calls) == 1  # nothing can beat no checkpointing
+    assert all(t.status == "not tried" for t in advice.trials[1:])
+    assert json.loads(advice.to_json()) == {"gradient_checkpointing": False}
+
+
+def test_fastest_fitting_rung_wins():
+    # static 10: off (70) and attention offload (55) miss 50; torch-ffn (50) fits and is fastest
+    advice = run_ladder(FakeMeasure(LADDER_VALUES), 50.0, 10.0, supports_interval=False)
+    assert advice.chosen.label.startswith("torch-ffn")
+    by = {t.label: t for t in advice.trials}
+    assert by["off"].status == "over budget"
+    assert by["off"].reason == "over budget by 20.00 GiB"
+    assert by["attention offload"].reason == "over budget by 5.00 GiB"
+    assert "slower than chosen" in by["torch"].reason
+
+
+def test_climbs_to_unsloth_when_needed():
+    values = dict(LADDER_VALUES)
+    fake = FakeMeasure(values, default=(50.0, 200.0))  # win-back strides keep too much
+    advice = run_ladder(fake, 16.0, 10.0)
+    assert advice.chosen.label == "unsloth"
+    assert advice.config == {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth"}
+    by = {t.label: t for t in advice.trials}
+    assert by["torch"].reason == "over budget by 14.00 GiB"
+    # win-back was tried on the unsloth backend and missed; sparser strides then skipped
+    assert by["unsloth, interval 2"].status == "over budget"
+    assert by["unsloth, 3 of every 4 blocks"].status == "over budget"
+    assert by["unsloth, every other block"].status == "not tried"
+    assert "denser setting" in by["unsloth, every other block"].reason
+
+
+def test_interval_win_back():
+    unsloth = dict(LADDER[4][1])
+    interval2 = {**unsloth, "gradient_checkpointing_interval": 2}
+    stride2 = {**unsloth, "gradient_checkpointing_interval": 1, "gradient_checkpointing_segment_stride": 2}
+    stride34 = {**unsloth, "gradient_checkpointing_interval": 3, "gradient_checkpointing_segment_stride": 4}
+    stride4 = {**unsloth, "gradient_checkpointing_interval": 1, "gradient_checkpointing_segment_stride": 4}
+    values = {
+        **LADDER_VALUES,
+        _key(interval2): (5.5, 138.0),
+        _key(stride34): (6.0, 137.0),
+        _key(stride2): (7.0, 120.0),
+        _key(stride4): (9.0, 105.0),  # misses the budget
+    }
+    advice = run_ladder(FakeMeasure(values), 18.0, 10.0)
+    assert advice.chosen.label == "unsloth, every other block"
+    assert advice.config == stride2
+    by = {t.label: t for t in advice.trials}
+    assert by["unsloth"].reason == "fits, but slower than chosen (140.0 ms vs 120.0 ms)"
+    assert by["unsloth, 1 of every 4 blocks"].reason == "over budget by 1.00 GiB"
+
+
+def test_no_interval_step_for_ffn_backends_or_unsupported_families():
+    fake = FakeMeasure(LADDER_VALUES, default=(1000.0, 1.0))
+    advice = run_ladder(fake, 50.0, 10.0)  # torch-ffn chosen: interval does not group FFN regions
+    assert not any("interval 2" in t.label for t in advice.trials)
+    fake = FakeMeasure(LADDER_VALUES, default=(1000.0, 1.0))
+    advice = run_ladder(fake, 16.0, 10.0, supports_interval=False)
+    assert advice.chosen.label == "unsloth"
+    assert not any("interval 2" in t.label for t in advice.trials)
+
+
+def test_oom_and_unsupported_are_recorded():
+    values = {
+        **LADDER_VALUES,
+        "off": torch.OutOfMemoryError("CUDA out of memory"),
+        "attention offload": UnsupportedStrategyError("family 'x' has no attention submodules"),
+    }
+    advice = run_ladder(FakeMeasure(values, default=(1000.0, 1.0)), 50.0, 10.0)
+    by = {t.label: t for t in advice.trials}
+    assert by["off"].status == "OOM"
+    assert by["off"].reason == "out of memory while measuring"
+    assert by["attention offload"].status == "unsupported"
+    assert "no attention submodules" in by["attention offload"].reason
+    assert advice.chosen.label == "torch-ffn"
+    assert "OOM" in advice.report() and "->" in advice.report()
+
+
+def test_other_errors_propagate():
+    with pytest.raises(KeyError):
+        run_ladder(FakeMeasure({"off": KeyError("bug")}), 50.0)
+
+
+def test_nothing_fits_says_by_how_much():
+    with pytest.raises(NoFitError) as info:
+        advise(None, {}, "12GiB", measure=FakeMeasure(LADDER_VALUES), static_gib=10.0)
+    message = str(info.value)
+    assert "smallest activation peak seen was 5.00 GiB (unsloth)" in message
+    assert "3.00 GiB over budget" in message
+    assert info.value.advice.chosen is None
+    assert len(info.value.advice.trials) == len(LADDER)
+    with pytest.raises(GradseamError, match="nothing fits"):
+        _ = info.value.advice.config
+
+
+def test_nothing_measurable():
+    oom = torch.OutOfMemoryError("CUDA out of memory")
+    with pytest.raises(NoFitError, match="no strategy could be measured"):
+        advise(None, {}, 40, measure=FakeMeasure({}, default=oom))
+
+
+def test_to_dict_is_json():
+    advice = run_ladder(FakeMeasure(LADDER_VALUES), 50.0, 10.0)
+    data = json.loads(json.dumps(advice.to_dict()))
+    assert data["recommended"] == advice.config
+    assert len(data["trials"]) == len(advice.trials)
+
+
+def test_advise_needs_cuda_for_a_real_model():
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU-only error")
+    model = torch.nn.Linear(4, 4)  # the device check comes first, so any CPU module shows it
+    with pytest.raises(GradseamError, match="needs the model on a CUDA GPU"):
+        advise(model, {"input": torch.randn(2, 4)}, "40GiB")
+
+
+def test_bad_budget_fails_before_measuring():
+    fake = FakeMeasure(LADDER_VALUES)
+    with pytest.raises(ValueError, match="memory budget"):
+        advise(None, {}, "lots", measure=fake)
+    assert fake.calls == []
+
+
+# -- real-size workloads (preset builders) ------------------------------------------------------
+
+
+def _tiny(family, config, inputs):
+    from dataclasses import replace
+
+    from gradseam import Preset
+
+    preset = family.presets[next(iter(family.presets))]
+    return replace(family, presets={"tiny": Preset("tiny", config, inputs, preset.make_inputs)})
+
+
+TINY = {
+    "flux": (
+        {"in_channels": 4, "num_layers": 2, "num_single_layers": 3, "attention_head_dim": 8,
+         "num_attention_heads": 2, "joint_attention_dim": 16, "pooled_projection_dim": 8, "axes_dims_rope": [2, 2, 4]},
+        {"image_tokens": 16, "text_tokens": 8},
+    ),
+    "wan": (
+        {"num_attention_heads": 2, "attention_head_dim": 8, "in_channels": 4, "out_channels": 4, "text_dim": 16,
+         "freq_dim": 16, "ffn_dim": 32, "num_layers": 3, "rope_max_seq_len": 32},
+        {"frames": 5, "height": 32, "width": 32},
+    ),
+    "zimage": (
+        {"in_channels": 4, "dim": 32, "n_layers": 3, "n_refiner_layers": 2, "n_heads": 2, "n_kv_heads": 2,
+         "cap_feat_dim": 16, "axes_dims": [4, 6, 6], "axes_lens": [256, 16, 16]},
+        {"image_tokens": 16, "text_tokens": 7},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_workload_builds_truncates_and_steps(name):
+    from gradseam.workloads import build, find_family, grad_leaves, make_step, sequence_length
+
+    family = _tiny(find_family(name), *TINY[name])
+    workload = build(family, "tiny", layers=1, device="cpu", dtype=torch.float32)
+    assert workload.truncated and all(kept == 1 for kept, _ in workload.truncated.values())
+    assert "layers truncated" in workload.label(16)
+    assert not any(p.requires_grad for p in workload.model.parameters())
+    inputs = workload.inputs()
+    leaves = grad_leaves(inputs)
+    assert leaves and all(t.dtype == torch.float32 for t in leaves)
+    assert sequence_length(workload.model, workload.family, inputs) > 0
+    make_step(workload.model, inputs)()
+    assert all(t.grad is not None for t in leaves)
+    assert workload.inputs(tokens=64) is not None
+
+
+def test_every_builtin_preset_has_an_input_builder():
+    import gradseam
+
+    for family in gradseam.families():
+        for name, preset in family.presets.items():
+            assert preset.make_inputs is not None, (family.name, name)
+
+
+def test_unknown_family_and_preset():
+    from gradseam.workloads import build, find_family, find_preset
+
+    with pytest.raises(GradseamError, match="no installed family 'nope'"):
+        find_family("nope")
+    with pytest.raises(GradseamError, match="has no preset 'x'.*dev-1024"):
+        find_preset(find_family("flux"), "x")
+    import diffusers
+
+    if not hasattr(diffusers, "MageFlowTransformer2DModel"):
+        with pytest.raises(GradseamError, match="can be imported from the installed diffusers"):
+            build("mageflow", device="meta")
