@@ -53,6 +53,7 @@ from torch import nn
 
 MIN_OFFLOAD_BYTES = 1 << 20  # smaller tensors cost more in launch and bookkeeping than they save
 _WHOLE_STORAGE_FACTOR = 4  # copy the whole storage when a view covers at least 1/4 of it
+_ALIGN = 512  # the caching allocator's block alignment
 KEEP_RECENT = 1  # closed groups whose GPU sources stay referenced (see OffloadEngine._close)
 
 
@@ -247,7 +248,8 @@ class OffloadEngine:
     def __reduce__(self) -> tuple[Any, ...]:
         # A deep-copied or unpickled model gets a fresh engine with the same settings: buffers,
         # streams, locks and in-flight groups belong to the process and the steps that made them.
-        return (_fresh_engine, (self.pool.max_buckets, self.min_bytes, self.test_mode))
+        model = self._model() if getattr(self, "_model", None) is not None else None
+        return (_fresh_engine, (self.pool.max_buckets, self.min_bytes, self.test_mode, model))
 
     # -- streams ---------------------------------------------------------------------------
     def _side_streams(self, device: torch.device) -> tuple[Any, Any]:
@@ -317,6 +319,8 @@ class OffloadEngine:
         span_hi = span_lo + (1 + sum((s - 1) * st for s, st in zip(t.size(), t.stride()) if s > 0)) * item
         if storage.nbytes() <= _WHOLE_STORAGE_FACTOR * (span_hi - span_lo):
             span_lo, span_hi = 0, storage.nbytes()
+        else:  # keep the view's alignment in the reloaded copy (kernels pick vector widths by address)
+            span_lo -= span_lo % _ALIGN
         key = (storage.data_ptr(), span_lo, span_hi)
         stored = group.by_storage.get(key)
         if stored is None:
@@ -449,8 +453,11 @@ class OffloadEngine:
                 "loads": self.loads}
 
 
-def _fresh_engine(max_buckets: int, min_bytes: int, device_test_mode: bool) -> OffloadEngine:
-    return OffloadEngine(max_buckets, min_bytes=min_bytes, device_test_mode=device_test_mode)
+def _fresh_engine(max_buckets: int, min_bytes: int, device_test_mode: bool, model: nn.Module | None) -> OffloadEngine:
+    engine = OffloadEngine(max_buckets, min_bytes=min_bytes, device_test_mode=device_test_mode)
+    if model is not None:  # the copy of the watched model (deepcopy and pickle map it through their memo)
+        engine.watch(model)
+    return engine
 
 
 # -- what the patcher installs ----------------------------------------------------------------

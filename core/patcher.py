@@ -7,7 +7,6 @@ backend on a family without an FFN boundary, say) raises before the model is tou
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -210,7 +209,8 @@ def _check_offload_device(model: nn.Module, config: CheckpointConfig) -> None:
     device = _model_device(model)
     if wants and device == "cpu" and not cpu_allowed():
         raise UnsupportedStrategyError(
-            f"{' and '.join(wants)} move activations from GPU to CPU memory and need a CUDA model, but "
+            f"{' and '.join(wants)} {'moves' if len(wants) == 1 else 'move'} activations from GPU to CPU "
+            f"memory and {'needs' if len(wants) == 1 else 'need'} a CUDA model, but "
             f"{type(model).__name__} is on the CPU. Move the model to a GPU first (model.to('cuda')), "
             "or use backend 'torch' / 'torch-ffn' on the CPU."
         )
@@ -236,7 +236,45 @@ class _GuardedEnable:
         self.handle._deferred = (self.enable, args, kwargs)
 
 
-_HANDLES: weakref.WeakKeyDictionary[nn.Module, PatchHandle] = weakref.WeakKeyDictionary()
+class _ModelHooks:
+    """A forward pre-hook and always-called forward hook on the patched model itself.
+
+    It ties the model to its handle: :func:`handle_of` finds it among the model's hooks. Living
+    in the model, it goes wherever the model goes: ``copy.deepcopy`` and pickling give a patched
+    copy its own handle (re-patching the copy replaces, never stacks), and nothing global keeps
+    a patched model alive. Around every forward it also resets each chain, dropping what a chain
+    holds between its head and its later members: when a forward stops in between (an exception
+    in a hook, or in the model's code between two blocks), those outputs, and through their
+    graph the step's activations, would otherwise stay referenced until the chain next runs.
+    An exception resets at once; a ``KeyboardInterrupt`` (torch runs always-called hooks for
+    ``Exception`` only) at the start of the next forward.
+    """
+
+    def __init__(self, handle: PatchHandle) -> None:
+        self.handle = handle
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any = None) -> None:
+        for chain in self.handle._chains:
+            chain.reset()
+        if output is None:  # before the forward
+            self.handle._follow()
+
+
+class _Slot:
+    """Where a seam on a block's submodule sits, so that a replaced submodule can be followed.
+
+    PEFT (``add_adapter``, ``get_peft_model``) replaces each targeted ``nn.Linear`` with a LoRA
+    layer that calls the original as its ``base_layer``. A seam on the Linear itself (Flux's
+    single-block FFN seam starts at ``proj_mlp``) would then see only the base output, the chain
+    would fall back to per-member regions and stop saving memory. Before each forward the handle
+    checks each slot and moves the seam to whatever module now sits there (and back on unload).
+    """
+
+    __slots__ = ("chain", "index", "name", "parent", "seam", "where")
+
+    def __init__(self, parent: nn.Module, name: str, seam: seams.SeamForward, chain: Chain | None, index: int,
+                 where: str) -> None:
+        self.parent, self.name, self.seam, self.chain, self.index, self.where = parent, name, seam, chain, index, where
 
 
 class PatchHandle:
@@ -249,6 +287,9 @@ class PatchHandle:
         self.config = plan.config
         self._seams: list[seams.SeamForward] = []
         self._flags: list[tuple[nn.Module, bool]] = []
+        self._chains: list[Chain] = []
+        self._slots: list[_Slot] = []
+        self._hooks: list[Any] = []
         self._deferred: tuple[bool, tuple, dict] | None = None
         self.engine: Any = None  # the OffloadEngine, for offload configurations
         self.active = False
@@ -273,12 +314,14 @@ class PatchHandle:
             )
 
             self.engine = engine_for(config.pin_buckets)
+            self.engine.watch(model)
             attention_offload = AttentionOffload(self.engine)
             if config.offloads_regions:
                 runner = Runner(saved_hooks=RegionOffload(self.engine))
         for region in self.plan.regions:
             if region.kind == "attention-offload":
                 self._seams.append(seams.install(region.modules[0], attention_offload))
+                self._watch(region, 0, self._seams[-1], None)
                 continue
             if region.kind == "chunk":
                 block_list = next(bl for bl in self.family.block_lists if bl.path == region.list_path)
@@ -291,7 +334,43 @@ class PatchHandle:
                 seam = seams.install(module, chain.handler(index))
                 chain.attach(index, seam.original)
                 self._seams.append(seam)
+                if region.kind == "ffn":
+                    self._watch(region, index, seam, chain)
+            self._chains.append(chain)
+        hooks = _ModelHooks(self)
+        self._hooks = [model.register_forward_pre_hook(hooks), model.register_forward_hook(hooks, always_call=True)]
         self.active = True
+
+    def _watch(self, region: Region, index: int, seam: seams.SeamForward, chain: Chain | None) -> None:
+        block = _resolve(self.model, region.list_path)[region.blocks[0]]
+        parent_path, _, name = region.seam[index].rpartition(".")
+        parent = _resolve(block, parent_path) if parent_path else block
+        where = f"{region.list_path}[{region.blocks[0]}].{region.seam[index]}"
+        self._slots.append(_Slot(parent, name, seam, chain, index, where))
+
+    def _follow(self) -> None:
+        """Move each submodule seam to the module now at its place, if something replaced it."""
+        for slot in self._slots:
+            old = slot.seam
+            current = slot.parent._modules.get(slot.name)
+            if current is old.module:
+                continue
+            if current is None:
+                raise UnsupportedModelError(
+                    f"{type(self.model).__name__}.{slot.where} was removed after gradseam patched it; "
+                    "patch the model again (gradseam.patch replaces the old patch)."
+                )
+            handler = old.handler
+            seams.uninstall(old)
+            new = seams.install(current, handler)  # type: ignore[arg-type]
+            if slot.chain is not None:
+                slot.chain.members[slot.index] = current
+                slot.chain.attach(slot.index, new.original)
+            for region in self.plan.regions:
+                if any(m is old.module for m in region.modules):
+                    region.modules = tuple(current if m is old.module else m for m in region.modules)
+            self._seams[next(i for i, s in enumerate(self._seams) if s is old)] = new
+            slot.seam = new
 
     def remove(self) -> None:
         """Restore the model exactly as it was (idempotent)."""
@@ -312,8 +391,11 @@ class PatchHandle:
                 *args, **kwargs
             )
             self._deferred = None
-        if _HANDLES.get(self.model) is self:
-            del _HANDLES[self.model]
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self._chains.clear()
+        self._slots.clear()
         self.active = False
 
     def __enter__(self) -> PatchHandle:
@@ -369,16 +451,18 @@ def family_for(model: nn.Module) -> Family:
     return family
 
 
-def patch_model(model: nn.Module, config: CheckpointConfig) -> PatchHandle:
+def patch_model(model: nn.Module, config: CheckpointConfig, *, check_device: bool = True) -> PatchHandle:
+    # check_device=False: load-time patching (gradseam.patching), where loaders build models on the
+    # CPU before the user moves them; the offload engine only moves CUDA tensors, so that is safe.
     family = family_for(model)
-    previous = _HANDLES.get(model)
+    previous = handle_of(model)
     the_plan = plan(model, family, config)  # raises before anything is touched
-    _check_offload_device(model, config)
+    if check_device:
+        _check_offload_device(model, config)
     if previous is not None:
         previous.remove()  # a second patch replaces the first, never stacks
     handle = PatchHandle(model, the_plan)
     handle._install()
-    _HANDLES[model] = handle
     return handle
 
 
@@ -424,4 +508,7 @@ def patch(
 
 def handle_of(model: nn.Module) -> PatchHandle | None:
     """The active gradseam handle of a model, if it is patched."""
-    return _HANDLES.get(model)
+    for hook in getattr(model, "_forward_pre_hooks", {}).values():
+        if isinstance(hook, _ModelHooks) and hook.handle.active and hook.handle.model is model:
+            return hook.handle
+    return None

@@ -184,6 +184,15 @@ class Chain:
         self._next = 0
         self._head: inspect.BoundArguments | None = None
 
+    def reset(self) -> None:
+        """Drop the outputs kept for later members (the patcher calls this around every model forward)."""
+        self._reset()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (deepcopy, pickle) starts with nothing in flight: kept outputs are graph tensors
+        # of a step that belongs to the original and cannot be deep-copied anyway.
+        return {**self.__dict__, "_kept": [], "_next": 0, "_head": None}
+
     def handler(self, index: int) -> Callable[[Original, tuple, dict], Any]:
         return _MemberHandler(self, index)
 

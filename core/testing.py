@@ -76,7 +76,9 @@ def count_saved_bytes(params: set[int]) -> Iterator[list[int]]:
             if key not in seen and storage.nbytes() > 0:
                 seen.add(key)
                 total[0] += storage.nbytes()
-        return t
+        # Not ``t`` itself: a saved output holding itself would form a cycle through autograd's C++
+        # graph that Python's GC cannot see, leaking every graph that backward never frees.
+        return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield total
