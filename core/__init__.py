@@ -7,12 +7,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from .advise import advise  # eager: a lazy wrapper would be shadowed by the submodule on first import
 from .config import BACKENDS, CheckpointConfig
 from .errors import GradseamError, PluginConflictError, UnsupportedModelError, UnsupportedStrategyError
 from .family import BlockClass, BlockList, Carry, Family, Preset
 from .hookspecs import hookimpl
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
     from .patcher import PatchHandle, PipelineHandle
     from .registry import Installed
 
@@ -30,11 +33,14 @@ __all__ = [
     "Preset",
     "UnsupportedModelError",
     "UnsupportedStrategyError",
+    "advise",
     "families",
     "handle_of",
+    "handles",
     "hookimpl",
     "installed",
     "patch",
+    "patching",
     "register",
     "unregister",
 ]
@@ -56,6 +62,25 @@ def handle_of(model: Any) -> PatchHandle | None:
     from .patcher import handle_of as _handle_of
 
     return _handle_of(model)
+
+
+def patching(config: Any = None, **kwargs: Any) -> AbstractContextManager[list[PatchHandle]]:
+    """Patch every diffusers model loaded inside the block (``from_pretrained``, ``from_single_file``).
+
+    ``with gradseam.patching(config): pipe = FluxPipeline.from_pretrained(...)`` patches each loaded
+    model or pipeline component an installed family handles, and leaves the rest alone. Leaving the
+    block restores the loaders; the models keep their patches. Yields the handles made in the block.
+    """
+    from .loading import patching as _patching
+
+    return _patching(config, **kwargs)
+
+
+def handles(target: Any) -> PatchHandle | PipelineHandle | None:
+    """The handle of a patched model, a handle over a pipeline's patched components, or None."""
+    from .loading import handles as _handles
+
+    return _handles(target)
 
 
 def families() -> list[Family]:

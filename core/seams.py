@@ -4,12 +4,22 @@ Setting ``module.forward`` on the instance shadows the class method, so ``nn.Mod
 (and with it every registered hook) keeps working, nothing is copied from the model's code, and
 ``state_dict()`` never sees a new key. The installed object is a plain class instance rather
 than a closure so that ``copy.deepcopy`` and pickling carry it over to the copy correctly.
+
+Wrappers installed on the same module *after* gradseam (diffusers' layerwise casting and group
+offloading hooks, accelerate's hooks) sit outside the seam: their pre/post work (cast the weights
+to the compute dtype, onload them) runs around the seam's call. A checkpoint recomputing the
+module in backward, or a chain computing a later member ahead of its call, does not go through
+the seam's call, so :class:`Original` routes such calls through the module's current outer
+``forward`` (the wrappers), with the seam passing straight through, exactly as the model's own
+call ran it.
 """
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Protocol
 
+import torch
 from torch import nn
 
 
@@ -17,16 +27,47 @@ class Handler(Protocol):
     def __call__(self, call: Original, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
 
 
+class _Calls(threading.local):
+    def __init__(self) -> None:
+        self.running: list[SeamForward] = []  # seams whose handler runs on this thread, innermost last
+        self.bypass: list[SeamForward] = []  # seams an outer wrapper is being re-entered for
+
+
+_calls = _Calls()
+
+
+def _has(stack: list[SeamForward], seam: SeamForward) -> bool:
+    return any(s is seam for s in stack)
+
+
 class Original:
-    """Calls whatever ``forward`` the module had before gradseam wrapped it."""
+    """Calls whatever ``forward`` the module had before gradseam wrapped it.
 
-    __slots__ = ("module", "previous")
+    Called from inside the seam's own call, that is exactly the previous ``forward``. Called from
+    outside it (a recompute in backward, a chain running this member ahead) while something has
+    wrapped the module after gradseam, it goes through those wrappers too; see the module docstring.
+    """
 
-    def __init__(self, module: nn.Module, previous: Any) -> None:
+    __slots__ = ("module", "previous", "seam")
+
+    def __init__(self, module: nn.Module, previous: Any, seam: SeamForward | None = None) -> None:
         self.module = module
         self.previous = previous  # an instance-level forward someone installed before us, or None
+        self.seam = seam
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        seam = self.seam
+        if seam is not None and not torch.compiler.is_compiling():
+            outer = self.module.__dict__.get("forward")
+            if outer is not None and outer is not seam and not _has(_calls.running, seam):
+                _calls.bypass.append(seam)
+                try:
+                    return outer(*args, **kwargs)
+                finally:
+                    _calls.bypass.pop()
+        return self.direct(*args, **kwargs)
+
+    def direct(self, *args: Any, **kwargs: Any) -> Any:
         if self.previous is not None:
             return self.previous(*args, **kwargs)
         return type(self.module).forward(self.module, *args, **kwargs)
@@ -36,14 +77,24 @@ class SeamForward:
     """The object installed as ``module.forward``; delegates to a strategy handler."""
 
     def __init__(self, module: nn.Module, handler: Handler | None) -> None:
-        self.original = Original(module, module.__dict__.get("forward"))
+        self.original = Original(module, module.__dict__.get("forward"), self)
         self.handler = handler
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         handler = self.handler
-        if handler is None:  # removed while something installed later still points at us
-            return self.original(*args, **kwargs)
-        return handler(self.original, args, kwargs)
+        if handler is None:  # removed while something installed later still pointed at us
+            if self.module.__dict__.get("forward") is self:  # ...and it has since put us back: unlink
+                _unlink(self)
+            return self.original.direct(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            return handler(self.original, args, kwargs)
+        if _calls.bypass and _has(_calls.bypass, self):  # re-entered through an outer wrapper
+            return self.original.direct(*args, **kwargs)
+        _calls.running.append(self)
+        try:
+            return handler(self.original, args, kwargs)
+        finally:
+            _calls.running.pop()
 
     @property
     def module(self) -> nn.Module:
@@ -62,13 +113,17 @@ def uninstall(seam: SeamForward) -> None:
     If something else wrapped the module after us, we cannot unlink ourselves from its chain,
     so we turn into a pass-through instead: behaviour is restored either way.
     """
-    module = seam.module
-    if module.__dict__.get("forward") is seam:
-        if seam.original.previous is None:
-            del module.forward
-        else:
-            module.forward = seam.original.previous  # type: ignore[method-assign]
+    if seam.module.__dict__.get("forward") is seam:
+        _unlink(seam)
     seam.handler = None
+
+
+def _unlink(seam: SeamForward) -> None:
+    module = seam.module
+    if seam.original.previous is None:
+        del module.forward
+    else:
+        module.forward = seam.original.previous  # type: ignore[method-assign]
 
 
 def installed_seam(module: nn.Module) -> SeamForward | None:
