@@ -215,7 +215,7 @@ def advise(
             "->" if t is result.chosen else "", t.label,
             f"{t.peak_gib:.2f}" if t.peak_gib is not None else "-",
             f"{t.step_ms:.1f}" if t.step_ms is not None else "-",
-            t.status + (f": {t.reason}" if t.reason else ""),
+            t.reason or t.status,  # the reason already says the status in words
         )
     console.print(table)
     if json_path is not None:

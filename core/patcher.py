@@ -127,7 +127,7 @@ def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
             "declares none; turn attention offload off for this model."
         )
     if config.enabled and config.gradient_checkpointing_interval and config.interval > 1:
-        if config.ffn_scope:
+        if config.ffn_scope and config.stride is None:
             _warn_once(
                 f"gradient_checkpointing_interval={config.interval} does not group FFN regions (attention "
                 f"sits between them); with {config.backend!r} the interval only selects blocks through "

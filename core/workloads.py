@@ -172,6 +172,11 @@ def build(
     preset_name, the_preset = find_preset(fam, preset)
     cls = model_class(fam)
     device = torch.device(device)
+    if device.type == "cuda":
+        # On the H200 used for docs/benchmarks.md (torch 2.11 + CUDA 13), cuDNN's attention backward
+        # failed for Flux's real shapes even without gradseam ("Expected mha_graph.execute(...)", then
+        # illegal memory accesses); the flash kernel serves every family, so the workloads use it.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     torch.manual_seed(seed)
     with torch.device(device):
         model = cls(**the_preset.config)
