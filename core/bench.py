@@ -6,6 +6,31 @@ every comparison shares one machine state. Protocol (the anchors'): bf16, frozen
 stack input requires grad, loss ``out.float().square().mean()``, one warm-up step, then the
 median of the timed steps; the activation peak is ``max_memory_allocated`` over the timed steps
 minus what was allocated before them.
+
+Without CUDA (or with ``device="cpu"``) the synthetic workload runs on the CPU in float32 at a
+small size (:data:`CPU_SHAPES`): the rows that only use torch (no checkpointing, the
+``torch.utils.checkpoint`` references, gradseam's ``torch``/``torch-ffn``/interval rows) are
+measured, and the memory column is the bytes autograd keeps between forward and backward
+(counted with saved-tensor hooks, as ``gradseam demo`` does), not an allocator peak. The rows in
+:data:`CUDA_ONLY_ROWS` (pinned-memory offload and its references) are reported with the status
+``"needs CUDA"``.
+
+The JSON written by ``gradseam bench`` (see :func:`payload`)::
+
+    {
+      "title": str,            # also the table/chart title; says "CPU" on the CPU
+      "device": "cuda" | "cpu",
+      "memory": str,           # what peak_gib measures (MEMORY_GPU or MEMORY_CPU)
+      "family": str | null, "preset": str | null, "layers": int | null, "steps": int,
+      "rows": [                # one per (workload, strategy), in sweep order
+        {"workload": str, "tokens": int, "strategy": str,
+         "peak_gib": float | null,       # null unless status == "ok"
+         "step_ms": float | null,        # median of the timed steps
+         "status": str,                  # "ok", "OOM", "needs CUDA", "unsupported: ...", "error: ..."
+         "pinned_allocations_after_warmup": int | null,
+         "vs_none": float | null, "vs_torch": float | null}  # step-time ratios in the same workload
+      ]
+    }
 """
 
 from __future__ import annotations
@@ -26,6 +51,10 @@ from torch.utils.checkpoint import checkpoint
 import gradseam
 
 GiB = 1 << 30
+MiB = 1 << 20
+MEMORY_GPU = "activation peak: max_memory_allocated over the timed steps minus what was allocated before"
+MEMORY_CPU = "bytes autograd keeps between forward and backward (saved tensors, parameters excluded)"
+NEEDS_CUDA = "needs CUDA"
 
 # (label, gradseam config or None for a reference row)
 GRADSEAM_ROWS: list[tuple[str, dict[str, Any]]] = [
@@ -57,6 +86,11 @@ REFERENCE_ROWS = [
     "ref: naive unsloth",
     "ref: save_on_cpu",
 ]
+# Rows that copy activations to pinned host memory: reported as "needs CUDA" on the CPU.
+CUDA_ONLY_ROWS = frozenset({
+    "unsloth", "unsloth-ffn", "attention offload", "torch-ffn + attention offload",
+    "unsloth-ffn + attention offload", "ref: naive unsloth", "ref: save_on_cpu",
+})
 
 
 @dataclass
@@ -145,6 +179,21 @@ def measure(step: Callable[[], None], steps: int = 5) -> tuple[float, float]:
     return peak, statistics.median(times)
 
 
+def measure_cpu(step: Callable[[], int], steps: int = 2) -> tuple[float, float]:
+    """(GiB autograd keeps between forward and backward, median step ms) of a CPU ``step``.
+
+    ``step`` runs one forward + backward and returns the saved bytes it counted in its forward
+    (see :func:`gradseam.testing.count_saved_bytes`); the largest count of the timed steps is kept.
+    """
+    step()  # warm-up
+    times, kept = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        kept.append(step())
+        times.append((time.perf_counter() - start) * 1000)
+    return max(kept) / GiB, statistics.median(times)
+
+
 def _strategy_context(model: nn.Module, name: str, config: dict[str, Any] | None, blocks_attr: str) -> Any:
     if config is not None:
         return _Patched(model, config)
@@ -198,25 +247,41 @@ def run_rows(
     steps: int = 5,
     blocks_attr: str = "blocks",
     on_row: Callable[[Result], None] | None = None,
+    device: str = "cuda",
 ) -> list[Result]:
+    """Measure every row on ``model``; a failing cell becomes a row with a status, never an exception.
+
+    On ``device="cpu"`` the steps made by ``make_step`` return their saved bytes (see
+    :func:`measure_cpu`) and the rows in :data:`CUDA_ONLY_ROWS` are reported as "needs CUDA".
+    """
+    cpu = device == "cpu"
     results = []
     for name, config in rows:
+        if cpu and name in CUDA_ONLY_ROWS:
+            result = Result(workload, tokens, name, None, None, NEEDS_CUDA)
+            results.append(result)
+            if on_row is not None:
+                on_row(result)
+            continue
         gc.collect()
-        torch.cuda.empty_cache()
+        if not cpu:
+            torch.cuda.empty_cache()
         try:
             ctx = _strategy_context(model, name, config, blocks_attr)
             with ctx:
                 step = make_step()
-                peak, ms = measure(step, steps)
+                # looked up per call, so tests can replace measure / measure_cpu
+                peak, ms = (measure_cpu if cpu else measure)(step, steps)
                 pinned = None
                 handle = getattr(ctx, "handle", None)
                 engine = getattr(handle, "engine", None)
-                if engine is not None:
+                if engine is not None and not cpu:
                     before = engine.pool.pinned_allocations
                     step()
                     torch.cuda.synchronize()
                     pinned = engine.pool.pinned_allocations - before
-            result = Result(workload, tokens, name, round(peak, 3), round(ms, 1),
+            # CPU counts are small (a few MiB at the default size): keep enough digits
+            result = Result(workload, tokens, name, round(peak, 6 if cpu else 3), round(ms, 1),
                             pinned_allocations_after_warmup=pinned)
         except torch.OutOfMemoryError:
             result = Result(workload, tokens, name, None, None, "OOM")
@@ -235,39 +300,89 @@ def run_rows(
 # -- the synthetic workload ---------------------------------------------------------------------
 
 SYNTHETIC_SHAPES = [(8, 1024, 3072), (8, 4096, 3072), (8, 16384, 3072), (32, 3072, 4096)]
+# (blocks, tokens, dim) on the CPU: seconds, not minutes, for the whole sweep
+CPU_SHAPES = [(2, 256, 256)]
+CPU_STEPS = 2
 
 
-def synthetic(
-    shapes: list[tuple[int, int, int]] = SYNTHETIC_SHAPES,
-    rows: list[str] | None = None,
-    steps: int = 5,
-    on_row: Callable[[Result], None] | None = None,
-) -> list[Result]:
-    from .synthetic import SyntheticStack, ensure_registered
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
-    ensure_registered()
+
+def synthetic_rows(rows: list[str] | None = None) -> list[tuple[str, dict[str, Any] | None]]:
     chosen: list[tuple[str, dict[str, Any] | None]] = [(n, None) for n in REFERENCE_ROWS]
     chosen += [(n, c) for n, c in GRADSEAM_ROWS]
     if rows is not None:
         chosen = [r for r in chosen if r[0] in rows]
+    return chosen
+
+
+def synthetic(
+    shapes: list[tuple[int, int, int]] | None = None,
+    rows: list[str] | None = None,
+    steps: int | None = None,
+    on_row: Callable[[Result], None] | None = None,
+    device: str | None = None,
+) -> list[Result]:
+    """Every row on the synthetic stack: bf16 on the GPU, or float32 at :data:`CPU_SHAPES` on the CPU."""
+    from .synthetic import SyntheticStack, ensure_registered
+
+    device = device or default_device()
+    cpu = device == "cpu"
+    if shapes is None:
+        shapes = CPU_SHAPES if cpu else SYNTHETIC_SHAPES
+    if steps is None:
+        steps = CPU_STEPS if cpu else 5
+    dtype = torch.float32 if cpu else torch.bfloat16
+    ensure_registered()
+    chosen = synthetic_rows(rows)
     results = []
     for blocks, tokens, dim in shapes:
         torch.manual_seed(0)
-        with torch.device("cuda"):
-            model = SyntheticStack(blocks, dim).to(torch.bfloat16).requires_grad_(False)
-        x = torch.randn(1, tokens, dim, device="cuda", dtype=torch.bfloat16)
+        with torch.device(device):
+            model = SyntheticStack(blocks, dim).to(dtype).requires_grad_(False)
+        x = torch.randn(1, tokens, dim, device=device, dtype=dtype)
+        params = {id(p) for p in model.parameters()}
 
-        def make_step(model: nn.Module = model, x: torch.Tensor = x) -> Callable[[], None]:
+        def make_step(
+            model: nn.Module = model, x: torch.Tensor = x, params: set[int] = params
+        ) -> Callable[[], Any]:
             def step() -> None:
                 inp = x.detach().requires_grad_(True)
                 model(inp).float().square().mean().backward()
 
-            return step
+            def cpu_step() -> int:
+                from .testing import count_saved_bytes
+
+                inp = x.detach().requires_grad_(True)
+                with count_saved_bytes(params) as saved:
+                    out = model(inp)
+                out.float().square().mean().backward()
+                return saved[0]
+
+            return cpu_step if cpu else step
 
         workload = f"synthetic {blocks}x{tokens}x{dim}"
-        results += run_rows(workload, tokens, model, make_step, chosen, steps=steps, on_row=on_row)
+        results += run_rows(workload, tokens, model, make_step, chosen, steps=steps, on_row=on_row, device=device)
         del model, x
     return results
+
+
+def synthetic_title(device: str) -> str:
+    if device == "cpu":
+        return "gradseam bench (CPU, float32): synthetic block stack"
+    return "gradseam bench: synthetic block stack"
+
+
+def payload(
+    rows: list[dict[str, Any]], title: str, *, device: str = "cuda", family: str | None = None,
+    preset: str | None = None, layers: int | None = None, steps: int = 5,
+) -> dict[str, Any]:
+    """The JSON document ``gradseam bench`` writes (schema in this module's docstring)."""
+    return {
+        "title": title, "device": device, "memory": MEMORY_CPU if device == "cpu" else MEMORY_GPU,
+        "family": family, "preset": preset, "layers": layers, "steps": steps, "rows": rows,
+    }
 
 
 def real(
@@ -307,8 +422,11 @@ def real_rows(rows: list[str] | None = None) -> list[tuple[str, dict[str, Any] |
     return chosen
 
 
-def chart(rows: list[dict[str, Any]], path: Any, title: str = "gradseam bench") -> bool:
-    """Memory (x) vs step time (y), one point per strategy, one panel per workload; False without matplotlib."""
+def chart(rows: list[dict[str, Any]], path: Any, title: str = "gradseam bench", *, cpu: bool = False) -> bool:
+    """Memory (x) vs step time (y), one point per strategy, one panel per workload; False without matplotlib.
+
+    ``cpu=True``: x is the MiB autograd keeps for backward (``peak_gib`` of a CPU run).
+    """
     try:
         import matplotlib
     except ImportError:
@@ -323,10 +441,11 @@ def chart(rows: list[dict[str, Any]], path: Any, title: str = "gradseam bench") 
         failed = [r["strategy"] for r in rows if r["workload"] == workload and r["status"] != "ok"]
         for r in mine:
             ref = r["strategy"] == "none" or r["strategy"].startswith("ref:")
-            ax.scatter(r["peak_gib"], r["step_ms"], marker="s" if ref else "o", color="grey" if ref else "C0")
-            ax.annotate(r["strategy"], (r["peak_gib"], r["step_ms"]), fontsize=7, xytext=(4, 3),
+            x = r["peak_gib"] * GiB / MiB if cpu else r["peak_gib"]
+            ax.scatter(x, r["step_ms"], marker="s" if ref else "o", color="grey" if ref else "C0")
+            ax.annotate(r["strategy"], (x, r["step_ms"]), fontsize=7, xytext=(4, 3),
                         textcoords="offset points")
-        ax.set_xlabel("activation peak (GiB)")
+        ax.set_xlabel("kept for backward (MiB, CPU)" if cpu else "activation peak (GiB)")
         ax.set_ylabel("step time (ms)")
         ax.set_title(workload, fontsize=9)
         ax.grid(alpha=0.3)
@@ -354,9 +473,11 @@ def with_ratios(results: list[Result]) -> list[dict[str, Any]]:
     return out
 
 
-def to_markdown(rows: list[dict[str, Any]]) -> str:
+def to_markdown(rows: list[dict[str, Any]], *, cpu: bool = False) -> str:
+    """The rows as a markdown table; ``cpu=True`` shows the MiB kept for backward instead of the GiB peak."""
+    memory = "kept for backward MiB (CPU)" if cpu else "act. peak GiB"
     lines = [
-        "| workload | strategy | act. peak GiB | step ms | vs none | vs gradseam torch |",
+        f"| workload | strategy | {memory} | step ms | vs none | vs gradseam torch |",
         "|---|---|---:|---:|---:|---:|",
     ]
     last = None
@@ -368,8 +489,9 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
             continue
         vs_none = f"{r['vs_none']:.2f}" if r["vs_none"] is not None else ""
         vs_torch = f"{r['vs_torch']:.3f}" if r["vs_torch"] is not None else ""
+        peak = r["peak_gib"] * GiB / MiB if cpu else r["peak_gib"]
         lines.append(
-            f"| {workload} | {r['strategy']} | {r['peak_gib']:.2f} | {r['step_ms']:.1f} | {vs_none} | {vs_torch} |"
+            f"| {workload} | {r['strategy']} | {peak:.2f} | {r['step_ms']:.1f} | {vs_none} | {vs_torch} |"
         )
     return "\n".join(lines)
 
@@ -379,7 +501,7 @@ def main() -> None:  # python -m gradseam.bench [json-path]
 
     results = synthetic(on_row=lambda r: print(r, flush=True))
     rows = with_ratios(results)
-    print(to_markdown(rows))
+    print(to_markdown(rows, cpu=default_device() == "cpu"))
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:
             json.dump(rows, f, indent=1)

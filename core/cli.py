@@ -103,29 +103,56 @@ def _quiet_diffusers() -> None:
 
 @app.command()
 def bench(
-    family: Annotated[str | None, typer.Option(help="benchmark this family's real-size preset model (random weights)")] = None,
+    family: Annotated[str | None, typer.Option(help="benchmark this family's real-size preset model (random weights; needs CUDA)")] = None,
     preset: Annotated[str | None, typer.Option(help="the family's preset (default: its first)")] = None,
     layers: Annotated[int | None, typer.Option(min=1, help="keep only the first K blocks of every block list")] = None,
-    tokens: Annotated[list[int] | None, typer.Option(help="image/video tokens per workload (repeat for several; default: the preset's)")] = None,
+    tokens: Annotated[list[int] | None, typer.Option(min=1, help="tokens per workload (repeat for several; default: the preset's, or the synthetic shapes)")] = None,
     synthetic: Annotated[bool, typer.Option("--synthetic", help="the synthetic block stack (the default without --family)")] = False,
+    blocks: Annotated[int | None, typer.Option(min=1, help="synthetic stack: number of blocks (default 8 on GPU, 2 on CPU)")] = None,
+    dim: Annotated[int | None, typer.Option(min=1, help="synthetic stack: model width (default 3072 on GPU, 256 on CPU)")] = None,
+    device: Annotated[str | None, typer.Option(help="synthetic stack: cpu or cuda (default: cuda if available)")] = None,
     json_path: Annotated[Path, typer.Option("--json", help="where to write the results")] = Path("gradseam-bench.json"),
     png_path: Annotated[Path | None, typer.Option("--png", help="chart path (default: the JSON path with .png)")] = None,
-    steps: Annotated[int, typer.Option(min=1, help="timed steps per strategy (median reported)")] = 5,
+    steps: Annotated[int | None, typer.Option(min=1, help="timed steps per strategy, median reported (default 5 on GPU, 2 on CPU)")] = None,
 ) -> None:
-    """Benchmark every strategy: activation peak and step time (needs a CUDA GPU).
+    """Benchmark every strategy: memory and step time, side by side with the hand-written references.
 
-    Without --family: the synthetic block stack. With --family NAME [--preset P]: the family's
-    real-size model with random bf16 weights built on the GPU, frozen, latents requiring grad.
+    Without --family: the synthetic block stack; on a CUDA GPU in bf16 at four sizes (activation
+    peak), elsewhere on the CPU in float32 at 2 blocks x 256 tokens x 256 wide (the memory column
+    is then the bytes autograd keeps between forward and backward; offload rows need CUDA).
+    --blocks, --tokens and --dim pick one synthetic size. With --family NAME [--preset P]: the
+    family's real-size model with random bf16 weights built on the GPU (needs CUDA).
     """
+    import torch
+
     if synthetic and family:
         console.print("[red]--synthetic and --family exclude each other.[/red]")
         raise typer.Exit(2)
-    if family is None and (preset or layers or tokens):
-        console.print("[red]--preset, --layers and --tokens need --family.[/red]")
+    if family is None and (preset or layers):
+        console.print("[red]--preset and --layers need --family.[/red]")
         raise typer.Exit(2)
-    _need_cuda("bench")
+    if family is not None and (blocks or dim or device):
+        console.print("[red]--blocks, --dim and --device are for the synthetic stack; they exclude --family.[/red]")
+        raise typer.Exit(2)
+    if device not in (None, "cpu", "cuda"):
+        console.print(f"[red]--device: expected cpu or cuda, got {device!r}.[/red]")
+        raise typer.Exit(2)
+    if family is not None and not torch.cuda.is_available():
+        console.print(
+            "[red]gradseam bench --family builds the family's real-size model (billions of parameters) "
+            "and measures GPU memory and time, so it needs a CUDA GPU; none is available. Without "
+            "--family, `gradseam bench` runs the small synthetic stack on the CPU.[/red]"
+        )
+        raise typer.Exit(2)
+    if device == "cuda":
+        _need_cuda("bench --device cuda")
     from . import bench as b
 
+    dev = "cuda" if family is not None else (device or b.default_device())
+    cpu = dev == "cpu"
+    if steps is None:
+        steps = b.CPU_STEPS if cpu else 5
+    shapes = None
     if family is not None:
         from .workloads import find_family, find_preset
 
@@ -139,15 +166,18 @@ def bench(
         total = len(tokens or [None]) * len(b.real_rows())
         title = f"gradseam bench: {family} {preset}" + (f", first {layers} blocks of each list" if layers else "")
     else:
-        total = len(b.SYNTHETIC_SHAPES) * (len(b.REFERENCE_ROWS) + len(b.GRADSEAM_ROWS))
-        title = "gradseam bench: synthetic block stack"
+        if blocks or dim or tokens:
+            default_blocks, default_tokens, default_dim = (b.CPU_SHAPES if cpu else b.SYNTHETIC_SHAPES)[0]
+            shapes = [(blocks or default_blocks, t, dim or default_dim) for t in (tokens or [default_tokens])]
+        total = len(shapes or (b.CPU_SHAPES if cpu else b.SYNTHETIC_SHAPES)) * len(b.synthetic_rows())
+        title = b.synthetic_title(dev)
     with _progress() as progress:
         task = progress.add_task("building" if family else "bench", total=total)
 
         def on_row(result):
             progress.advance(task)
             progress.update(task, description=f"{result.workload}: {result.strategy}")
-            if result.status != "ok":
+            if result.status not in ("ok", b.NEEDS_CUDA):
                 progress.console.print(f"{result.strategy}: {result.status}")
 
         if family is not None:
@@ -158,15 +188,17 @@ def bench(
                 console.print(f"[red]{exc}[/red]")
                 raise typer.Exit(2) from None
         else:
-            results = b.synthetic(steps=steps, on_row=on_row)
+            results = b.synthetic(shapes, steps=steps, on_row=on_row, device=dev)
     rows = b.with_ratios(results)
-    payload = {"title": title, "family": family, "preset": preset, "layers": layers, "steps": steps, "rows": rows}
+    payload = b.payload(rows, title, device=dev, family=family, preset=preset, layers=layers, steps=steps)
     json_path.write_text(json.dumps(payload, indent=1))
     console.print(title)
-    console.print(b.to_markdown(rows))
+    console.print(b.to_markdown(rows, cpu=cpu))
+    if cpu:
+        console.print(f"memory: {b.MEMORY_CPU}; rows marked '{b.NEEDS_CUDA}' copy to pinned memory and need a GPU.")
     console.print(f"wrote {json_path}")
     png_path = png_path or json_path.with_suffix(".png")
-    if b.chart(rows, png_path, title):
+    if b.chart(rows, png_path, title, cpu=cpu):
         console.print(f"wrote {png_path}")
     else:
         console.print("matplotlib is not installed, so no chart was written (pip install 'gradseam[bench]').")

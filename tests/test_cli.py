@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -37,16 +38,16 @@ def test_help(command):
 
 def test_bench_help_mentions_the_real_workload_options():
     out = _invoke("bench", "--help").output
-    for option in ("--family", "--preset", "--layers", "--tokens", "--synthetic", "--json", "--png"):
+    for option in ("--family", "--preset", "--layers", "--tokens", "--synthetic", "--json", "--png", "--blocks",
+                   "--dim", "--device", "--steps"):
         assert option in out
 
 
 @no_cuda
-@pytest.mark.parametrize("args", [["bench"], ["bench", "--family", "flux", "--layers", "2"]])
-def test_bench_without_cuda_exits_2(args):
-    result = _invoke(*args)
+def test_bench_family_without_cuda_exits_2():
+    result = _invoke("bench", "--family", "flux", "--layers", "2")
     assert result.exit_code == 2
-    assert "needs a CUDA GPU" in result.output
+    assert "needs a CUDA GPU" in result.output and "real-size" in result.output
 
 
 def test_bench_option_errors():
@@ -54,6 +55,65 @@ def test_bench_option_errors():
     assert result.exit_code == 2 and "need --family" in result.output
     result = _invoke("bench", "--synthetic", "--family", "flux")
     assert result.exit_code == 2 and "exclude each other" in result.output
+    result = _invoke("bench", "--family", "flux", "--blocks", "2")
+    assert result.exit_code == 2 and "synthetic stack" in result.output
+    result = _invoke("bench", "--device", "tpu")
+    assert result.exit_code == 2 and "cpu or cuda" in result.output
+
+
+TINY_BENCH = ["bench", "--device", "cpu", "--blocks", "2", "--tokens", "64", "--dim", "128", "--steps", "1"]
+ROW_KEYS = {"workload", "tokens", "strategy", "peak_gib", "step_ms", "status", "pinned_allocations_after_warmup",
+            "vs_none", "vs_torch"}
+
+
+def _bench_json(tmp_path, *extra: str):
+    path = tmp_path / "bench.json"
+    result = _invoke(*TINY_BENCH, "--json", str(path), *extra)
+    assert result.exit_code == 0, result.output
+    return result, json.loads(path.read_text()), path
+
+
+def test_bench_synthetic_on_cpu_writes_json_and_png(tmp_path):
+    from gradseam.bench import CUDA_ONLY_ROWS, MEMORY_CPU, NEEDS_CUDA
+
+    result, doc, path = _bench_json(tmp_path)
+    # the documented schema (gradseam.bench's module docstring)
+    assert set(doc) == {"title", "device", "memory", "family", "preset", "layers", "steps", "rows"}
+    assert doc["device"] == "cpu" and "CPU" in doc["title"] and doc["memory"] == MEMORY_CPU
+    assert doc["family"] is None and doc["steps"] == 1
+    assert all(set(r) == ROW_KEYS for r in doc["rows"])
+    by = {r["strategy"]: r for r in doc["rows"]}
+    assert {r["workload"] for r in doc["rows"]} == {"synthetic 2x64x128"}
+    assert by["none"]["status"] == "ok" and by["none"]["vs_none"] == 1.0
+    assert by["torch"]["status"] == "ok" and by["torch"]["vs_torch"] == 1.0
+    assert 0 < by["torch"]["peak_gib"] < by["none"]["peak_gib"]
+    assert {n for n, r in by.items() if r["status"] == NEEDS_CUDA} == CUDA_ONLY_ROWS
+    assert all(r["status"] == "ok" for n, r in by.items() if n not in CUDA_ONLY_ROWS)
+    out = result.output
+    assert "CPU" in out and "kept for backward" in out and "| torch |" in out
+    assert "error" not in out
+    if importlib.util.find_spec("matplotlib"):
+        assert path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_oom_cell_is_reported_and_the_sweep_continues(tmp_path, monkeypatch):
+    from gradseam import bench
+
+    real, calls = bench.measure_cpu, []
+
+    def measure_cpu(step, steps):  # the 4th measured row is gradseam's "torch"
+        calls.append(1)
+        if len(calls) == 4:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(step, steps)
+
+    monkeypatch.setattr(bench, "measure_cpu", measure_cpu)
+    result, doc, _ = _bench_json(tmp_path, "--png", str(tmp_path / "oom.png"))
+    by = {r["strategy"]: r for r in doc["rows"]}
+    assert by["torch"]["status"] == "OOM" and by["torch"]["peak_gib"] is None
+    assert by["torch-ffn"]["status"] == by["torch, interval 2"]["status"] == "ok"  # rows after it still ran
+    assert len(calls) == 6
+    assert "torch: OOM" in result.output and "| torch | OOM |" in result.output
 
 
 @no_cuda

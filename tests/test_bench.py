@@ -1,0 +1,167 @@
+"""gradseam.bench on the CPU: the synthetic sweep, failing cells, the JSON payload, and advise's ladder
+driven by real CPU measurements (bytes kept for backward) of a tiny synthetic stack."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import gradseam
+from gradseam import bench as b
+from gradseam.advise import GiB, advise
+from gradseam.testing import count_saved_bytes
+
+MiB = 1 << 20
+TINY = [(2, 64, 128)]  # blocks, tokens, dim
+MEASURED = ["none", "ref: torch.utils.checkpoint", "ref: torch.utils.checkpoint (FFN)", "torch", "torch-ffn",
+            "torch, interval 2"]
+ROW_KEYS = {"workload", "tokens", "strategy", "peak_gib", "step_ms", "status", "pinned_allocations_after_warmup",
+            "vs_none", "vs_torch"}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return b.synthetic(TINY, steps=1, device="cpu")
+
+
+def test_cpu_sweep_measures_torch_rows_and_marks_offload_rows(results):
+    by = {r.strategy: r for r in results}
+    assert [r.strategy for r in results] == [n for n, _ in b.synthetic_rows()]
+    assert {r.workload for r in results} == {"synthetic 2x64x128"}
+    for name in MEASURED:
+        assert by[name].status == "ok", by[name]
+        assert by[name].peak_gib > 0 and by[name].step_ms > 0
+    for name in b.CUDA_ONLY_ROWS:
+        assert by[name].status == b.NEEDS_CUDA and by[name].peak_gib is None
+    # the memory column is bytes kept for backward: exact counts, so these compare exactly
+    assert by["torch"].peak_gib == by["ref: torch.utils.checkpoint"].peak_gib < by["torch-ffn"].peak_gib
+    assert by["torch-ffn"].peak_gib == by["ref: torch.utils.checkpoint (FFN)"].peak_gib < by["none"].peak_gib
+    assert by["torch, interval 2"].peak_gib < by["torch"].peak_gib
+
+
+def test_cpu_defaults_are_small():
+    assert b.CPU_SHAPES == [(2, 256, 256)] and b.CPU_STEPS == 2
+    assert "CPU" in b.synthetic_title("cpu") and "CPU" not in b.synthetic_title("cuda")
+
+
+def _fail_on(monkeypatch, strategy: str, exc: BaseException) -> list[int]:
+    """Replace measure_cpu so that the cell of ``strategy`` raises ``exc``; the others really measure."""
+    real = b.measure_cpu
+    calls = [0]
+    target = MEASURED.index(strategy)
+
+    def fake(step, steps):
+        calls[0] += 1
+        if calls[0] - 1 == target:
+            raise exc
+        return real(step, steps)
+
+    monkeypatch.setattr(b, "measure_cpu", fake)
+    return calls
+
+
+def test_oom_in_one_cell_is_a_row_and_the_sweep_continues(monkeypatch):
+    calls = _fail_on(monkeypatch, "torch", torch.OutOfMemoryError("CUDA out of memory (simulated)"))
+    seen = []
+    results = b.synthetic(TINY, steps=1, device="cpu", on_row=seen.append)
+    assert calls[0] == len(MEASURED)  # every measurable cell was tried
+    assert [r.strategy for r in seen] == [r.strategy for r in results]
+    by = {r.strategy: r for r in results}
+    assert by["torch"].status == "OOM" and by["torch"].peak_gib is None and by["torch"].step_ms is None
+    assert all(by[n].status == "ok" for n in MEASURED if n != "torch")
+    rows = b.with_ratios(results)
+    assert all(r["vs_torch"] is None for r in rows)  # no torch time to compare with
+    assert "| torch | OOM |" in b.to_markdown(rows, cpu=True)
+
+
+def test_other_errors_in_a_cell_are_recorded(monkeypatch):
+    _fail_on(monkeypatch, "torch-ffn", RuntimeError("boom"))
+    by = {r.strategy: r for r in b.synthetic(TINY, steps=1, device="cpu")}
+    assert by["torch-ffn"].status == "error: RuntimeError: boom"
+    assert by["torch, interval 2"].status == "ok"
+
+
+def test_payload_and_cpu_table_and_chart(results, tmp_path):
+    rows = b.with_ratios(results)
+    doc = json.loads(json.dumps(b.payload(rows, b.synthetic_title("cpu"), device="cpu", steps=1)))
+    assert set(doc) == {"title", "device", "memory", "family", "preset", "layers", "steps", "rows"}
+    assert doc["device"] == "cpu" and doc["memory"] == b.MEMORY_CPU and "CPU" in doc["title"]
+    assert all(set(r) == ROW_KEYS for r in doc["rows"])
+    text = b.to_markdown(rows, cpu=True)
+    assert "kept for backward MiB (CPU)" in text and "act. peak GiB" not in text
+    none = next(r for r in rows if r["strategy"] == "none")
+    assert f"| none | {none['peak_gib'] * GiB / MiB:.2f} |" in text
+    assert "act. peak GiB" in b.to_markdown(rows)
+    pytest.importorskip("matplotlib")
+    assert b.chart(rows, tmp_path / "cpu.png", "cpu", cpu=True)
+    assert (tmp_path / "cpu.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# -- advise, measured for real on the CPU -------------------------------------------------------
+
+
+def _cpu_measure(blocks: int = 4, tokens: int = 64, dim: int = 128):
+    """advise's ``measure=``: real bytes kept for backward, and as the "time" the number of attention +
+    FFN forwards a step starts (recomputation included; pre-hooks, since a recomputation stops early
+    inside the last module): deterministic, and what checkpointing costs.
+
+    advise rounds peaks to 0.001 GiB, too coarse for a tiny stack, so the peak is reported in MiB
+    (budgets in this test are then "GiB" numbers that mean MiB)."""
+    from gradseam.synthetic import SyntheticStack, ensure_registered
+
+    ensure_registered()
+    torch.manual_seed(0)
+    model = SyntheticStack(blocks, dim).requires_grad_(False)
+    x = torch.randn(1, tokens, dim)
+    params = {id(p) for p in model.parameters()}
+    forwards = [0]
+    for block in model.blocks:
+        for sub in (block.attn, block.ffn):
+            sub.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+
+    def measure(config):
+        backend = config.get("gradient_checkpointing_backend", "")
+        if backend.startswith("unsloth") or config.get("gradient_checkpointing_offload_attention"):
+            raise gradseam.UnsupportedStrategyError("pinned-memory offload needs CUDA")
+        handle = gradseam.patch(model, config) if config.get("gradient_checkpointing") else None
+        try:
+            forwards[0] = 0
+            inp = x.detach().requires_grad_(True)
+            with count_saved_bytes(params) as saved:
+                out = model(inp)
+            out.square().mean().backward()
+            return saved[0] / MiB, float(forwards[0])
+        finally:
+            if handle is not None:
+                handle.remove()
+
+    return measure
+
+
+def test_advise_with_a_real_cpu_measurement_picks_a_partial_stride():
+    measure = _cpu_measure()
+    kept = {label: measure(config)[0] for label, config in [
+        ("off", {"gradient_checkpointing": False}),
+        ("torch-ffn", {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"}),
+        ("torch", {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch"}),
+        ("3 of 4", {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch",
+                    "gradient_checkpointing_interval": 3, "gradient_checkpointing_segment_stride": 4}),
+        ("every other", {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch",
+                         "gradient_checkpointing_interval": 1, "gradient_checkpointing_segment_stride": 2}),
+    ]}
+    # a budget that no checkpointing and torch-ffn miss, torch meets, and that leaves room for
+    # leaving one block of four unchecked but not two
+    assert kept["torch"] < kept["3 of 4"] < min(kept["every other"], kept["torch-ffn"]) < kept["off"]
+    budget = (kept["3 of 4"] + min(kept["every other"], kept["torch-ffn"])) / 2
+    advice = advise(None, {}, budget, measure=measure, static_gib=0.0)
+    status = {t.label: t.status for t in advice.trials}
+    assert status["off"] == status["torch-ffn"] == "over budget"
+    assert status["torch"] == "fits" and status["unsloth"] == "unsupported"
+    assert status["torch, every other block"] == "over budget"
+    assert advice.chosen.label == "torch, 3 of every 4 blocks"
+    assert advice.config == {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch",
+                             "gradient_checkpointing_interval": 3, "gradient_checkpointing_segment_stride": 4}
+    # 4 blocks x (attention + FFN), plus recomputing the three checkpointed blocks
+    assert advice.chosen.step_ms == 14.0
