@@ -80,8 +80,29 @@ def _blocks(model: nn.Module, family: Family) -> list[tuple[BlockList, list[nn.M
                 f"family {family.name!r} expects a block list at {type(model).__name__}.{block_list.path}, "
                 "but the model has none; the adapter does not match this model version."
             )
-        found.append((block_list, list(modules)))
+        found.append((block_list, [_unwrap(m) for m in modules]))
     return found
+
+
+def _unwrap(module: nn.Module) -> nn.Module:
+    """The block inside torch's activation-checkpoint wrapper(s), or the module itself."""
+    while isinstance(getattr(module, "_checkpoint_wrapped_module", None), nn.Module):
+        module = module._checkpoint_wrapped_module
+    return module
+
+
+def _externally_checkpointed(model: nn.Module) -> set[int]:
+    """Ids of every module inside a ``CheckpointWrapper`` (torch's activation checkpointing).
+
+    FSDP's and accelerate's ``activation_checkpointing`` (``apply_activation_checkpointing``) wrap
+    modules in it; a gradseam region on or inside such a module would checkpoint twice. A block in
+    this set sits in (or is) a wrapper; a block containing one of them has a wrapped part.
+    """
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    except ImportError:  # torch built without distributed support
+        return set()
+    return {id(m) for w in model.modules() if isinstance(w, CheckpointWrapper) for m in w.modules()}
 
 
 def _block_class(family: Family, block: nn.Module, where: str) -> BlockClass:
@@ -139,6 +160,8 @@ def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
                 f"interval={config.interval} and checkpointing every selected block on its own."
             )
 
+    wrapped = _externally_checkpointed(model) if config.enabled else set()
+    skipped: list[str] = []
     for block_list, blocks in _blocks(model, family):
         chunk: list[int] = []
 
@@ -162,6 +185,9 @@ def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
             where = f"{block_list.path}[{index}]"
             declared = _block_class(family, block, where)
             selected = config.enabled and _selected(index, config)
+            if selected and wrapped and any(id(m) in wrapped for m in block.modules()):
+                selected = False  # torch's checkpoint wrapper already checkpoints it (or part of it)
+                skipped.append(where)
             if whole:
                 if not selected:
                     flush(chunk)
@@ -188,6 +214,14 @@ def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
                     result.plain.append((block_list.path, index, type(block).__qualname__))
         if whole:
             flush(chunk)
+    if skipped:
+        _warn_once(
+            f"{len(skipped)} block(s) of {type(model).__name__} ({skipped[0]}"
+            f"{', ...' if len(skipped) > 1 else ''}) are already checkpointed by torch's activation "
+            "checkpointing (a CheckpointWrapper, as FSDP's or accelerate's activation_checkpointing applies "
+            f"it); gradseam leaves them to it and does not checkpoint them again (backend {config.backend!r} "
+            "is off for them; attention offload, if set, still applies)."
+        )
     return result
 
 
@@ -342,7 +376,7 @@ class PatchHandle:
         self.active = True
 
     def _watch(self, region: Region, index: int, seam: seams.SeamForward, chain: Chain | None) -> None:
-        block = _resolve(self.model, region.list_path)[region.blocks[0]]
+        block = _unwrap(_resolve(self.model, region.list_path)[region.blocks[0]])
         parent_path, _, name = region.seam[index].rpartition(".")
         parent = _resolve(block, parent_path) if parent_path else block
         where = f"{region.list_path}[{region.blocks[0]}].{region.seam[index]}"

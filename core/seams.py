@@ -48,12 +48,15 @@ class Original:
     wrapped the module after gradseam, it goes through those wrappers too; see the module docstring.
     """
 
-    __slots__ = ("module", "previous", "seam")
+    __slots__ = ("function", "module", "previous", "seam")
 
     def __init__(self, module: nn.Module, previous: Any, seam: SeamForward | None = None) -> None:
         self.module = module
         self.previous = previous  # an instance-level forward someone installed before us, or None
         self.seam = seam
+        # The class's forward, captured once: dynamo cannot trace ``type(module).forward`` on
+        # diffusers block classes, but calls a plain function it was handed without trouble.
+        self.function = type(module).forward
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         seam = self.seam
@@ -70,6 +73,8 @@ class Original:
     def direct(self, *args: Any, **kwargs: Any) -> Any:
         if self.previous is not None:
             return self.previous(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            return self.function(self.module, *args, **kwargs)
         return type(self.module).forward(self.module, *args, **kwargs)
 
 

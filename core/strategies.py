@@ -39,11 +39,15 @@ def inside_region() -> bool:
 
 
 class _RegionScope:
+    # Under torch.compile the scope is a no-op: dynamo cannot trace the thread-local, and the only
+    # reader (attention offload) runs eagerly anyway, outside any compiled region.
     def __enter__(self) -> None:
-        _state.depth = getattr(_state, "depth", 0) + 1
+        if not torch.compiler.is_compiling():
+            _state.depth = getattr(_state, "depth", 0) + 1
 
     def __exit__(self, *exc: object) -> None:
-        _state.depth -= 1
+        if not torch.compiler.is_compiling():
+            _state.depth -= 1
 
 
 class Runner:

@@ -1,0 +1,214 @@
+"""gradseam inside the usual training wrappers, on the CPU: accelerate, torch's activation
+checkpointing (what FSDP's and accelerate's ``activation_checkpointing`` apply) and FSDP2.
+
+* accelerate: ``Accelerator().prepare`` + ``accelerator.backward`` on a patched model trains exactly
+  as the same loop on the unpatched model.
+* ``CheckpointWrapper``: blocks already wrapped by ``apply_activation_checkpointing`` are left to
+  it (one GradseamWarning); gradseam does not checkpoint them a second time, still resolves the
+  block classes through the wrapper, and still installs attention offload on them.
+* FSDP2 (``fully_shard`` per block, 2 processes over gloo): full gradients equal the unsharded
+  single-process run to 1e-6, with the ``torch`` and ``torch-ffn`` backends.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from cases import FLUX
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointWrapper,
+    apply_activation_checkpointing,
+)
+
+import gradseam
+from gradseam.offload import cpu_test_mode
+from gradseam.patcher import GradseamWarning
+from gradseam.seams import installed_seam
+from gradseam.testing import assert_same_step, run_step
+
+TORCH = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch"}
+FFN = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"}
+
+
+def _flux() -> torch.nn.Module:
+    torch.manual_seed(FLUX.seed)
+    return FLUX.build()
+
+
+# -- accelerate -------------------------------------------------------------------------------
+
+
+def _accelerate_loop(model: torch.nn.Module) -> tuple[list[float], dict[str, torch.Tensor]]:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = accelerator.prepare(model, opt)
+    losses = []
+    for step in range(2):
+        inputs = FLUX.inputs(torch.Generator().manual_seed(step))
+        loss = model(**inputs)[0].square().mean()
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in accelerator.unwrap_model(model).named_parameters()}
+
+
+@pytest.mark.parametrize("config", [TORCH, FFN], ids=["torch", "torch-ffn"])
+def test_accelerate_training_matches_unpatched(config):
+    base = _flux()
+    ref_losses, ref_params = _accelerate_loop(copy.deepcopy(base))
+    model = copy.deepcopy(base)
+    handle = gradseam.patch(model, config)
+    losses, params = _accelerate_loop(model)
+    assert gradseam.handle_of(model) is handle  # prepare() kept the patch
+    assert losses == ref_losses
+    assert params.keys() == ref_params.keys()
+    assert all(torch.equal(params[n], ref_params[n]) for n in params), "parameters differ after two steps"
+
+
+# -- torch's activation checkpointing (CheckpointWrapper) -------------------------------------
+
+
+def _is_block(module: torch.nn.Module) -> bool:
+    from diffusers.models.transformers.transformer_flux import (
+        FluxSingleTransformerBlock,
+        FluxTransformerBlock,
+    )
+
+    return isinstance(module, (FluxTransformerBlock, FluxSingleTransformerBlock))
+
+
+def _warnings(record) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, GradseamWarning)]
+
+
+@pytest.mark.parametrize("config", [TORCH, FFN], ids=["torch", "torch-ffn"])
+def test_checkpoint_wrapper_blocks_are_not_checkpointed_twice(config):
+    base = _flux()
+    wrapped = copy.deepcopy(base)
+    apply_activation_checkpointing(wrapped, check_fn=_is_block)
+    assert isinstance(wrapped.transformer_blocks[0], CheckpointWrapper)
+    reference = run_step(wrapped, FLUX)
+    model = copy.deepcopy(wrapped)
+    with pytest.warns(GradseamWarning) as record:
+        handle = gradseam.patch(model, config)
+    messages = _warnings(record)
+    assert len(messages) == 1 and "CheckpointWrapper" in messages[0], messages
+    assert "7 block(s)" in messages[0]
+    assert not handle.plan.regions  # nothing of gradseam's own: no nested checkpoint
+    assert_same_step(reference, run_step(model, FLUX))
+    handle.remove()
+    assert_same_step(reference, run_step(model, FLUX))
+
+
+def test_checkpoint_wrapper_on_some_blocks_only():
+    base = _flux()
+    from diffusers.models.transformers.transformer_flux import FluxSingleTransformerBlock
+
+    model = copy.deepcopy(base)
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, FluxSingleTransformerBlock))
+    reference = run_step(copy.deepcopy(model), FLUX)
+    with pytest.warns(GradseamWarning) as record:
+        handle = gradseam.patch(model, TORCH)
+    assert len(_warnings(record)) == 1
+    assert {r.list_path for r in handle.plan.regions} == {"transformer_blocks"}  # the unwrapped ones
+    assert len(handle.plan.regions) == 2
+    assert_same_step(reference, run_step(model, FLUX))
+    handle.remove()
+
+
+def test_checkpoint_wrapper_keeps_attention_offload():
+    model = _flux()
+    apply_activation_checkpointing(model, check_fn=_is_block)
+    reference = run_step(copy.deepcopy(model), FLUX)
+    config = {**TORCH, "gradient_checkpointing_offload_attention": True}
+    with cpu_test_mode():
+        with pytest.warns(GradseamWarning):
+            handle = gradseam.patch(model, config)
+        kinds = {r.kind for r in handle.plan.regions}
+        assert kinds == {"attention-offload"}
+        assert len(handle.plan.regions) == 7  # one attention seam per block
+        assert_same_step(reference, run_step(model, FLUX))
+    assert handle.engine.copies > 0  # the offload hooks ran inside torch's checkpoint regions
+    handle.remove()
+
+
+def test_no_warning_without_wrappers():
+    with pytest.warns() as record:
+        gradseam.patch(_flux(), TORCH).remove()
+        import warnings
+
+        warnings.warn("sentinel", UserWarning, stacklevel=1)  # pytest.warns needs at least one
+    assert not _warnings(record)
+
+
+# -- FSDP2 over gloo, 2 CPU processes ---------------------------------------------------------
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _sharded_worker(rank: int, port: int, out_dir: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    from gradseam import strategies
+
+    calls = [0]
+    checkpoint = strategies.checkpoint
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return checkpoint(*args, **kwargs)
+
+    strategies.checkpoint = counted  # a child process of its own: nothing to restore
+    try:
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for name, config in (("torch", TORCH), ("torch-ffn", FFN)):
+            model = _flux()
+            handle = gradseam.patch(model, config)
+            for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            inputs = FLUX.inputs(torch.Generator().manual_seed(1))  # the same batch on every rank
+            calls[0] = 0
+            out = model(**inputs)[0]
+            assert calls[0] >= 7, calls  # gradseam's regions ran inside the sharded blocks
+            out.square().mean().backward()
+            assert gradseam.handle_of(model) is handle and len(handle.plan.regions) >= 7
+            assert all(installed_seam(m) is not None for r in handle.plan.regions for m in r.modules)
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+            if rank == 0:
+                torch.save({"out": out.detach(), "grads": grads}, os.path.join(out_dir, f"{name}.pt"))
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_per_block_matches_unsharded():
+    reference = run_step(_flux(), FLUX)
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_sharded_worker, args=(_free_port(), out_dir), nprocs=WORLD, join=True)
+        for name in ("torch", "torch-ffn"):
+            got = torch.load(os.path.join(out_dir, f"{name}.pt"))
+            torch.testing.assert_close(got["out"], reference.outputs[0], atol=1e-6, rtol=0)
+            assert got["grads"].keys() == reference.param_grads.keys(), name
+            for n, g in got["grads"].items():
+                torch.testing.assert_close(g, reference.param_grads[n], atol=1e-6, rtol=0, msg=f"{name} {n}")
