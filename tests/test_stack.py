@@ -22,11 +22,11 @@ the CPU) must give the compiled-unpatched results, to 1e-6. What compiles, as of
   op); exact. Every block instance has its own seam objects, which dynamo guards by identity, so
   each block compiles once for itself: at most ``torch._dynamo.config.recompile_limit`` (8) blocks
   are compiled, the rest run eagerly (still exact).
-* whole-block backends (``torch``, ``unsloth``): the checkpoint region cannot be traced (the region
-  scope's thread-local in ``strategies._RegionScope``; for ``unsloth`` also ``UntypedStorage.data_ptr``
-  in the offload hooks), so dynamo skips the block frame and it runs eagerly: correct, no speed-up.
-  aot_eager differs from compiled-unpatched by float rounding there (the reference is compiled, the
-  patched block is not).
+* ``torch``: each block compiles with its checkpoint inside (tests/test_compile.py proves it).
+* ``unsloth``: the offload hooks read storage addresses (``UntypedStorage.data_ptr``), which dynamo
+  cannot trace, so the block frame runs eagerly: correct, no speed-up from compile there; aot_eager
+  then differs from compiled-unpatched by float rounding (the reference is compiled, the patched
+  block is not).
 """
 
 from __future__ import annotations
