@@ -65,6 +65,18 @@ WAN_TI2V = Case("wan-ti2v", wan_model, wan_ti2v_inputs)
 
 ALL = [FLUX, WAN]
 
+# Named strategies the lifecycle and fault tests run every case through (offload ones under cpu_test_mode).
+STRATEGIES = {
+    "torch": {"gradient_checkpointing": True},
+    "torch-ffn": {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"},
+    "torch-interval2": {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2},
+    "unsloth": {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth"},
+    "unsloth-ffn": {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth-ffn"},
+    "unsloth-interval2": {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth",
+                          "gradient_checkpointing_interval": 2},
+    "attention-offload": {"gradient_checkpointing_offload_attention": True},
+}
+
 # One representative case per built-in family: the offload and GPU matrices run over these.
 from cases_image import CHROMA, KREA2, ZIMAGE  # noqa: E402
 from cases_video import LTX2, MAGEFLOW  # noqa: E402

@@ -31,3 +31,19 @@ def _fresh_warnings():
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         yield
+
+
+@pytest.fixture
+def checkpoint_calls(monkeypatch):
+    """Counts the checkpoint regions gradseam opens (each call of torch.utils.checkpoint by gradseam)."""
+    from gradseam import strategies
+
+    calls: list[int] = []
+    real = strategies.checkpoint
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(strategies, "checkpoint", counting)
+    return calls

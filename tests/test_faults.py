@@ -19,6 +19,7 @@ import gc
 import pytest
 import torch
 from cases import FLUX, WAN
+from cases import STRATEGIES as CONFIGS
 from torch import nn
 
 import gradseam
@@ -27,16 +28,6 @@ from gradseam.offload import cpu_test_mode
 from gradseam.strategies import inside_region
 from gradseam.testing import Case, Step, assert_same_step
 
-CONFIGS = {
-    "torch": {"gradient_checkpointing": True},
-    "torch-ffn": {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"},
-    "torch-interval2": {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2},
-    "unsloth": {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth"},
-    "unsloth-ffn": {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth-ffn"},
-    "unsloth-interval2": {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth",
-                          "gradient_checkpointing_interval": 2},
-    "attention-offload": {"gradient_checkpointing_offload_attention": True},
-}
 RECOMPUTES_ATTENTION = {"torch", "torch-interval2", "unsloth", "unsloth-interval2"}
 MATRIX = [(case, name) for case in (FLUX, WAN) for name in CONFIGS]
 IDS = [f"{case.name}-{name}" for case, name in MATRIX]

@@ -18,24 +18,14 @@ from collections import Counter
 import pytest
 import torch
 from cases import FLUX, WAN
+from cases import STRATEGIES as CONFIGS
 from torch import nn
 
 import gradseam
-from gradseam import strategies as gradseam_strategies
 from gradseam.offload import cpu_test_mode
 from gradseam.seams import installed_seam
 from gradseam.testing import Case, assert_same_step, run_step
 
-CONFIGS = {
-    "torch": {"gradient_checkpointing": True},
-    "torch-ffn": {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"},
-    "torch-interval2": {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2},
-    "unsloth": {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth"},
-    "unsloth-ffn": {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth-ffn"},
-    "unsloth-interval2": {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth",
-                          "gradient_checkpointing_interval": 2},
-    "attention-offload": {"gradient_checkpointing_offload_attention": True},
-}
 NAMES = list(CONFIGS)
 MATRIX = [(case, name) for case in (FLUX, WAN) for name in NAMES]
 IDS = [f"{case.name}-{name}" for case, name in MATRIX]
@@ -43,20 +33,6 @@ matrix = pytest.mark.parametrize(("case", "name"), MATRIX, ids=IDS)
 
 
 # -- helpers -------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def checkpoint_calls(monkeypatch):
-    """Counts the checkpoint regions gradseam opens (each call of torch.utils.checkpoint by gradseam)."""
-    calls: list[int] = []
-    real = gradseam_strategies.checkpoint
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(gradseam_strategies, "checkpoint", counting)
-    return calls
 
 
 def build(case: Case, seed: int | None = None) -> nn.Module:

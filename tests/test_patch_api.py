@@ -20,7 +20,6 @@ from gradseam import (
     UnsupportedStrategyError,
     hookimpl,
 )
-from gradseam import strategies as gradseam_strategies
 from gradseam.patcher import GradseamWarning, PatchHandle, PipelineHandle
 from gradseam.seams import installed_seam
 from gradseam.testing import Case, assert_same_step, check_strategy, run_step
@@ -30,20 +29,6 @@ INTERVAL_2 = {"gradient_checkpointing": True, "gradient_checkpointing_interval":
 
 
 # -- helpers -------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def checkpoint_calls(monkeypatch):
-    """Counts the checkpoint regions gradseam opens (each call of torch.utils.checkpoint by gradseam)."""
-    calls: list[int] = []
-    real = gradseam_strategies.checkpoint
-
-    def counting(*args, **kwargs):
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(gradseam_strategies, "checkpoint", counting)
-    return calls
 
 
 def build(case: Case) -> nn.Module:
