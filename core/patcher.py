@@ -1,14 +1,12 @@
 """``gradseam.patch``: resolve a model's family, plan its regions, install them, and undo it all.
 
-The plan is computed first and only then installed, so a refused configuration (an ``-ffn``
-backend on a family without an FFN boundary, say) raises before the model is touched.
+The plan (:mod:`gradseam.planning`) is computed first and only then installed, so a refused
+configuration raises before the model is touched.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -16,213 +14,22 @@ from torch import nn
 from . import seams
 from .config import CheckpointConfig
 from .errors import PLUGIN_GUIDE, UnsupportedModelError, UnsupportedStrategyError
-from .family import BlockClass, BlockList, Family
+from .family import Family
+from .planning import (  # noqa: F401 - GradseamWarning and _warned are re-exported for callers of this module
+    GradseamWarning,
+    Plan,
+    Region,
+    _resolve,
+    _unwrap,
+    _warn_once,
+    _warned,
+    plan,
+)
 from .registry import REGISTRY
 from .strategies import BlockLink, Chain, Runner, SeamLink
 
 if TYPE_CHECKING:
     from .summary import Summary
-
-
-class GradseamWarning(UserWarning):
-    """A setting was accepted but cannot take effect as written; the message says what runs instead."""
-
-
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        warnings.warn(message, GradseamWarning, stacklevel=3)
-
-
-# -- planning ---------------------------------------------------------------------------------
-
-
-@dataclass
-class Region:
-    """One planned region: which modules, and what gradseam does with them."""
-
-    list_path: str
-    blocks: tuple[int, ...]  # indices in the block list
-    kind: str  # "block", "chunk", "ffn" or "attention-offload"
-    modules: tuple[nn.Module, ...]
-    seam: tuple[str, ...] = ()  # submodule paths for ffn/attention regions
-    block_class: str = ""
-
-
-@dataclass
-class Plan:
-    family: Family
-    config: CheckpointConfig
-    regions: list[Region] = field(default_factory=list)
-    plain: list[tuple[str, int, str]] = field(default_factory=list)  # blocks left as they are
-
-
-def _resolve(root: nn.Module, path: str) -> Any:
-    obj: Any = root
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
-
-
-def _blocks(model: nn.Module, family: Family) -> list[tuple[BlockList, list[nn.Module]]]:
-    found = []
-    for block_list in family.block_lists:
-        modules = _resolve(model, block_list.path)
-        if modules is None:
-            if block_list.optional:
-                continue
-            raise UnsupportedModelError(
-                f"family {family.name!r} expects a block list at {type(model).__name__}.{block_list.path}, "
-                "but the model has none; the adapter does not match this model version."
-            )
-        found.append((block_list, [_unwrap(m) for m in modules]))
-    return found
-
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    """The block inside torch's activation-checkpoint wrapper(s), or the module itself."""
-    while isinstance(getattr(module, "_checkpoint_wrapped_module", None), nn.Module):
-        module = module._checkpoint_wrapped_module
-    return module
-
-
-def _externally_checkpointed(model: nn.Module) -> set[int]:
-    """Ids of every module inside a ``CheckpointWrapper`` (torch's activation checkpointing).
-
-    FSDP's and accelerate's ``activation_checkpointing`` (``apply_activation_checkpointing``) wrap
-    modules in it; a gradseam region on or inside such a module would checkpoint twice. A block in
-    this set sits in (or is) a wrapper; a block containing one of them has a wrapped part.
-    """
-    try:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-    except ImportError:  # torch built without distributed support
-        return set()
-    return {id(m) for w in model.modules() if isinstance(w, CheckpointWrapper) for m in w.modules()}
-
-
-def _block_class(family: Family, block: nn.Module, where: str) -> BlockClass:
-    declared = family.block_class_for(type(block))
-    if declared is None:
-        raise UnsupportedModelError(
-            f"family {family.name!r} declares no block class for {type(block).__qualname__} at {where}; "
-            f"declared: {[bc.name.rsplit('.', 1)[-1] for bc in family.block_classes]}."
-        )
-    return declared
-
-
-def _selected(index: int, config: CheckpointConfig) -> bool:
-    if config.stride is None:
-        return True
-    return index % config.stride < config.interval
-
-
-def _submodule(block: nn.Module, path: str, family: Family, where: str) -> nn.Module:
-    sub = _resolve(block, path)
-    if not isinstance(sub, nn.Module):
-        raise UnsupportedModelError(
-            f"family {family.name!r} names submodule {path!r} of {type(block).__qualname__} ({where}), "
-            "but the block has no such module."
-        )
-    return sub
-
-
-def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
-    """Decide every region without touching the model."""
-    result = Plan(family, config)
-    whole = config.enabled and not config.ffn_scope
-    if config.enabled and config.ffn_scope and not family.has_ffn:
-        missing = [bc.name.rsplit(".", 1)[-1] for bc in family.block_classes if not bc.ffn]
-        raise UnsupportedStrategyError(
-            f"backend {config.backend!r} needs an FFN boundary, but family {family.name!r} declares none "
-            f"for {missing}; gradseam will not silently run another scope. Use "
-            f"'{config.backend.replace('-ffn', '')}' (whole-block) instead."
-        )
-    if config.offload_attention and not family.has_attention:
-        raise UnsupportedStrategyError(
-            f"gradient_checkpointing_offload_attention needs an attention side, but family {family.name!r} "
-            "declares none; turn attention offload off for this model."
-        )
-    if config.enabled and config.gradient_checkpointing_interval and config.interval > 1:
-        if config.ffn_scope and config.stride is None:
-            _warn_once(
-                f"gradient_checkpointing_interval={config.interval} does not group FFN regions (attention "
-                f"sits between them); with {config.backend!r} the interval only selects blocks through "
-                "gradient_checkpointing_segment_stride."
-            )
-        elif not family.supports_interval:
-            _warn_once(
-                f"family {family.name!r} does not support gradient_checkpointing_interval; ignoring "
-                f"interval={config.interval} and checkpointing every selected block on its own."
-            )
-
-    wrapped = _externally_checkpointed(model) if config.enabled else set()
-    skipped: list[str] = []
-    for block_list, blocks in _blocks(model, family):
-        chunk: list[int] = []
-
-        def flush(chunk: list[int], block_list: BlockList = block_list, blocks: list[nn.Module] = blocks) -> None:
-            if not chunk:
-                return
-            kind = "chunk" if len(chunk) > 1 else "block"
-            result.regions.append(
-                Region(
-                    block_list.path,
-                    tuple(chunk),
-                    kind,
-                    tuple(blocks[i] for i in chunk),
-                    block_class=type(blocks[chunk[0]]).__qualname__,
-                )
-            )
-            chunk.clear()
-
-        group = config.interval if block_list.carry is not None else 1
-        for index, block in enumerate(blocks):
-            where = f"{block_list.path}[{index}]"
-            declared = _block_class(family, block, where)
-            selected = config.enabled and _selected(index, config)
-            if selected and wrapped and any(id(m) in wrapped for m in block.modules()):
-                selected = False  # torch's checkpoint wrapper already checkpoints it (or part of it)
-                skipped.append(where)
-            if whole:
-                if not selected:
-                    flush(chunk)
-                elif chunk and (index - chunk[0] >= group or index != chunk[-1] + 1):
-                    flush(chunk)
-                    chunk.append(index)
-                else:
-                    chunk.append(index)
-            elif selected:
-                for seam in declared.ffn:
-                    subs = tuple(_submodule(block, p, family, where) for p in seam)
-                    result.regions.append(
-                        Region(block_list.path, (index,), "ffn", subs, seam, type(block).__qualname__)
-                    )
-            if not selected or not whole:
-                if config.offload_attention:
-                    for path in declared.attention:
-                        sub = _submodule(block, path, family, where)
-                        result.regions.append(
-                            Region(block_list.path, (index,), "attention-offload", (sub,), (path,),
-                                   type(block).__qualname__)
-                        )
-                if not selected and not config.offload_attention:
-                    result.plain.append((block_list.path, index, type(block).__qualname__))
-        if whole:
-            flush(chunk)
-    if skipped:
-        _warn_once(
-            f"{len(skipped)} block(s) of {type(model).__name__} ({skipped[0]}"
-            f"{', ...' if len(skipped) > 1 else ''}) are already checkpointed by torch's activation "
-            "checkpointing (a CheckpointWrapper, as FSDP's or accelerate's activation_checkpointing applies "
-            f"it); gradseam leaves them to it and does not checkpoint them again (backend {config.backend!r} "
-            "is off for them; attention offload, if set, still applies)."
-        )
-    return result
 
 
 # -- installing and removing ------------------------------------------------------------------

@@ -25,9 +25,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _fresh_warnings():
     # gradseam warns once per message per process; tests that check warnings need a clean slate.
-    from gradseam import patcher
+    from gradseam import planning
 
-    patcher._warned.clear()
+    planning._warned.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         yield
