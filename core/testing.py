@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -84,12 +84,16 @@ def count_saved_bytes(params: set[int]) -> Iterator[list[int]]:
         yield total
 
 
-def run_step(model: nn.Module, case: Case, *, seed: int = 1) -> Step:
-    """One forward + backward with ``sum(out.square().mean())`` as the loss; returns everything it touched."""
+def run_step(model: nn.Module, case: Case, *, seed: int = 1, count_bytes: bool = True) -> Step:
+    """One forward + backward with ``sum(out.square().mean())`` as the loss; returns everything it touched.
+
+    ``count_bytes=False`` runs the forward without the byte-counting saved-tensor hooks, for tests
+    that must see gradseam's own hooks alone (``saved_bytes`` is then 0).
+    """
     model.zero_grad(set_to_none=True)
     inputs = case.inputs(torch.Generator().manual_seed(seed))
     params = {id(p) for p in model.parameters()}
-    with count_saved_bytes(params) as saved:
+    with count_saved_bytes(params) if count_bytes else nullcontext([0]) as saved:
         outputs = _as_tuple(case.output(model(**inputs)))
     loss = sum(o.float().square().mean() for o in outputs)
     loss.backward()  # type: ignore[union-attr]

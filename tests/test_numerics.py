@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,7 +22,7 @@ from torch import nn
 import gradseam
 from gradseam.offload import cpu_test_mode
 from gradseam.patcher import family_for
-from gradseam.testing import Case, Step, assert_same_step
+from gradseam.testing import Case, Step, assert_same_step, run_step
 
 ON = {"gradient_checkpointing": True}
 CONFIGS = {
@@ -49,27 +51,22 @@ def patch(model: nn.Module, name: str):
         return gradseam.patch(model, CONFIGS[name])
 
 
-def inputs(case: Case, dtype: torch.dtype = torch.float32, seed: int = 1) -> dict:
-    out = {}
-    for k, v in case.inputs(torch.Generator().manual_seed(seed)).items():
-        if isinstance(v, torch.Tensor) and v.is_floating_point():
-            v = v.detach().to(dtype).requires_grad_(v.requires_grad)
-        out[k] = v
-    return out
+def in_dtype(case: Case, dtype: torch.dtype) -> Case:
+    """The same case with its floating inputs cast to ``dtype`` (gradients kept where they were)."""
+
+    def inputs(g: torch.Generator) -> dict:
+        return {
+            k: v.detach().to(dtype).requires_grad_(v.requires_grad)
+            if isinstance(v, torch.Tensor) and v.is_floating_point()
+            else v
+            for k, v in case.inputs(g).items()
+        }
+
+    return dataclasses.replace(case, inputs=inputs)
 
 
 def step(model: nn.Module, case: Case, dtype: torch.dtype = torch.float32, seed: int = 1) -> Step:
-    model.zero_grad(set_to_none=True)
-    x = inputs(case, dtype, seed)
-    value = case.output(model(**x))
-    outputs = value if isinstance(value, tuple) else (value,)
-    sum(o.float().square().mean() for o in outputs).backward()
-    return Step(
-        tuple(o.detach().clone() for o in outputs),
-        {k: v.grad.clone() for k, v in x.items() if isinstance(v, torch.Tensor) and v.grad is not None},
-        {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
-        0,
-    )
+    return run_step(model, in_dtype(case, dtype), seed=seed, count_bytes=False)
 
 
 def blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
