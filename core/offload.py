@@ -273,9 +273,9 @@ class OffloadEngine:
             return set()
         tensors = [*model.parameters(), *model.buffers()]
         # Parameters move (``.to()``, loading weights); re-read their addresses when the first ones change.
-        key = tuple(t.untyped_storage().data_ptr() for t in tensors[:4])
+        key = tuple(_storage_ptr(t) for t in tensors[:4])
         if key != self._excluded_key:
-            self._excluded = {t.untyped_storage().data_ptr() for t in tensors}
+            self._excluded = {_storage_ptr(t) for t in tensors}
             self._excluded_key = key
         return self._excluded
 
@@ -428,9 +428,9 @@ class OffloadEngine:
             except torch.OutOfMemoryError as exc:
                 raise torch.OutOfMemoryError(
                     f"{exc}\n[gradseam] out of GPU memory while reloading offloaded activations "
-                    f"({stored.nbytes / 2**20:.1f} MiB). Try a smaller batch or resolution, a stronger "
-                    "strategy (e.g. 'unsloth' instead of 'unsloth-ffn'), or a larger segment stride "
-                    "interval."
+                    f"({stored.nbytes / 2**20:.1f} MiB). Backward needs room to bring them back: try a "
+                    "smaller batch or resolution, or a strategy that keeps less on the GPU (e.g. 'unsloth' "
+                    "instead of 'unsloth-ffn', or gradient_checkpointing_segment_stride equal to the interval)."
                 ) from None
             gpu.copy_(host[: stored.nbytes], non_blocking=stored.bucket is not None)
             loaded = torch.cuda.Event()
@@ -451,6 +451,17 @@ class OffloadEngine:
     def stats(self) -> dict[str, int]:
         return {**self.pool.stats(), "offloaded_bytes": self.offloaded_bytes, "copies": self.copies,
                 "loads": self.loads}
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    """Where a parameter's bytes live; FSDP2's sharded parameters are DTensors, whose wrapper has
+    no storage of its own (the local shard has), and a resharded parameter may have none at all."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return 0
 
 
 def _fresh_engine(max_buckets: int, min_bytes: int, device_test_mode: bool, model: nn.Module | None) -> OffloadEngine:

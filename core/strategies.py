@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .family import Carry
+from .planning import _warn_once
 from .seams import Original
 
 Call = Callable[..., Any]
@@ -214,6 +215,18 @@ class Chain:
     def _run_head(self, original: Original, args: tuple, kwargs: dict) -> Any:
         self._reset()
         if len(self.members) == 1 or self.fallback:
+            return self.runner(original, args, kwargs)
+        hooked = next((m for m in self.members[1:] if m._forward_pre_hooks), None)
+        if hooked is not None:
+            # Running a member ahead skips its pre-hooks, and they may be what makes it runnable:
+            # FSDP2's fully_shard gathers the block's weights in one. Exact beats chunked; checked
+            # on every call (not latched), so the chunk comes back once the hooks are removed.
+            _warn_once(
+                f"gradseam: {type(hooked).__name__} modules carry forward pre-hooks (FSDP2's fully_shard "
+                "gathers a block's weights in one), and a checkpoint chunk would run them ahead of those "
+                "hooks; they are checkpointed one at a time instead, so gradient_checkpointing_interval "
+                "has no effect on them."
+            )
             return self.runner(original, args, kwargs)
         head = _bind(self.members[0], args, kwargs)
         link = self.link

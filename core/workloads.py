@@ -73,6 +73,14 @@ def _resolve(root: Any, path: str) -> Any:
     return root
 
 
+def blocks(model: nn.Module, family: Family) -> list[nn.Module]:
+    """Every block of every declared block list the model has, in declaration order (for sharding)."""
+    found = []
+    for block_list in family.block_lists:
+        found.extend(_resolve(model, block_list.path) or ())
+    return found
+
+
 def truncate(model: nn.Module, family: Family, layers: int) -> dict[str, tuple[int, int]]:
     """Keep the first ``layers`` blocks of every declared block list; ``{path: (kept, total)}``."""
     if layers < 1:

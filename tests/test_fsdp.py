@@ -212,3 +212,65 @@ def test_fsdp2_per_block_matches_unsharded():
             assert got["grads"].keys() == reference.param_grads.keys(), name
             for n, g in got["grads"].items():
                 torch.testing.assert_close(g, reference.param_grads[n], atol=1e-6, rtol=0, msg=f"{name} {n}")
+
+
+# -- the FSDP2 script (docs/scripts/fsdp2.py), 2 processes over gloo ------------------------------
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "docs", "scripts", "fsdp2.py")
+
+
+def test_fsdp2_script_check_passes_for_every_strategy_on_cpu(tmp_path):
+    """The script the H200 pair runs, here on a tiny Flux: each rank its own batch, every row's
+    gradients vs the mean of both batches on one unsharded model."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "check.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={_free_port()}",
+         SCRIPT, "check", "--cpu", "--tiny", "--json", str(out)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(out.read_text())
+    rows = {r["strategy"]: r for r in report["rows"]}
+    assert len(rows) == 10 and all(r["ok"] for r in rows.values()), rows
+    assert report["world_size"] == 2
+    # On the CPU every gradseam row is bitwise the unpatched FSDP2 run...
+    assert all(r["max_grad_rel_l2_vs_fsdp2_unpatched"] == 0.0 for r in rows.values())
+    # ...the offload rows really moved activations, and interval chunks said why they fell back.
+    assert rows["unsloth"]["offloaded_bytes"] > 0 and rows["attention offload"]["offloaded_bytes"] > 0
+    assert any("forward pre-hooks" in w for w in rows["torch, interval 2"]["warnings"])
+    assert "10/10 strategies match" in result.stdout
+
+
+# -- interval chunks and blocks with forward pre-hooks -------------------------------------------
+
+
+def test_interval_chunk_falls_back_per_block_when_a_later_block_has_a_pre_hook(checkpoint_calls):
+    """A chunk computes its later blocks ahead of their own calls, which would skip their forward
+    pre-hooks (FSDP2 gathers weights in one); such chunks checkpoint block by block instead."""
+    model = _flux()
+    seen: list[torch.nn.Module] = []
+    hooks = [
+        block.register_forward_pre_hook(lambda m, args, kwargs: seen.append(m), with_kwargs=True)
+        for block in model.single_transformer_blocks
+    ]
+    reference = run_step(model, FLUX)
+    calls_unpatched = list(seen)
+    seen.clear()
+    handle = gradseam.patch(model, {**TORCH, "gradient_checkpointing_interval": 2})
+    with pytest.warns(GradseamWarning, match="FluxSingleTransformerBlock modules carry forward pre-hooks"):
+        got = run_step(model, FLUX)
+    assert_same_step(reference, got)
+    assert seen == calls_unpatched  # every pre-hook ran once per block call, in order
+    # 2 double blocks (no hooks) stay one chunk; 5 hooked single blocks: one region each (not 3 chunks)
+    assert len(checkpoint_calls) == 1 + 5
+    for hook in hooks:  # without the hooks the chunks come back: the fallback is not latched
+        hook.remove()
+    checkpoint_calls.clear()
+    assert_same_step(reference, run_step(model, FLUX))
+    assert len(checkpoint_calls) == 1 + 3
+    handle.remove()
