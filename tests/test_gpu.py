@@ -9,6 +9,8 @@ import warnings
 import pytest
 import torch
 from cases import FAMILIES as ALL
+from cases import FLUX, WAN
+from torch import nn
 
 import gradseam
 from gradseam.testing import Case, assert_same_step, config_id, run_step
@@ -203,3 +205,177 @@ def test_backward_right_after_forward_reuses_sources_and_stays_exact():
         stats = handle.engine.stats()
     assert stats["copies"] > 0 and stats["loads"] <= stats["copies"]
     assert stats["checked_out"] == 0
+
+
+# -- out of memory while reloading (a real CUDA OOM) -----------------------------------------------
+
+
+class _Nothing(nn.Module):
+    """Replaces the FFN side: ``x * 0`` saves nothing, so each block keeps only attention tensors."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 0
+
+
+def _attention_only(tokens: int):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model, _ = _synthetic(blocks=4, tokens=tokens, dim=1024, dtype=torch.float32)
+    for block in model.blocks:
+        block.ffn = _Nothing()
+
+    def step(x: torch.Tensor, squeeze=None) -> torch.Tensor:
+        inp = x.detach().requires_grad_(True)
+        with sdpa_kernel(SDPBackend.MATH):
+            out = model(inp)
+            if squeeze is not None:
+                out.register_hook(squeeze)
+            out.square().mean().backward()
+        return inp.grad
+
+    return model, step
+
+
+def test_oom_while_reloading_is_the_normal_error_with_a_hint_and_a_smaller_step_works():
+    """Attention-only blocks with attention offload: when backward starts, the last block's
+    tensors are still on the GPU, so the first large allocation backward makes is the reload of
+    the block before it. Capping the process's GPU memory right then makes exactly that reload
+    fail with a real CUDA OOM."""
+    model, step = _attention_only(4096)
+    big = torch.randn(1, 4096, 1024, device="cuda")
+    small = torch.randn(1, 1024, 1024, device="cuda")
+    expected_small = step(small)
+    unit = big.numel() * big.element_size()  # one activation of the big step (16 MiB)
+    total = torch.cuda.get_device_properties(0).total_memory
+
+    def squeeze(grad: torch.Tensor) -> None:
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 3 * unit) / total)
+
+    cfg = {"gradient_checkpointing_offload_attention": True}
+    with gradseam.patch(model, cfg) as handle:
+        try:
+            with pytest.raises(torch.OutOfMemoryError) as caught:
+                step(big, squeeze)
+            message = str(caught.value)
+            del caught  # its traceback holds the failed step's graph
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        gc.collect()
+        assert "CUDA out of memory" in message  # PyTorch's own message comes first...
+        assert "[gradseam] out of GPU memory while reloading offloaded activations" in message  # ...then the hint
+        assert "smaller batch or resolution" in message and "'unsloth'" in message
+        assert handle.engine.pool.checked_out == 0  # nothing leaked from the failed step
+        got = step(small)  # the next, smaller step works and is exact
+        assert handle.engine.copies > 0
+    torch.testing.assert_close(got, expected_small, rtol=0, atol=0)
+
+
+def test_reload_oom_surfaces_even_when_injected_at_the_copy():
+    """The same path without depending on the allocator's layout: the reload's allocation raises."""
+    import gradseam.offload as offload
+
+    model, step = _attention_only(2048)
+    x = torch.randn(1, 2048, 1024, device="cuda")
+    expected = step(x)
+
+    class FailingReload:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        def empty(self, *args, **kwargs):
+            if args and args[0] > 0 and str(kwargs.get("device", "")).startswith("cuda"):
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 MiB (injected)")
+            return torch.empty(*args, **kwargs)
+
+    with gradseam.patch(model, {"gradient_checkpointing_offload_attention": True}) as handle:
+        offload.torch = FailingReload()
+        try:
+            with pytest.raises(torch.OutOfMemoryError, match=r"(?s)injected.*\[gradseam\] out of GPU memory"):
+                step(x)
+        finally:
+            offload.torch = torch
+        gc.collect()
+        assert handle.engine.pool.checked_out == 0
+        torch.testing.assert_close(step(x), expected, rtol=0, atol=0)
+
+
+# -- dropout and RNG in recomputed regions ------------------------------------------------------
+
+DROPOUT_GPU = ["torch", "torch-ffn", "unsloth", "unsloth-ffn", "unsloth-interval2-stride4",
+               "torch-ffn+attention-offload"]
+
+
+@pytest.mark.parametrize("name", DROPOUT_GPU)
+@pytest.mark.parametrize("case", [FLUX, WAN], ids=["flux", "wan"])
+def test_dropout_in_recomputed_regions_on_gpu(case, name):
+    """CUDA's Philox generator: the recompute replays the forward's masks, and afterwards the
+    CUDA RNG is where the unpatched step leaves it."""
+    from test_numerics import CONFIGS, seeded_step, with_dropout
+
+    gpu = _on_cuda(case)
+    reference = seeded_step(with_dropout(case).cuda(), gpu, 123)
+    after_reference = torch.cuda.get_rng_state()
+    other = seeded_step(with_dropout(case).cuda(), gpu, 124)
+    assert not torch.equal(reference.outputs[0], other.outputs[0])  # the dropout is real
+    model = with_dropout(case).cuda()
+    handle = gradseam.patch(model, CONFIGS[name])
+    if handle.engine is not None:
+        handle.engine.min_bytes = 0  # tiny models: offload everything
+    try:
+        got = seeded_step(model, gpu, 123)
+        after = torch.cuda.get_rng_state()
+        again = seeded_step(model, gpu, 123)
+    finally:
+        handle.remove()
+    assert torch.equal(after, after_reference)
+    assert_same_step(reference, got, atol=1e-6, what=f"{case.name} {name} with dropout")
+    assert_same_step(reference, again, atol=1e-6, what=f"{case.name} {name} with dropout, second step")
+
+
+# -- 200 steps of changing shapes (multi-aspect buckets) -----------------------------------------
+
+ASPECTS = [(1, 1024), (1, 1536), (2, 1024), (1, 2048), (1, 2560), (2, 1536), (1, 3072), (1, 4096)]
+
+
+@pytest.mark.parametrize("buckets", [12, 4])
+def test_200_steps_of_changing_shapes_leak_nothing(buckets):
+    psutil = pytest.importorskip("psutil")
+    model, _ = _synthetic(blocks=4, dim=1024)
+    inputs = [torch.randn(b, t, 1024, device="cuda", dtype=torch.bfloat16) for b, t in ASPECTS]
+
+    def step(i: int) -> None:
+        inp = inputs[i % len(inputs)].detach().requires_grad_(True)
+        model(inp).float().square().mean().backward()
+
+    cfg = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth-ffn",
+           "gradient_checkpointing_offload_attention": True,
+           "gradient_checkpointing_offload_pin_memory_max_buckets": buckets}
+    with gradseam.patch(model, cfg) as handle:
+        pool = handle.engine.pool
+        for i in range(2 * len(ASPECTS)):  # warm-up: every shape twice
+            step(i)
+        torch.cuda.synchronize()
+        gc.collect()
+        allocated, pinned_bytes = torch.cuda.memory_allocated(), pool.pinned_bytes
+        rss = psutil.Process(os.getpid()).memory_info().rss
+        peaks = []
+        for _ in range(2):
+            torch.cuda.reset_peak_memory_stats()
+            for i in range(100):
+                step(i)
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated())
+        gc.collect()
+        drift = torch.cuda.memory_allocated() - allocated
+        growth = psutil.Process(os.getpid()).memory_info().rss - rss
+        print(f"\n[200 steps, {len(ASPECTS)} shapes, {buckets} buckets] GPU allocated drift {drift} B, "
+              f"peak {peaks[0] / 2**20:.1f} -> {peaks[1] / 2**20:.1f} MiB, host RSS growth {growth / 2**20:.1f} MiB, "
+              f"pool {pool.buckets} buckets, {pool.pinned_allocations} pinned buffers "
+              f"({pool.pinned_bytes / 2**20:.0f} MiB), {pool.pageable_allocations} pageable allocations")
+        assert drift <= 0  # the memory held between steps did not grow
+        assert peaks[1] == peaks[0]
+        assert pool.buckets <= buckets
+        assert pool.pinned_bytes == pinned_bytes  # nothing pinned after the warm-up
+        assert pool.checked_out == 0
+        assert growth < 64 * 2**20, f"host memory grew by {growth / 2**20:.1f} MiB over 200 steps"
