@@ -221,6 +221,19 @@ TINY = {
          "freq_dim": 16, "ffn_dim": 32, "num_layers": 3, "rope_max_seq_len": 32},
         {"frames": 5, "height": 32, "width": 32},
     ),
+    "chroma": (
+        {"patch_size": 1, "in_channels": 4, "num_layers": 2, "num_single_layers": 3, "attention_head_dim": 8,
+         "num_attention_heads": 2, "joint_attention_dim": 16, "axes_dims_rope": [2, 2, 4],
+         "approximator_num_channels": 8, "approximator_hidden_dim": 16, "approximator_layers": 1},
+        {"image_tokens": 16, "text_tokens": 8},
+    ),
+    "krea2": (
+        {"in_channels": 4, "num_layers": 3, "attention_head_dim": 8, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "intermediate_size": 48, "timestep_embed_dim": 16, "text_hidden_dim": 16, "num_text_layers": 3,
+         "text_num_attention_heads": 2, "text_num_key_value_heads": 1, "text_intermediate_size": 32,
+         "num_layerwise_text_blocks": 2, "num_refiner_text_blocks": 2, "axes_dims_rope": [2, 2, 4]},
+        {"image_tokens": 16, "text_tokens": 6},
+    ),
     "zimage": (
         {"in_channels": 4, "dim": 32, "n_layers": 3, "n_refiner_layers": 2, "n_heads": 2, "n_kv_heads": 2,
          "cap_feat_dim": 16, "axes_dims": [4, 6, 6], "axes_lens": [256, 16, 16]},
