@@ -6,6 +6,8 @@ Two jobs, each run with one process per GPU (``torchrun``)::
     torchrun --nproc-per-node 2 docs/scripts/fsdp2.py check --family flux --layers 2 --tokens 1024
     # peak memory per GPU and step time per strategy (bf16, full fine-tune, AdamW)
     torchrun --nproc-per-node 2 docs/scripts/fsdp2.py bench --family flux --layers 8 --json fsdp2.json
+    # the chart of one or more bench results (no GPU needed)
+    python docs/scripts/fsdp2.py chart fsdp2-2gpu.json fsdp2-1gpu.json --png fsdp2.png
 
 ``--cpu`` runs either job over gloo on the CPU; ``--tiny`` swaps the preset for a tiny Flux, so the
 check runs in seconds there (the test suite does exactly that). On the CPU the offload strategies
@@ -308,6 +310,8 @@ def bench(args: argparse.Namespace) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({**meta, "rows": rows}, f, indent=1)
+            if device.type == "cuda":
+                chart([{**meta, "rows": rows}], os.path.splitext(args.json)[0] + ".png")
     dist.destroy_process_group()
     return 0
 
@@ -329,9 +333,27 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def chart(payloads: list[dict[str, Any]], path: str) -> None:
+    """bench's chart (memory vs step time), one panel per world size; FSDP2's own rows in grey."""
+    from gradseam.bench import chart as draw
+
+    rows = []
+    for p in payloads:
+        for r in p["rows"]:
+            own = r["strategy"].startswith("FSDP2")
+            rows.append({"workload": f"{p['world_size']} x {p['device']}, fwd+bwd peak per GPU",
+                         "strategy": f"ref: {r['strategy']}" if own else r["strategy"],
+                         "peak_gib": r["activation_gib"], "step_ms": r["step_ms"], "status": r["status"]})
+    first = payloads[0]
+    draw(rows, path, f"FSDP2 + gradseam: {first['family']} {first['preset']}, {first['layers']}")
+    print(f"wrote {path}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("job", choices=["check", "bench"])
+    parser.add_argument("job", choices=["check", "bench", "chart"])
+    parser.add_argument("results", nargs="*", help="chart: bench JSON files, one panel each")
+    parser.add_argument("--png", default="fsdp2.png", help="chart: where to write the PNG")
     parser.add_argument("--family", default="flux")
     parser.add_argument("--preset", default=None)
     parser.add_argument("--layers", type=int, default=None, help="keep the first K blocks of every block list")
@@ -341,6 +363,13 @@ def main() -> int:
     parser.add_argument("--cpu", action="store_true", help="gloo on the CPU instead of NCCL on GPUs")
     parser.add_argument("--tiny", action="store_true", help="a tiny Flux instead of the preset (CPU tests)")
     args = parser.parse_args()
+    if args.job == "chart":
+        payloads = []
+        for path in args.results:
+            with open(path) as f:
+                payloads.append(json.load(f))
+        chart(payloads, args.png)
+        return 0
     return check(args) if args.job == "check" else bench(args)
 
 
