@@ -99,6 +99,8 @@ class _ModelHooks:
             chain.reset()
         if output is None:  # before the forward
             self.handle._follow()
+            if self.handle.engine is not None:
+                self.handle.engine.refresh()
 
 
 class _Slot:

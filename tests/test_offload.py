@@ -202,3 +202,63 @@ def test_module_buffers_are_never_offloaded():
     assert engine.copies == 1  # x only
     y.backward()
     assert torch.equal(x.grad, x.detach().cos() * module.table)
+
+
+class _WithTable(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("table", torch.randn(64, 64))
+
+
+def test_state_is_listed_once_until_refreshed_and_moves_are_noticed(monkeypatch):
+    """Listing parameters walks every module (milliseconds on a real model): once per model
+    forward, not once per group; a buffer that moved (``.to()``, loading) is still recognised."""
+    module = _WithTable()
+    engine = _engine()
+    engine.watch(module)
+    walks = []
+    real = torch.nn.Module.buffers
+
+    def counted(self, *args, **kwargs):
+        walks.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "buffers", counted)
+    x = torch.randn(64, 64, requires_grad=True)
+    for _ in range(3):
+        with engine.group():
+            (x.sin() * module.table).sum()
+    assert len(walks) == 1 and engine.copies == 3  # x each time, never the buffer
+    module.table = module.table.clone()  # a new storage, as after .to() or loading weights
+    with engine.group():
+        (x.sin() * module.table).sum()
+    assert len(walks) == 2 and engine.copies == 4
+    engine.refresh()  # the patcher calls this before every model forward
+    with engine.group():
+        (x.sin() * module.table).sum()
+    assert len(walks) == 3 and engine.copies == 5
+
+
+def test_patched_model_lists_its_state_once_per_forward(monkeypatch):
+    from cases import FLUX
+
+    from gradseam.offload import cpu_test_mode
+
+    torch.manual_seed(0)
+    model = FLUX.build()
+    with cpu_test_mode():
+        handle = gradseam.patch(model, {"gradient_checkpointing_offload_attention": True})
+    walks = []
+    real = torch.nn.Module.buffers
+
+    def counted(self, *args, **kwargs):
+        if self is model:
+            walks.append(1)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.Module, "buffers", counted)
+    for step in range(2):
+        model(**FLUX.inputs(torch.Generator().manual_seed(step)))[0].square().mean().backward()
+    assert handle.engine.copies > 0
+    assert len(walks) == 2  # 7 attention groups per forward, one listing per forward
+    handle.remove()
