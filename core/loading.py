@@ -42,7 +42,7 @@ from typing import Any
 from torch import nn
 
 from .config import CheckpointConfig
-from .patcher import PatchHandle, PipelineHandle, _pipeline_components, handle_of, patch_model, plan
+from .patcher import PatchHandle, PipelineHandle, _pipeline_components, handle_of, patch_model, patch_models
 from .registry import REGISTRY
 
 # (module, class, classmethod) of every loader that builds a model or a pipeline
@@ -110,10 +110,7 @@ def _patch_loaded(result: Any, session: _Session, passed: set[int]) -> None:
         name: m for name, m in components.items()
         if id(m) not in passed and _handled(m) and handle_of(m) is None
     }
-    for model in todo.values():  # refuse before touching any component, as patch() does
-        plan(model, REGISTRY.for_model_type(type(model)), session.config)  # type: ignore[arg-type]
-    for model in todo.values():
-        session.handles.append(patch_model(model, session.config, check_device=False))
+    session.handles.extend(patch_models(todo, session.config, check_device=False).values())
 
 
 def _install() -> None:

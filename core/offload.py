@@ -190,7 +190,7 @@ class _Stored:
 class _Packed:
     """What autograd holds instead of a tensor: how to rebuild it from its storage copy."""
 
-    __slots__ = ("dtype", "offset", "ref", "size", "stored", "stride", "version")
+    __slots__ = ("base", "dtype", "offset", "ref", "size", "stored", "stride", "version")
 
     def __init__(self, t: torch.Tensor, stored: _Stored, offset: int) -> None:
         self.stored = stored
@@ -199,7 +199,20 @@ class _Packed:
         self.stride = t.stride()
         self.offset = offset  # in elements, relative to the copied span
         self.version = t._version
+        # Autograd's in-place check reads the version counter that every view of a base shares. We
+        # may not keep the tensor (its memory is what we free), so we watch it weakly, and its base
+        # too: the saved view often dies at once, but any alias that could still write the bytes
+        # is the base or a view of it, and a view keeps its base (and the base's Python object,
+        # which torch preserves while C++ holds it) alive. A weakly held alias costs no memory.
         self.ref = weakref.ref(t)
+        self.base = weakref.ref(t._base) if t._base is not None else None
+
+    def live(self) -> torch.Tensor | None:
+        """Some tensor that still shares the saved tensor's version counter, if any is alive."""
+        found = self.ref()
+        if found is None and self.base is not None:
+            found = self.base()
+        return found
 
 
 class _Group:
@@ -384,7 +397,7 @@ class OffloadEngine:
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Packed):
             return packed
-        live = packed.ref()
+        live = packed.live()
         if live is not None and live._version != packed.version:
             raise RuntimeError(
                 "one of the variables needed for gradient computation has been modified by an inplace "
@@ -489,6 +502,24 @@ def _fresh_engine(max_buckets: int, min_bytes: int, device_test_mode: bool, mode
 # -- what the patcher installs ----------------------------------------------------------------
 
 
+def refuse_transforms(what: str) -> None:
+    """torch.func transforms (grad, vjp, jvp, vmap) cannot run saved-tensor hooks, which is how every
+    offload works: say so by name instead of failing deep inside the engine."""
+    interpreter = torch._C._functorch.peek_interpreter_stack()
+    if interpreter is None:
+        return
+    key = str(interpreter.key()).rsplit(".", 1)[-1].lower()
+    transform = {"grad": "grad / torch.func.vjp"}.get(key, key)  # vjp runs under the grad interpreter
+    from .errors import UnsupportedStrategyError
+
+    raise UnsupportedStrategyError(
+        f"{what} cannot run under torch.func.{transform}: it moves saved tensors to the CPU through "
+        "saved-tensor hooks, which torch.func transforms do not support (torch.utils.checkpoint, and with "
+        "it every gradseam backend, has the same limit under grad and vjp). Call handle.remove() before "
+        "the transform and patch again after it."
+    )
+
+
 class RegionOffload:
     """A ``saved_hooks`` factory for :class:`gradseam.strategies.Runner` (the unsloth backends).
 
@@ -502,6 +533,7 @@ class RegionOffload:
         self.engine = engine
 
     def __call__(self, args: tuple, kwargs: dict) -> Any:
+        refuse_transforms("gradseam's unsloth backends (region inputs offloaded)")
         chosen = set()
         first = True
         for value in [*args, *kwargs.values()]:
@@ -522,6 +554,7 @@ class AttentionOffload:
 
         if not torch.is_grad_enabled() or inside_region():
             return call(*args, **kwargs)
+        refuse_transforms("gradient_checkpointing_offload_attention")
         with self.engine.group():
             return call(*args, **kwargs)
 

@@ -7,8 +7,10 @@ configuration raises before the model is touched.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from . import seams
@@ -30,6 +32,33 @@ from .strategies import BlockLink, Chain, Runner, SeamLink
 
 if TYPE_CHECKING:
     from .summary import Summary
+
+
+@dataclass(frozen=True)
+class RegionView:
+    """One region a handle installed, as tools and tests may read it (``handle.regions()``).
+
+    ``calls`` counts, per member module, the calls made with gradients enabled; ``runs`` the
+    checkpoint regions computed (a whole chunk counts once); ``chunk_calls`` the calls that ran a
+    whole chunk and ``served`` the later members answered from it; ``fallbacks`` maps each reason
+    a member had to compute on its own to how often it happened. Attention-offload regions are no
+    checkpoint regions: their counts stay empty.
+    """
+
+    list_path: str
+    blocks: tuple[int, ...]
+    kind: str  # "block", "chunk", "ffn" or "attention-offload"
+    block_class: str
+    seam: tuple[str, ...]
+    calls: tuple[int, ...] = ()
+    runs: int = 0
+    chunk_calls: int = 0
+    served: int = 0
+    fallbacks: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"{self.list_path}{list(self.blocks)}" + (f".{'→'.join(self.seam)}" if self.seam else "")
 
 
 # -- installing and removing ------------------------------------------------------------------
@@ -95,12 +124,22 @@ class _ModelHooks:
         self.handle = handle
 
     def __call__(self, module: nn.Module, args: tuple, output: Any = None) -> None:
-        for chain in self.handle._chains:
+        handle = self.handle
+        for chain in handle._chains:
             chain.reset()
         if output is None:  # before the forward
-            self.handle._follow()
-            if self.handle.engine is not None:
-                self.handle.engine.refresh()
+            if handle._blocks_replaced():
+                handle._replan()
+            handle._follow()
+            if handle.engine is not None:
+                handle.engine.refresh()
+                if handle.offload_pending() and torch.is_grad_enabled():
+                    _warn_once(
+                        f"gradseam: {type(handle.model).__name__} is training on the CPU with "
+                        f"{handle._offload_what()}; nothing is offloaded until the model is on a GPU "
+                        "(model.to('cuda')). On the CPU the step runs as with the 'torch' / 'torch-ffn' "
+                        "backend; summary() says 'offload pending' until then."
+                    )
 
 
 class _Slot:
@@ -134,7 +173,9 @@ class PatchHandle:
         self._slots: list[_Slot] = []
         self._hooks: list[Any] = []
         self._deferred: tuple[bool, tuple, dict] | None = None
+        self._entries: list[tuple[str, int, nn.Module]] = []  # what sat in each block list when planned
         self.engine: Any = None  # the OffloadEngine, for offload configurations
+        self.deferred_device = False  # load-time patching: offload starts once the model is on a GPU
         self.active = False
 
     def _install(self) -> None:
@@ -147,42 +188,101 @@ class PatchHandle:
         for name, enable in (("enable_gradient_checkpointing", True), ("disable_gradient_checkpointing", False)):
             if hasattr(model, name):
                 setattr(model, name, _GuardedEnable(self, enable))
-        runner = Runner()
-        attention_offload = None
         if (config.enabled and config.offloads_regions) or config.offload_attention:
-            from .offload import (  # only offload configs pay for it
-                AttentionOffload,
-                RegionOffload,
-                engine_for,
-            )
+            from .offload import engine_for  # only offload configs pay for it
 
             self.engine = engine_for(config.pin_buckets)
             self.engine.watch(model)
+        self._install_regions()
+        hooks = _ModelHooks(self)
+        self._hooks = [model.register_forward_pre_hook(hooks), model.register_forward_hook(hooks, always_call=True)]
+        self.active = True
+
+    def _install_regions(self) -> None:
+        config, family = self.config, self.family
+        runner = Runner()
+        attention_offload = None
+        if self.engine is not None:
+            from .offload import AttentionOffload, RegionOffload
+
             attention_offload = AttentionOffload(self.engine)
-            if config.offloads_regions:
+            if config.enabled and config.offloads_regions:
                 runner = Runner(saved_hooks=RegionOffload(self.engine))
         for region in self.plan.regions:
             if region.kind == "attention-offload":
-                self._seams.append(seams.install(region.modules[0], attention_offload))
+                self._seams.append(seams.install(region.modules[0], attention_offload, owner=self.model))
                 self._watch(region, 0, self._seams[-1], None)
                 continue
             if region.kind == "chunk":
-                block_list = next(bl for bl in self.family.block_lists if bl.path == region.list_path)
+                block_list = next(bl for bl in family.block_lists if bl.path == region.list_path)
                 assert block_list.carry is not None
-                link = BlockLink(block_list.carry)
+                link: Any = BlockLink(block_list.carry, where=f"family {family.name!r}, block list {region.list_path!r}")
             else:
                 link = SeamLink() if len(region.modules) > 1 else None
             chain = Chain(region.modules, link, runner, label=f"{region.list_path}{list(region.blocks)}")
             for index, module in enumerate(region.modules):
-                seam = seams.install(module, chain.handler(index))
+                seam = seams.install(module, chain.handler(index), owner=self.model)
                 chain.attach(index, seam.original)
                 self._seams.append(seam)
                 if region.kind == "ffn":
                     self._watch(region, index, seam, chain)
             self._chains.append(chain)
-        hooks = _ModelHooks(self)
-        self._hooks = [model.register_forward_pre_hook(hooks), model.register_forward_hook(hooks, always_call=True)]
-        self.active = True
+        self._entries = [
+            (bl.path, i, m) for bl in family.block_lists
+            if isinstance(lst := _resolve(self.model, bl.path), nn.ModuleList) for i, m in enumerate(lst)
+        ]
+
+    def _uninstall_regions(self) -> None:
+        for seam in reversed(self._seams):
+            seams.uninstall(seam)
+        self._seams.clear()
+        self._chains.clear()
+        self._slots.clear()
+
+    def _blocks_replaced(self) -> bool:
+        """Whether something replaced a block since planning (torch's ``apply_activation_checkpointing``
+        wraps blocks in a ``CheckpointWrapper`` by setting them on their list): one identity check per block."""
+        lists: dict[str, Any] = {}
+        for path, index, module in self._entries:
+            lst = lists[path] if path in lists else lists.setdefault(path, _resolve(self.model, path))
+            if lst is None or index >= len(lst) or lst[index] is not module:
+                return True
+        return False
+
+    def _replan(self) -> None:
+        """Plan again around replaced blocks and reinstall; a block now inside torch's checkpoint wrapper
+        is left to it (planning warns once), exactly as when the wrapper came before gradseam."""
+        new_plan = plan(self.model, self.family, self.config)
+        self._uninstall_regions()
+        self.plan = new_plan
+        self._install_regions()
+
+    def offload_pending(self) -> bool:
+        """True while an offload configuration cannot offload yet: the model is still on the CPU."""
+        from .offload import cpu_allowed
+
+        return self.engine is not None and _model_device(self.model) == "cpu" and not cpu_allowed()
+
+    def _offload_what(self) -> str:
+        config = self.config
+        wants = [f"backend {config.backend!r}"] if config.enabled and config.offloads_regions else []
+        if config.offload_attention:
+            wants.append("gradient_checkpointing_offload_attention")
+        return " and ".join(wants)
+
+    def regions(self) -> tuple[RegionView, ...]:
+        """What this handle installed, region by region, with how each has run so far (read-only)."""
+        stats = {tuple(id(m) for m in c.members): c.stats for c in self._chains}
+        out = []
+        for r in self.plan.regions:
+            s = stats.get(tuple(id(m) for m in r.modules))
+            out.append(RegionView(
+                r.list_path, r.blocks, r.kind, r.block_class, r.seam,
+                calls=tuple(s.member_calls) if s else (), runs=s.runs if s else 0,
+                chunk_calls=s.chunk_calls if s else 0, served=s.served if s else 0,
+                fallbacks=dict(s.fallbacks) if s else {},
+            ))
+        return tuple(out)
 
     def _watch(self, region: Region, index: int, seam: seams.SeamForward, chain: Chain | None) -> None:
         block = _unwrap(_resolve(self.model, region.list_path)[region.blocks[0]])
@@ -205,7 +305,7 @@ class PatchHandle:
                 )
             handler = old.handler
             seams.uninstall(old)
-            new = seams.install(current, handler)  # type: ignore[arg-type]
+            new = seams.install(current, handler, owner=self.model)  # type: ignore[arg-type]
             if slot.chain is not None:
                 slot.chain.members[slot.index] = current
                 slot.chain.attach(slot.index, new.original)
@@ -219,9 +319,7 @@ class PatchHandle:
         """Restore the model exactly as it was (idempotent)."""
         if not self.active:
             return
-        for seam in reversed(self._seams):
-            seams.uninstall(seam)
-        self._seams.clear()
+        self._uninstall_regions()
         for name in ("enable_gradient_checkpointing", "disable_gradient_checkpointing"):
             if isinstance(self.model.__dict__.get(name), _GuardedEnable):
                 delattr(self.model, name)
@@ -237,8 +335,6 @@ class PatchHandle:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        self._chains.clear()
-        self._slots.clear()
         self.active = False
 
     def __enter__(self) -> PatchHandle:
@@ -294,19 +390,43 @@ def family_for(model: nn.Module) -> Family:
     return family
 
 
-def patch_model(model: nn.Module, config: CheckpointConfig, *, check_device: bool = True) -> PatchHandle:
-    # check_device=False: load-time patching (gradseam.patching), where loaders build models on the
-    # CPU before the user moves them; the offload engine only moves CUDA tensors, so that is safe.
-    family = family_for(model)
-    previous = handle_of(model)
-    the_plan = plan(model, family, config)  # raises before anything is touched
+def patch_models(
+    models: Mapping[str, nn.Module], config: CheckpointConfig, *, check_device: bool = True
+) -> dict[str, PatchHandle]:
+    """Patch several models all-or-nothing: every plan and device check passes before any is installed.
+
+    check_device=False: load-time patching (gradseam.patching), where loaders build models on the
+    CPU before the user moves them; the offload engine only moves CUDA tensors, so that is safe,
+    and the handle says offload is pending until the model is on a GPU.
+    """
+    plans = {name: plan(model, family_for(model), config) for name, model in models.items()}
     if check_device:
-        _check_offload_device(model, config)
-    if previous is not None:
-        previous.remove()  # a second patch replaces the first, never stacks
-    handle = PatchHandle(model, the_plan)
-    handle._install()
-    return handle
+        for model in models.values():
+            _check_offload_device(model, config)
+    done: dict[str, PatchHandle] = {}
+    replaced: list[PatchHandle] = []
+    try:
+        for name, model in models.items():
+            previous = handle_of(model)
+            if previous is not None:
+                previous.remove()  # a second patch replaces the first, never stacks
+                replaced.append(previous)
+            handle = PatchHandle(model, plans[name])
+            handle.deferred_device = not check_device
+            handle._install()
+            done[name] = handle
+    except BaseException:
+        for handle in done.values():
+            handle.remove()
+        for previous in replaced:  # put back what the failed patch replaced
+            previous.plan = plan(previous.model, previous.family, previous.config)
+            previous._install()
+        raise
+    return done
+
+
+def patch_model(model: nn.Module, config: CheckpointConfig, *, check_device: bool = True) -> PatchHandle:
+    return patch_models({"model": model}, config, check_device=check_device)["model"]
 
 
 def _pipeline_components(target: Any) -> dict[str, nn.Module] | None:
@@ -344,9 +464,7 @@ def patch(
             f"no component of {type(target).__name__} is handled by an installed gradseam family "
             f"(components: {kinds}; installed families: {installed}). See {PLUGIN_GUIDE}."
         )
-    plans = {name: plan(model, family_for(model), cfg) for name, model in supported.items()}
-    del plans  # validated every component first, so a refusal leaves the pipeline untouched
-    return PipelineHandle(target, {name: patch_model(model, cfg) for name, model in supported.items()})
+    return PipelineHandle(target, patch_models(supported, cfg))
 
 
 def handle_of(model: nn.Module) -> PatchHandle | None:

@@ -7,6 +7,7 @@ that tools (the summary, the conformance kit, the advisor) can inspect a plan wi
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,6 +126,31 @@ def _submodule(block: nn.Module, path: str, family: Family, where: str) -> nn.Mo
     return sub
 
 
+def _check_carry(family: Family, block_list: BlockList, block: nn.Module) -> None:
+    """A Carry names parameters of the block's ``forward``; say so at planning, not at the first step.
+
+    Positions can only be checked against what a block returns, so the chain checks those when a
+    chunk runs (and names the family there too).
+    """
+    carry = block_list.carry
+    assert carry is not None
+    params = list(inspect.signature(type(block).forward).parameters.values())[1:]  # the receiver, whatever its name
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    open_kwargs = any(p.kind is p.VAR_KEYWORD for p in params)
+    for name, position in carry.outputs.items():
+        if name not in named and not open_kwargs:
+            raise UnsupportedModelError(
+                f"family {family.name!r}: the Carry of block list {block_list.path!r} names {name!r}, which "
+                f"{type(block).__qualname__}.forward does not take (its parameters: {sorted(named)}); fix the "
+                "Carry in the adapter (see 'Carry' in docs/plugins.md)."
+            )
+        if position is not None and (isinstance(position, bool) or not isinstance(position, int) or position < 0):
+            raise UnsupportedModelError(
+                f"family {family.name!r}: the Carry of block list {block_list.path!r} maps {name!r} to "
+                f"{position!r}; a position is an output index >= 0, or None for a block returning one tensor."
+            )
+
+
 def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
     """Decide every region without touching the model."""
     result = Plan(family, config)
@@ -175,6 +201,9 @@ def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
             chunk.clear()
 
         group = config.interval if block_list.carry is not None else 1
+        if whole and group > 1:
+            for cls in {type(b): b for b in blocks}.values():
+                _check_carry(family, block_list, cls)
         for index, block in enumerate(blocks):
             where = f"{block_list.path}[{index}]"
             declared = _block_class(family, block, where)

@@ -79,11 +79,32 @@ class Original:
 
 
 class SeamForward:
-    """The object installed as ``module.forward``; delegates to a strategy handler."""
+    """The object installed as ``module.forward``; delegates to a strategy handler.
 
-    def __init__(self, module: nn.Module, handler: Handler | None) -> None:
+    ``owner`` is the patched model. A deep copy of the whole model copies the seam with it (the
+    copy is patched too, with its own handle), but a deep copy of one block alone has no handle
+    to undo it and would drag the block's whole chunk along: its seam copies as a pass-through
+    that unlinks itself on the first call, so the copied block computes exactly as unpatched.
+    """
+
+    def __init__(self, module: nn.Module, handler: Handler | None, owner: nn.Module | None = None) -> None:
         self.original = Original(module, module.__dict__.get("forward"), self)
         self.handler = handler
+        self.owner = owner
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SeamForward:
+        import copy
+
+        clone = SeamForward.__new__(SeamForward)
+        memo[id(self)] = clone
+        if self.owner is None or id(self.owner) in memo:  # the whole model is being copied
+            clone.__dict__.update(copy.deepcopy(self.__dict__, memo))
+            return clone
+        module = memo.get(id(self.module), self.module)
+        clone.original = Original(module, copy.deepcopy(self.original.previous, memo), clone)
+        clone.handler = None  # a pass-through: see the class docstring
+        clone.owner = None
+        return clone
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         handler = self.handler
@@ -106,8 +127,8 @@ class SeamForward:
         return self.original.module
 
 
-def install(module: nn.Module, handler: Handler) -> SeamForward:
-    seam = SeamForward(module, handler)
+def install(module: nn.Module, handler: Handler, owner: nn.Module | None = None) -> SeamForward:
+    seam = SeamForward(module, handler, owner)
     module.forward = seam  # type: ignore[method-assign]
     return seam
 

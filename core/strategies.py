@@ -3,24 +3,38 @@
 Every region is a *chain*: modules that the model calls one after another, each on the previous
 one's output. A chain of one is a plain checkpointed call. For longer chains (interval chunks,
 or an FFN made of two submodules) the first member runs the whole chain inside one checkpoint
-and keeps the later members' outputs; each later member, when called with exactly the object
-its predecessor returned and the same other arguments, hands back the kept output instead of
-computing. Anything else (a residual added between blocks, other arguments) makes that member
-compute on its own and switches the chain to per-member regions from then on, so the result is
-exact in every case and the model's own loop is never copied or edited.
+and keeps the later members' outputs; each later member, when called exactly as the chain
+called it, hands back the kept output instead of computing. The model's own loop is never copied
+or edited, so everything the loop (or a hook) does between two members has to be *noticed*:
+
+* the carried value must be the very object the predecessor returned, unchanged since (its
+  version counter: a forward hook or a ControlNet residual added in place bumps it);
+* every other argument must be the head's, unchanged (identity and version for tensors,
+  equality for plain values, compared against a snapshot so a dict edited in place shows);
+* no random numbers may have been drawn in between. The chain ran its later members ahead, so
+  after the head returns the generators are put back to where the head alone would have left
+  them; a follower then finds them exactly there unless the loop drew (stochastic depth), and
+  each follower served from the chain moves them on to where its own run left them.
+
+Any mismatch makes that member, and the rest of the chain in this call, compute on their own:
+exact either way. The next call tries the chunk again. Each cause warns once and is counted
+(:attr:`Chain.stats`), so ``summary()`` says how many calls ran as chunks and why others did not.
 """
 
 from __future__ import annotations
 
 import inspect
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .errors import UnsupportedModelError
 from .family import Carry
 from .planning import _warn_once
 from .seams import Original
@@ -80,94 +94,237 @@ class Runner:
             return checkpoint(region, *flat, use_reentrant=False)
 
 
-# -- how a chain member is called from its predecessor's output ------------------------------
+# -- signatures, snapshots and generator states ------------------------------------------------
 
 
-def _same(a: Any, b: Any) -> bool:
-    """Identity for tensors, structural equality for containers, ``==`` for plain values."""
-    if a is b:
-        return True
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+@dataclass(frozen=True)
+class Signature:
+    """A block class's ``forward`` signature, read once per class (not once per call)."""
+
+    signature: inspect.Signature
+    receiver: str  # the first parameter, whatever the class calls it ("self" by convention only)
+    var_keyword: str | None  # the name of ``**kwargs``, if the forward has one
+
+    def bind(self, module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """Every parameter by name (defaults applied), the receiver left out."""
+        bound = self.signature.bind(module, *args, **kwargs)
+        bound.apply_defaults()
+        arguments = dict(bound.arguments)
+        del arguments[self.receiver]
+        return arguments
+
+    def spread(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """Keyword arguments for a call, with a ``**kwargs`` bag spread back out."""
+        flat = {k: v for k, v in arguments.items() if k != self.var_keyword}
+        if self.var_keyword is not None:
+            flat.update(arguments.get(self.var_keyword) or {})
+        return flat
+
+
+_signatures: dict[type, Signature] = {}
+
+
+def signature_of(cls: type) -> Signature:
+    found = _signatures.get(cls)
+    if found is None:
+        sig = inspect.signature(cls.forward)
+        params = list(sig.parameters.values())
+        if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+            raise UnsupportedModelError(f"{cls.__qualname__}.forward takes no receiver parameter; cannot chain it.")
+        var_kw = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
+        found = _signatures[cls] = Signature(sig, params[0].name, var_kw)
+    return found
+
+
+class _Tensor:
+    """A tensor argument as it was: the object and its version counter."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.version = tensor, tensor._version
+
+    def matches(self, value: Any) -> bool:
+        return value is self.tensor and value._version == self.version
+
+
+class _Items:
+    """A tuple, list or dict argument as it was: its type and its items' snapshots."""
+
+    __slots__ = ("items", "kind")
+
+    def __init__(self, kind: type, items: tuple[Any, ...]) -> None:
+        self.kind, self.items = kind, items
+
+
+def snapshot(value: Any) -> Any:
+    """What an argument is now, in a form that a later in-place edit cannot change."""
+    if isinstance(value, torch.Tensor):
+        return _Tensor(value)
+    if isinstance(value, (tuple, list)):
+        return _Items(type(value), tuple(snapshot(v) for v in value))
+    if isinstance(value, dict):
+        return _Items(dict, tuple((k, snapshot(v)) for k, v in value.items()))
+    return value
+
+
+def unchanged(snap: Any, value: Any) -> bool:
+    """Whether ``value`` is still what :func:`snapshot` recorded."""
+    if isinstance(snap, _Tensor):
+        return snap.matches(value)
+    if isinstance(snap, _Items):
+        if type(value) is not snap.kind or len(value) != len(snap.items):
+            return False
+        if snap.kind is dict:
+            return all(k in value and unchanged(s, value[k]) for k, s in snap.items)
+        return all(unchanged(s, v) for s, v in zip(snap.items, value))
+    if isinstance(value, (torch.Tensor, tuple, list, dict)):
         return False
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if snap is value:
+        return True
     try:
-        return bool(a == b) and type(a) is type(b)
+        return type(snap) is type(value) and bool(snap == value)
     except Exception:
         return False
 
 
+def _rng_devices(args: tuple, kwargs: dict) -> tuple[torch.device, ...]:
+    found: list[torch.device] = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.device.type == "cuda" and value.device not in found:
+            found.append(value.device)
+    return tuple(found)
+
+
+def rng_state(devices: tuple[torch.device, ...]) -> tuple[torch.Tensor, ...]:
+    """The generators a block's dropout draws from: the CPU's and each CUDA device's the inputs live on."""
+    return (torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices))
+
+
+def set_rng_state(state: tuple[torch.Tensor, ...], devices: tuple[torch.device, ...]) -> None:
+    torch.set_rng_state(state[0])
+    for d, s in zip(devices, state[1:]):
+        torch.cuda.set_rng_state(s, d)
+
+
+def _same_rng(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# -- how a chain member is called from its predecessor's output ------------------------------
+
+
 class Link:
-    """Declares how member ``j+1`` of a chain is called, given member ``j``'s output."""
+    """How member ``j+1`` of a chain is called, given member ``j``'s output and the head's arguments."""
 
-    def next_call(self, member: nn.Module, prev_out: Any, head: inspect.BoundArguments) -> tuple[tuple, dict]:
+    def next_call(self, member: nn.Module, prev_out: Any, head: dict[str, Any]) -> tuple[tuple, dict]:
         raise NotImplementedError
 
-    def matches(self, member: nn.Module, prev_out: Any, head: inspect.BoundArguments, args: tuple, kwargs: dict) -> bool:
+    def mismatch(self, member: nn.Module, prev_out: Any, versions: tuple[int, ...], head: dict[str, Any],
+                 args: tuple, kwargs: dict) -> str | None:
+        """Why a follower's actual call differs from the chain's, or None if it does not."""
+        raise NotImplementedError
+
+    def carried(self, prev_out: Any) -> tuple[torch.Tensor, ...]:
+        """The tensors handed from one member to the next (their versions are checked)."""
         raise NotImplementedError
 
 
-def _bind(module: nn.Module, args: tuple, kwargs: dict) -> inspect.BoundArguments:
-    bound = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
-    bound.apply_defaults()
-    return bound
+IDENTITY = "the carried output was replaced between blocks"
+VERSION = "the carried output was changed in place between blocks (a forward hook or a residual added in place)"
+ARGUMENTS = "another argument differs from the first block's (or was changed in place)"
+RANDOM = "random numbers were drawn between blocks"
+ORDER = "the blocks were called out of order"
+PRE_HOOKS = "the blocks carry forward pre-hooks (FSDP2's fully_shard gathers a block's weights in one)"
 
 
 class BlockLink(Link):
     """Blocks of one list: carried outputs go to named parameters, everything else is unchanged."""
 
-    def __init__(self, carry: Carry) -> None:
+    def __init__(self, carry: Carry, where: str = "") -> None:
         self.carry = carry
+        self.where = where  # "family 'wan', transformer.blocks": for errors about the declaration
 
     def _carried(self, prev_out: Any) -> dict[str, Any]:
-        return {name: prev_out if pos is None else prev_out[pos] for name, pos in self.carry.outputs.items()}
+        out: dict[str, Any] = {}
+        sequence = isinstance(prev_out, (tuple, list))
+        for name, pos in self.carry.outputs.items():
+            # A position into a single tensor would index its first dimension: no error, wrong values.
+            if (pos is None) == sequence or (pos is not None and pos >= len(prev_out)):
+                what = f"a {type(prev_out).__name__} of {len(prev_out)}" if sequence else f"a single {type(prev_out).__name__}"
+                where = "the whole output" if pos is None else f"output position {pos}"
+                raise UnsupportedModelError(
+                    f"{self.where}: the family's Carry maps {name!r} to {where}, but the block returned "
+                    f"{what}; fix the Carry in the adapter (see 'Carry' in docs/plugins.md)."
+                )
+            out[name] = prev_out if pos is None else prev_out[pos]
+        return out
 
-    def next_call(self, member: nn.Module, prev_out: Any, head: inspect.BoundArguments) -> tuple[tuple, dict]:
-        arguments = dict(head.arguments)
-        arguments.pop("self", None)
-        arguments.update(self._carried(prev_out))
-        bound = inspect.signature(type(member).forward).bind_partial(member, **_no_varargs(arguments))
-        return (), {k: v for k, v in bound.arguments.items() if k != "self"}
+    def carried(self, prev_out: Any) -> tuple[torch.Tensor, ...]:
+        return tuple(v for v in self._carried(prev_out).values() if isinstance(v, torch.Tensor))
 
-    def matches(self, member: nn.Module, prev_out: Any, head: inspect.BoundArguments, args: tuple, kwargs: dict) -> bool:
+    def next_call(self, member: nn.Module, prev_out: Any, head: dict[str, Any]) -> tuple[tuple, dict]:
+        sig = signature_of(type(member))
+        return (), sig.spread({**head, **self._carried(prev_out)})
+
+    def mismatch(self, member: nn.Module, prev_out: Any, versions: tuple[int, ...], head: dict[str, Any],
+                 args: tuple, kwargs: dict) -> str | None:
         try:
-            bound = _bind(member, args, kwargs)
+            bound = signature_of(type(member)).bind(member, args, kwargs)
         except TypeError:
-            return False
+            return ARGUMENTS
         carried = self._carried(prev_out)
-        for name, value in bound.arguments.items():
-            if name == "self":
-                continue
-            expected = carried[name] if name in carried else head.arguments.get(name)
-            if name in carried:
-                if value is not expected:
-                    return False
-            elif not _same(value, expected):
-                return False
-        return True
-
-
-def _no_varargs(arguments: dict[str, Any]) -> dict[str, Any]:
-    # ``forward(self, x, **kwargs)`` binds the extras under "kwargs"; spread them back out.
-    flat: dict[str, Any] = {}
-    for name, value in arguments.items():
-        if name == "kwargs" and isinstance(value, dict):
-            flat.update(value)
-        else:
-            flat[name] = value
-    return flat
+        for name, value in carried.items():
+            if bound.get(name) is not value:
+                return IDENTITY
+        if tuple(t._version for t in self.carried(prev_out)) != versions:
+            return VERSION
+        for name, value in bound.items():
+            if name not in carried and not unchanged(head.get(name), value):
+                return ARGUMENTS
+        return None
 
 
 class SeamLink(Link):
     """Submodules of an FFN seam: each takes the previous one's output as its only argument."""
 
-    def next_call(self, member: nn.Module, prev_out: Any, head: inspect.BoundArguments) -> tuple[tuple, dict]:
+    def next_call(self, member: nn.Module, prev_out: Any, head: dict[str, Any]) -> tuple[tuple, dict]:
         return (prev_out,), {}
 
-    def matches(self, member: nn.Module, prev_out: Any, head: inspect.BoundArguments, args: tuple, kwargs: dict) -> bool:
-        return len(args) == 1 and not kwargs and args[0] is prev_out
+    def carried(self, prev_out: Any) -> tuple[torch.Tensor, ...]:
+        return (prev_out,) if isinstance(prev_out, torch.Tensor) else ()
+
+    def mismatch(self, member: nn.Module, prev_out: Any, versions: tuple[int, ...], head: dict[str, Any],
+                 args: tuple, kwargs: dict) -> str | None:
+        if len(args) != 1 or kwargs:
+            return ARGUMENTS
+        if args[0] is not prev_out:
+            return IDENTITY
+        if tuple(t._version for t in self.carried(prev_out)) != versions:
+            return VERSION
+        return None
+
+
+@dataclass
+class ChainStats:
+    """How a chain's calls went, for ``summary()`` and the handle's region view."""
+
+    member_calls: list[int]  # calls with gradients enabled, per member
+    runs: int = 0  # checkpoint regions computed (a whole chain counts once)
+    chunk_calls: int = 0  # head calls that ran the whole chain
+    served: int = 0  # follower calls answered from the chain's kept outputs
+    fallbacks: Counter[str] = field(default_factory=Counter)  # cause -> calls that computed alone
+
+
+class _Flight:
+    """What one chunk call keeps for its followers, from the head's return to the last follower."""
+
+    __slots__ = ("devices", "head", "kept", "next", "rng", "versions")
+
+    def __init__(self, head: dict[str, Any], kept: list[Any], versions: list[tuple[int, ...]],
+                 rng: list[tuple[torch.Tensor, ...]] | None, devices: tuple[torch.device, ...]) -> None:
+        self.head, self.kept, self.versions, self.rng, self.devices = head, kept, versions, rng, devices
+        self.next = 1
 
 
 class Chain:
@@ -180,23 +337,18 @@ class Chain:
         self.link = link
         self.runner = runner
         self.label = label
-        self.fallback = False  # set once a mismatch showed the model edits values between members
+        self.stats = ChainStats([0] * len(self.members))
         self._originals: list[Original | None] = [None] * len(members)
-        self._reset()
-
-    def _reset(self) -> None:
-        self._kept: list[Any] = []
-        self._next = 0
-        self._head: inspect.BoundArguments | None = None
+        self._flight: _Flight | None = None
 
     def reset(self) -> None:
         """Drop the outputs kept for later members (the patcher calls this around every model forward)."""
-        self._reset()
+        self._flight = None
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy (deepcopy, pickle) starts with nothing in flight: kept outputs are graph tensors
         # of a step that belongs to the original and cannot be deep-copied anyway.
-        return {**self.__dict__, "_kept": [], "_next": 0, "_head": None}
+        return {**self.__dict__, "_flight": None}
 
     def handler(self, index: int) -> Callable[[Original, tuple, dict], Any]:
         return _MemberHandler(self, index)
@@ -208,59 +360,91 @@ class Chain:
     def run_member(self, index: int, original: Original, args: tuple, kwargs: dict) -> Any:
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)  # inference: add no work
+        self.stats.member_calls[index] += 1
         if index == 0:
             return self._run_head(original, args, kwargs)
         return self._run_follower(index, original, args, kwargs)
 
+    def _alone(self, original: Original, args: tuple, kwargs: dict) -> Any:
+        self.stats.runs += 1
+        return self.runner(original, args, kwargs)
+
+    def _fall_back(self, cause: str) -> None:
+        self._flight = None
+        self.stats.fallbacks[cause] += 1
+        _warn_once(
+            f"gradseam: a checkpoint chunk of {type(self.members[0]).__name__} blocks fell back to one region "
+            f"per block for this call because {cause}. Results stay exact; the chunk is tried again on the "
+            "next call, and summary() counts how often this happens (each fallback recomputes the chunk's "
+            "later blocks once more)."
+        )
+
     def _run_head(self, original: Original, args: tuple, kwargs: dict) -> Any:
-        self._reset()
-        if len(self.members) == 1 or self.fallback:
-            return self.runner(original, args, kwargs)
-        hooked = next((m for m in self.members[1:] if m._forward_pre_hooks), None)
-        if hooked is not None:
+        self._flight = None
+        if len(self.members) == 1:
+            return self._alone(original, args, kwargs)
+        if any(m._forward_pre_hooks for m in self.members[1:]):
             # Running a member ahead skips its pre-hooks, and they may be what makes it runnable:
             # FSDP2's fully_shard gathers the block's weights in one. Exact beats chunked; checked
             # on every call (not latched), so the chunk comes back once the hooks are removed.
-            _warn_once(
-                f"gradseam: {type(hooked).__name__} modules carry forward pre-hooks (FSDP2's fully_shard "
-                "gathers a block's weights in one), and a checkpoint chunk would run them ahead of those "
-                "hooks; they are checkpointed one at a time instead, so gradient_checkpointing_interval "
-                "has no effect on them."
-            )
-            return self.runner(original, args, kwargs)
-        head = _bind(self.members[0], args, kwargs)
+            self._fall_back(PRE_HOOKS)
+            return self._alone(original, args, kwargs)
         link = self.link
         assert link is not None
+        head = signature_of(type(self.members[0])).bind(self.members[0], args, kwargs)
         originals = self._originals
+        compiling = torch.compiler.is_compiling()
+        devices = () if compiling else _rng_devices(args, kwargs)
+        states: list[tuple[torch.Tensor, ...]] = []
+        first_pass = [True]  # the recompute in backward runs the chain again: record the forward only
 
         def whole_chain(*a: Any, **k: Any) -> tuple[Any, ...]:
+            record = first_pass[0] and not compiling
+            first_pass[0] = False
             outs = [originals[0](*a, **k)]  # type: ignore[misc]
+            if record:
+                states.append(rng_state(devices))
             for j in range(1, len(self.members)):
                 ca, ck = link.next_call(self.members[j], outs[-1], head)
                 outs.append(originals[j](*ca, **ck))  # type: ignore[misc]
+                if record:
+                    states.append(rng_state(devices))
             return tuple(outs)
 
-        outs = self.runner(whole_chain, args, kwargs)
-        self._kept = list(outs)
-        self._head = head
-        self._next = 1
+        self.stats.runs += 1
+        self.stats.chunk_calls += 1
+        outs = list(self.runner(whole_chain, args, kwargs))
+        versions = [tuple(t._version for t in link.carried(out)) for out in outs]
+        if not compiling:
+            set_rng_state(states[0], devices)  # as if only the head had run: the loop may draw next
+        self._flight = _Flight({k: snapshot(v) for k, v in head.items()}, outs, versions,
+                               None if compiling else states, devices)
         return outs[0]
 
     def _run_follower(self, index: int, original: Original, args: tuple, kwargs: dict) -> Any:
-        head, kept = self._head, self._kept
-        if head is not None and self._next == index:
-            assert self.link is not None
-            if self.link.matches(self.members[index], kept[index - 1], head, args, kwargs):
-                out = kept[index]
-                if index == len(self.members) - 1:
-                    self._reset()  # drop references to the chunk's outputs as soon as possible
-                else:
-                    self._next = index + 1
-                return out
-            # The model changed something between members: stay exact, compute this one alone.
-            self.fallback = True
-        self._reset()
-        return self.runner(original, args, kwargs)
+        flight = self._flight
+        if flight is None:
+            return self._alone(original, args, kwargs)  # the head ran alone, or this call fell back
+        if flight.next != index:
+            self._fall_back(ORDER)
+            return self._alone(original, args, kwargs)
+        assert self.link is not None
+        cause = self.link.mismatch(self.members[index], flight.kept[index - 1], flight.versions[index - 1],
+                                   flight.head, args, kwargs)
+        if cause is None and flight.rng is not None and not _same_rng(rng_state(flight.devices), flight.rng[index - 1]):
+            cause = RANDOM
+        if cause is not None:
+            self._fall_back(cause)
+            return self._alone(original, args, kwargs)
+        out = flight.kept[index]
+        if flight.rng is not None:
+            set_rng_state(flight.rng[index], flight.devices)  # where this member's own run left them
+        self.stats.served += 1
+        if index == len(self.members) - 1:
+            self._flight = None  # drop references to the chunk's outputs as soon as possible
+        else:
+            flight.next = index + 1
+        return out
 
 
 class _MemberHandler:

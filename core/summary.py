@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .patcher import PatchHandle
+    from .patcher import PatchHandle, RegionView
 
 
 @dataclass(frozen=True)
@@ -24,14 +24,17 @@ def _span(path: str, indices: tuple[int, ...]) -> str:
 
 
 class Summary:
-    def __init__(self, title: str, rows: list[Row]) -> None:
+    def __init__(self, title: str, rows: list[Row], notes: list[str] | None = None) -> None:
         self.title = title
         self.rows = rows
+        self.notes = notes or []  # how regions have run so far: chunk fallbacks, pending offload
 
     @classmethod
     def of(cls, handle: PatchHandle, component: str = "") -> Summary:
         cfg = handle.config
-        offload = " + CPU offload of region inputs" if cfg.offloads_regions else ""
+        pending = handle.offload_pending()
+        where = " (pending: the model is on the CPU)" if pending else ""
+        offload = f" + CPU offload of region inputs{where}" if cfg.offloads_regions else ""
         merged: dict[tuple[str, tuple[int, ...]], list[str]] = {}
         classes: dict[tuple[str, tuple[int, ...]], str] = {}
         for region in handle.plan.regions:
@@ -48,7 +51,7 @@ class Summary:
             if region.kind == "ffn":
                 merged.setdefault(key, []).append(f"{cfg.backend}: recompute {'→'.join(region.seam)}{offload}")
             else:
-                merged.setdefault(key, []).append(f"offload {region.seam[0]} saved tensors")
+                merged.setdefault(key, []).append(f"offload {region.seam[0]} saved tensors{where}")
         for path, index, block_class in handle.plan.plain:
             key = (path, (index,))
             classes[key] = block_class
@@ -70,12 +73,18 @@ class Summary:
                 emit()
             run.append(key)
         emit()
-        return cls(f"{handle.family.name}: {cfg.describe()}", rows)
+        notes = [_fallback_note(r) for r in handle.regions() if r.fallbacks]
+        if pending:
+            notes.append(f"offload pending: {type(handle.model).__name__} is on the CPU; offloading starts "
+                         "once it is on a GPU")
+        return cls(f"{handle.family.name}: {cfg.describe()}", rows, [f"{component}: {n}" if component else n
+                                                                   for n in notes])
 
     @classmethod
     def merge(cls, parts: dict[str, Summary]) -> Summary:
         rows = [Row(name, r.blocks, r.block_class, r.strategy) for name, part in parts.items() for r in part.rows]
-        return cls("; ".join(f"{n}: {p.title}" for n, p in parts.items()), rows)
+        notes = [f"{name}: {n}" for name, part in parts.items() for n in part.notes]
+        return cls("; ".join(f"{n}: {p.title}" for n, p in parts.items()), rows, notes)
 
     def __str__(self) -> str:
         headers = ("component", "blocks", "class", "strategy")
@@ -86,9 +95,18 @@ class Summary:
         line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
         out = [self.title, line(headers), line("-" * w for w in widths)]
         out += [line(b) for b in body]
+        out += [f"note: {n}" for n in self.notes]
         return "\n".join(out)
 
     __repr__ = __str__
+
+
+def _fallback_note(region: RegionView) -> str:
+    fell = sum(region.fallbacks.values())
+    calls = region.calls[0] if region.calls else 0
+    why = "; ".join(f"{n}x {cause}" for cause, n in sorted(region.fallbacks.items(), key=lambda kv: -kv[1]))
+    return (f"{region.label}: ran as one chunk {region.chunk_calls} of {calls} calls; {fell} member call(s) "
+            f"computed alone because {why}")
 
 
 def _list_order(handle: PatchHandle, path: str) -> int:

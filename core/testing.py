@@ -148,6 +148,7 @@ class RegionRun:
     calls: list[int]
     runs: int
     fallback: bool
+    fallbacks: dict[str, int] = field(default_factory=dict)  # why members computed alone, and how often
 
     @property
     def ran(self) -> bool:
@@ -159,65 +160,28 @@ class RegionRun:
         return not self.fallback and self.runs == first and all(c == first for c in self.calls)
 
 
-class _CountedHandler:
-    __slots__ = ("calls", "handler", "index")
-
-    def __init__(self, handler: Any, calls: list[int], index: int) -> None:
-        self.handler, self.calls, self.index = handler, calls, index
-
-    def __call__(self, original: Any, args: tuple, kwargs: dict) -> Any:
-        if torch.is_grad_enabled():
-            self.calls[self.index] += 1
-        return self.handler(original, args, kwargs)
-
-
-class _CountedRunner:
-    __slots__ = ("counter", "runner")
-
-    def __init__(self, runner: Any, counter: list[int]) -> None:
-        self.runner, self.counter = runner, counter
-
-    def __call__(self, fn: Any, args: tuple, kwargs: dict) -> Any:
-        self.counter[0] += 1
-        return self.runner(fn, args, kwargs)
-
-
 @contextmanager
 def record_regions(handle: Any) -> Iterator[list[RegionRun]]:
     """Count, while the block is active, how each checkpoint region of ``handle`` runs.
 
-    Yields a list that is filled with one :class:`RegionRun` per region when the block exits.
-    Attention-offload regions are not regions of recompute and are not listed. Test
-    instrumentation: it swaps counting wrappers into the installed seams and restores them.
+    Yields a list that is filled with one :class:`RegionRun` per region when the block exits,
+    from the counts the handle keeps (:meth:`gradseam.patcher.PatchHandle.regions`).
+    Attention-offload regions are not regions of recompute and are not listed.
     """
-    regions = {tuple(id(m) for m in r.modules): r for r in handle.plan.regions if r.kind != "attention-offload"}
-    chains: dict[int, tuple[Any, list[int], list[int]]] = {}
-    swapped: list[tuple[Any, Any]] = []
-    runners: list[tuple[Any, Any]] = []
-    for seam in handle._seams:
-        handler = seam.handler
-        chain = getattr(handler, "chain", None)
-        if chain is None:
-            continue
-        if id(chain) not in chains:
-            chains[id(chain)] = (chain, [0] * len(chain.members), [0])
-            runners.append((chain, chain.runner))
-            chain.runner = _CountedRunner(chain.runner, chains[id(chain)][2])
-        seam.handler = _CountedHandler(handler, chains[id(chain)][1], handler.index)
-        swapped.append((seam, handler))
+    before = {r.label: r for r in handle.regions()}
     found: list[RegionRun] = []
     try:
         yield found
     finally:
-        for seam, handler in swapped:
-            seam.handler = handler
-        for chain, runner in runners:
-            chain.runner = runner
-        for chain, calls, runs in chains.values():
-            region = regions.get(tuple(id(m) for m in chain.members))
-            kind = region.kind if region is not None else "?"
-            label = chain.label + (f".{'→'.join(region.seam)}" if region is not None and region.seam else "")
-            found.append(RegionRun(label, kind, calls, runs[0], chain.fallback))
+        for r in handle.regions():
+            if r.kind == "attention-offload":
+                continue
+            old = before.get(r.label)
+            calls = [c - (old.calls[i] if old and old.calls else 0) for i, c in enumerate(r.calls)]
+            fallbacks = {k: v - (old.fallbacks.get(k, 0) if old else 0) for k, v in r.fallbacks.items()}
+            fallbacks = {k: v for k, v in fallbacks.items() if v}
+            runs = r.runs - (old.runs if old else 0)
+            found.append(RegionRun(r.label, r.kind, calls, runs, bool(fallbacks), fallbacks))
 
 
 def assert_regions_whole(regions: list[RegionRun], *, what: str = "") -> None:
@@ -245,7 +209,8 @@ def assert_regions_whole(regions: list[RegionRun], *, what: str = "") -> None:
         raise AssertionError(
             f"{prefix}region {r.label} ({r.kind}) did not run as one region: its members were called "
             f"{r.calls} times and it computed {r.runs} region(s)"
-            f"{', then fell back to per-module regions' if r.fallback else ''}. Results stay exact, but {why}."
+            f"{', and members computed alone because ' + '; '.join(r.fallbacks) if r.fallback else ''}. "
+            f"Results stay exact, but {why}."
         )
 
 

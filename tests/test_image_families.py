@@ -1,5 +1,6 @@
-"""Chroma, Krea 2 and Z-Image: every strategy matches the unpatched model to the bit, with and
-without the optional inputs (attention masks, batched padding, Z-Image Omni's SigLIP refiner)."""
+"""Chroma, Krea 2 and Z-Image beyond the conformance suite (tests/test_conformance.py runs every
+strategy on them): their optional inputs really reach the patched path, Chroma's mask survives
+where the built-in flag drops it, and the presets plan at full size."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import warnings
 import pytest
 import torch
 from cases_image import (
-    ALL,
     CHROMA,
     CHROMA_MASKED,
     KREA2,
@@ -20,10 +20,7 @@ from cases_image import (
 
 import gradseam
 from gradseam.patcher import GradseamWarning, family_for, plan
-from gradseam.seams import installed_seam
-from gradseam.testing import Case, assert_same_step, check_strategy, config_id, cpu_configs, run_step
-
-MATRIX = [(case, cfg) for case in ALL for cfg in cpu_configs()]
+from gradseam.testing import Case, assert_same_step, config_id, run_step
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -35,13 +32,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.mark.parametrize(("case", "config"), MATRIX, ids=[f"{c.name}-{config_id(k)}" for c, k in MATRIX])
-def test_parity(case: Case, config: dict) -> None:
-    report = check_strategy(case, config)
-    print(f"{case.name} {config_id(config)}: saved_ratio={report.saved_ratio:.3f}")
-    assert report.saved_ratio < 1.0
 
 
 def _fresh(case: Case) -> torch.nn.Module:
@@ -164,11 +154,9 @@ def test_interval_chunks_chain_without_fallback(case: Case, lists: tuple[str, ..
         chunks = [r for r in handle.plan.regions if r.kind == "chunk"]
         assert {r.list_path for r in chunks} == set(lists)
         run_step(model, case)
-        for region in chunks:
-            seam = installed_seam(region.modules[0])
-            assert seam is not None
-            chain = seam.handler.chain  # type: ignore[union-attr]
-            assert not chain.fallback, f"{region.list_path}{list(region.blocks)} fell back to per-block regions"
+        for region in handle.regions():
+            if region.kind == "chunk":
+                assert region.chunk_calls == 1 and not region.fallbacks, f"{region.label} fell back: {region.fallbacks}"
     finally:
         handle.remove()
 

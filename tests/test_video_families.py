@@ -1,20 +1,17 @@
-"""LTX-2 and MageFlow: every strategy matches the unpatched model to the bit, with fewer bytes kept."""
+"""LTX-2 and MageFlow beyond the conformance suite (tests/test_conformance.py runs every strategy on
+them): audio inputs reach the patched path, chunks really carry both streams, the presets' sizes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from cases_video import ALL, LTX2, LTX2_MASKED, LTX2_STG, MAGEFLOW
+from cases_video import LTX2, LTX2_MASKED, LTX2_STG, MAGEFLOW
 
 import gradseam
 from gradseam.config import CheckpointConfig
-from gradseam.offload import cpu_test_mode
 from gradseam.patcher import family_for, plan
 from gradseam.registry import REGISTRY
-from gradseam.seams import installed_seam
-from gradseam.testing import Case, assert_same_step, check_strategy, config_id, cpu_configs, run_step
-
-MATRIX = [(case, cfg) for case in ALL for cfg in cpu_configs()]
+from gradseam.testing import Case, assert_same_step, check_strategy, run_step
 
 CHUNKED = {
     "gradient_checkpointing": True,
@@ -31,34 +28,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
-
-
-@pytest.mark.parametrize(("case", "config"), MATRIX, ids=[f"{c.name}-{config_id(k)}" for c, k in MATRIX])
-def test_parity(case, config):
-    report = check_strategy(case, config)
-    print(f"{case.name} {config_id(config)}: saved_ratio={report.saved_ratio:.3f}")
-    assert report.saved_ratio < 1.0
-
-
-OFFLOAD_CONFIGS = [
-    {"gradient_checkpointing_offload_attention": True},
-    {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_interval": 2},
-    {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth-ffn",
-     "gradient_checkpointing_offload_attention": True},
-]
-OFFLOAD_MATRIX = [(case, cfg) for case in (LTX2, LTX2_STG, MAGEFLOW) for cfg in OFFLOAD_CONFIGS]
-
-
-@pytest.mark.parametrize(
-    ("case", "config"), OFFLOAD_MATRIX, ids=[f"{c.name}-{config_id(k)}" for c, k in OFFLOAD_MATRIX]
-)
-def test_offload_parity(case, config):
-    # Attention offload wraps every declared attention submodule (six per LTX-2 block, the joint
-    # ``attn`` for MageFlow); all of them must round-trip through the host buffers exactly.
-    with cpu_test_mode():
-        report = check_strategy(case, config)
-    print(f"{case.name} {config_id(config)}: saved_ratio={report.saved_ratio:.3f}")
-    assert report.saved_ratio < 1.0
 
 
 def test_ltx2_audio_inputs_reach_the_patched_path():
@@ -83,12 +52,9 @@ def test_ltx2_audio_inputs_reach_the_patched_path():
 
 
 def _chunk_fallbacks(model: torch.nn.Module) -> dict[str, bool]:
-    chains = {}
-    for module in model.modules():
-        seam = installed_seam(module)
-        if seam is not None and len(seam.handler.chain.members) > 1:
-            chains[seam.handler.chain.label] = seam.handler.chain.fallback
-    return chains
+    handle = gradseam.handle_of(model)
+    assert handle is not None
+    return {f"{r.list_path}{list(r.blocks)}": bool(r.fallbacks) for r in handle.regions() if r.kind == "chunk"}
 
 
 @pytest.mark.parametrize(
