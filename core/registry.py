@@ -114,9 +114,13 @@ class _Failed(Exception):
         self.cause = cause
         self.kind = kind
 
+    def with_fix(self, fix: str) -> str:
+        # the message may end with the plugin's own exception text, which need not end a sentence
+        return f"{self.message}{'' if self.message.endswith(('.', '!', '?')) else '.'} {fix}"
+
     def error(self, fix: str) -> PluginError:
         kind = self.kind or _kind_of(self.cause)
-        exc = kind(f"{self.message} {fix}", plugin=self.source.plugin, distribution=self.source.distribution)
+        exc = kind(self.with_fix(fix), plugin=self.source.plugin, distribution=self.source.distribution)
         exc.__cause__ = self.cause
         return exc
 
@@ -324,6 +328,7 @@ class Registry:
             # one distribution found twice on the path (say, an install and a build tree) is one plugin
             if not any(o.value == ep.value and _normalize(_dist_of(o)[0] or "") == dist for o in same):
                 same.append(ep)
+
         def builtin(ep: Any) -> bool:
             return _normalize(_dist_of(ep)[0] or "") == BUILTIN_DISTRIBUTION
 
@@ -400,10 +405,9 @@ class Registry:
         failures = []
         for failed in skipped:
             dist = failed.source.distribution or "it"
-            message = (
-                f"{failed.message} Skipped: its families are not installed, every other plugin's are. "
-                f"Fix or uninstall {dist}, or leave it out with {PLUGINS_ENV}=name,name...; naming it in "
-                f"{PLUGINS_ENV} makes this an error."
+            message = failed.with_fix(
+                f"Skipped: its families are not installed, every other plugin's are. Fix or uninstall {dist}, "
+                f"or leave it out with {PLUGINS_ENV}=name,name...; naming it in {PLUGINS_ENV} makes this an error."
             )
             # warned before committing: under `-W error` the load fails, and fails the same way again
             _warn(message)

@@ -349,7 +349,7 @@ def test_hook_raising_names_the_plugin_and_leaves_nothing(registered):
     error = failing_twice(registered, Boom(), "tiny-boom")
     assert isinstance(error, gradseam.errors.PluginValueError) and isinstance(error, ValueError)
     assert str(error) == (
-        "gradseam plugin 'tiny-boom' (registered at runtime) failed in register_families: ValueError: boom "
+        "gradseam plugin 'tiny-boom' (registered at runtime) failed in register_families: ValueError: boom. "
         "Nothing of it was registered."
     )
     assert isinstance(error.__cause__, ValueError)
@@ -780,7 +780,7 @@ def test_broken_builtin_plugin_raises(site):
         registry.families()
     assert str(info.value) == (
         "gradseam plugin 'gone' (distribution gradseam 9.9, entry point gone = gs_gone) failed to import: "
-        "ImportError: half-installed This plugin is part of gradseam, so the installation is broken: reinstall "
+        "ImportError: half-installed. This plugin is part of gradseam, so the installation is broken: reinstall "
         "gradseam."
     )
     assert state(registry) == EMPTY
