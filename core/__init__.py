@@ -49,8 +49,12 @@ __all__ = [
 def patch(target: Any, config: Any = None, **kwargs: Any) -> PatchHandle | PipelineHandle:
     """Patch a diffusers model (or every supported component of a pipeline).
 
-    ``config`` is a :class:`CheckpointConfig`, a mapping of the config keys, or omitted in favour
-    of keyword arguments. Returns a handle whose ``remove()`` restores the model exactly.
+    ``config`` is a :class:`CheckpointConfig`, a mapping of the config keys, the path of a JSON
+    config file, or omitted in favour of keyword arguments (which override it key by key). Anything
+    else (``True``, ``0``, a list) is a ``TypeError`` rather than a silent fall back to the defaults,
+    and every keyword is read as a config key: to pick the gradseam keys out of a whole trainer
+    config, pass ``CheckpointConfig.from_dict(trainer_config, ignore_unknown=True)`` as ``config``.
+    Returns a handle whose ``remove()`` restores the model exactly.
     """
     from .patcher import patch as _patch
 

@@ -11,7 +11,8 @@ import contextlib
 import difflib
 import json
 import os
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -64,6 +65,96 @@ def _parse_backend(value: Any) -> str:
     close = difflib.get_close_matches(value.strip().lower().replace("_", "-"), BACKENDS, n=1, cutoff=0.5)
     hint = f" Did you mean '{close[0]}'?" if close else ""
     raise ValueError(f"{_where(key)}: {value!r} is not a backend; allowed: {list(BACKENDS)}.{hint}")
+
+
+# -- JSON files: what json.loads would take silently or report without the file and key ----------
+
+
+class _Duplicates:
+    """An ``object_pairs_hook`` that builds plain dicts and remembers which of them saw a key twice
+    (json keeps the last value silently). It holds the dicts, so their ids stay theirs."""
+
+    def __init__(self) -> None:
+        self.found: list[tuple[dict[str, Any], str]] = []
+
+    def __call__(self, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in obj:
+                self.found.append((obj, key))
+            obj[key] = value
+        return obj
+
+    def by_id(self) -> dict[int, str]:
+        first: dict[int, str] = {}
+        for obj, key in self.found:
+            first.setdefault(id(obj), key)
+        return first
+
+
+@dataclass(frozen=True)
+class _HugeInt:
+    """An integer literal longer than ``int()`` converts; kept as a marker so the key can be named."""
+
+    digits: int
+
+
+def _json_int(text: str) -> int | _HugeInt:
+    try:
+        return int(text)
+    except ValueError:  # only raised past sys.get_int_max_str_digits(); json validated the syntax
+        return _HugeInt(len(text.lstrip("-")))
+
+
+def _walk(data: Any) -> Iterator[tuple[str, Any]]:
+    """(key path, value) for every value of a parsed document, in document order, without recursion
+    (a file nested close to the recursion limit parses, and must not fail here instead)."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        where, node = stack.pop()
+        yield where, node
+        if isinstance(node, dict):
+            children = [(f"{where}.{k}" if where else str(k), v) for k, v in node.items()]
+        elif isinstance(node, list):
+            children = [(f"{where}[{i}]", v) for i, v in enumerate(node)]
+        else:
+            continue
+        stack.extend(reversed(children))
+
+
+def _check_json(path: str, data: Any, duplicates: _Duplicates) -> None:
+    twice = duplicates.by_id()
+    for where, node in _walk(data):
+        if isinstance(node, dict) and id(node) in twice:
+            key = f"{where}.{twice[id(node)]}" if where else twice[id(node)]
+            raise ValueError(
+                f"gradseam config file {path!r}: key {key!r} appears more than once. JSON readers keep the "
+                "last value without a word, so the file does not say which one it means; remove the duplicate."
+            )
+        if isinstance(node, _HugeInt):
+            limit = sys.get_int_max_str_digits()
+            raise ValueError(
+                f"gradseam config file {path!r}: key {where!r} holds an integer of {node.digits} digits, "
+                f"more than Python converts ({limit}, see sys.set_int_max_str_digits); no gradseam setting "
+                "takes such a number."
+            )
+
+
+def _config_type_error(value: Any) -> TypeError:
+    hint = ""
+    if isinstance(value, bool):
+        hint = " To switch checkpointing on, pass gradient_checkpointing=True or {'gradient_checkpointing': True}."
+    elif isinstance(value, (list, tuple)):
+        hint = " A list of pairs is not a mapping: pass dict(...) of it."
+    elif isinstance(value, bytes):
+        hint = " A path must be str or os.PathLike: decode it."
+    shown = repr(value)
+    shown = shown if len(shown) <= 60 else shown[:57] + "..."
+    return TypeError(
+        "gradseam: the config argument must be a CheckpointConfig, a mapping of config keys, the path of a "
+        f"JSON config file (str or os.PathLike), or None (keyword arguments only); got "
+        f"{type(value).__name__} {shown}.{hint}"
+    )
 
 
 @dataclass(frozen=True)
@@ -179,8 +270,9 @@ class CheckpointConfig:
                 text = file.read()
         except UnicodeDecodeError as exc:
             raise ValueError(f"gradseam config file {os.fspath(path)!r} is not UTF-8 text: {exc}") from None
+        duplicates = _Duplicates()
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=duplicates, parse_int=_json_int)
         except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nesting too deep
             raise ValueError(f"gradseam config file {os.fspath(path)!r} is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
@@ -188,22 +280,43 @@ class CheckpointConfig:
                 f"gradseam config file {os.fspath(path)!r} must hold a JSON object of keys, "
                 f"got {type(data).__name__}."
             )
+        _check_json(os.fspath(path), data, duplicates)
         return cls.from_dict(data, ignore_unknown=ignore_unknown)
 
     @classmethod
     def coerce(
         cls, value: CheckpointConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None, **kwargs: Any
     ) -> CheckpointConfig:
-        """Accept what ``patch`` accepts: a config, a mapping, a JSON file path, or keyword arguments."""
+        """Accept what ``patch`` accepts: a config, a mapping, a JSON file path, or keyword arguments.
+
+        Anything else is a TypeError rather than falling back to the defaults: ``patch(model, True)``
+        or ``patch(model, [])`` would otherwise train without checkpointing while the user believes
+        it is on. ``ignore_unknown`` is refused as a keyword: here every keyword is a config key, and
+        quietly dropping unknown ones would turn every typo into a default.
+        """
+        if "ignore_unknown" in kwargs:
+            raise TypeError(
+                "gradseam: ignore_unknown is not a config key, and patch() / patching() read every keyword as "
+                "one. To read the gradseam keys out of a larger trainer config, pass "
+                "CheckpointConfig.from_dict(trainer_config, ignore_unknown=True) (or "
+                "CheckpointConfig.from_json(path, ignore_unknown=True)) as the config."
+            )
         if isinstance(value, (str, os.PathLike)):
+            if isinstance(value, str) and value.lstrip().startswith("{") and not os.path.exists(value):
+                raise ValueError(
+                    "gradseam: a str config is read as the path of a JSON file, but this one looks like JSON "
+                    "text; pass json.loads(text) instead."
+                )
             value = cls.from_json(value)
         if isinstance(value, CheckpointConfig):
             if kwargs:
                 return cls.from_dict({**asdict(value), **kwargs})  # unknown kwargs get the key suggestion
             return value
-        base = dict(value or {})
-        base.update(kwargs)
-        return cls.from_dict(base)
+        if value is None:
+            return cls.from_dict(kwargs)
+        if not isinstance(value, Mapping):
+            raise _config_type_error(value)
+        return cls.from_dict({**value, **kwargs})
 
     def to_dict(self) -> dict[str, Any]:
         """The keys as a trainer would write them (JSON-ready)."""

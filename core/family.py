@@ -10,6 +10,8 @@ whose upstream home is not settled yet.
 
 from __future__ import annotations
 
+import keyword
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +24,65 @@ def class_name(ref: ClassRef) -> str:
     if isinstance(ref, str):
         return ref
     return f"{ref.__module__}.{ref.__qualname__}"
+
+
+def bare_name(ref: ClassRef) -> str:
+    """The class's own name, the part a bare-name declaration and a full one share."""
+    return class_name(ref).rsplit(".", 1)[-1]
+
+
+# -- validation ----------------------------------------------------------------------------------
+# The declarations are read long after they are written (at patch time, in `gradseam families`), so a
+# wrong type must fail here, where the plugin author wrote it: a string where a tuple belongs would
+# otherwise be iterated as its characters and surface later as a baffling "no module 'f'".
+
+_FAMILY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+_SEQUENCES = (tuple, list)  # ordered; a set would make the order of lists and seams arbitrary
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 80 else text[:77] + '...'}"
+
+
+def _identifier(part: str) -> bool:
+    return part.isidentifier() and not keyword.iskeyword(part)
+
+
+def _is_path(value: Any) -> bool:
+    # attribute paths may step through a ModuleList by index ("blocks.0.attn")
+    return isinstance(value, str) and all(_identifier(p) or p.isdigit() for p in value.split("."))
+
+
+def _is_class_name(value: Any) -> bool:
+    return isinstance(value, str) and all(_identifier(p) or p == "<locals>" for p in value.split("."))
+
+
+def _type_error(owner: str, name: str, expected: str, value: Any, example: str) -> TypeError:
+    """``example`` shows the right form, with ``{v}`` standing for the string the author wrote."""
+    hint = ""
+    if isinstance(value, str):
+        hint = f" A string here would be read as its characters: write {example.format(v=repr(value))}."
+    return TypeError(f"{owner}: field {name!r} must be {expected}, got {_show(value)}.{hint}")
+
+
+def _sequence(owner: str, name: str, value: Any, expected: str, example: str) -> tuple[Any, ...]:
+    if not isinstance(value, _SEQUENCES):
+        raise _type_error(owner, name, expected, value, example)
+    return tuple(value)
+
+
+def _paths(owner: str, name: str, value: Any, expected: str, example: str) -> tuple[str, ...]:
+    items = _sequence(owner, name, value, expected, example)
+    for item in items:
+        if not isinstance(item, str):
+            raise TypeError(f"{owner}: field {name!r} must be {expected}, got {_show(value)} (item {_show(item)}).")
+        if not _is_path(item):
+            raise ValueError(
+                f"{owner}: field {name!r} holds {item!r}, which is not a submodule path "
+                "(attribute names separated by dots, e.g. 'ff' or 'attn.to_out.0')."
+            )
+    return items
 
 
 @dataclass(frozen=True)
@@ -37,6 +98,41 @@ class Carry:
 
     outputs: Mapping[str, int | None]
 
+    def __post_init__(self) -> None:
+        owner = "Carry"
+        outputs = self.outputs
+        if not isinstance(outputs, Mapping):
+            raise TypeError(
+                f"{owner}: field 'outputs' must be a mapping of the block's forward parameter names to "
+                f"positions in its return value (int >= 0, or None for a block returning one tensor), "
+                f"got {_show(outputs)}; e.g. Carry({{'hidden_states': None}})."
+            )
+        if not outputs:
+            raise ValueError(f"{owner}: field 'outputs' is empty; name the parameter(s) each block hands to the next.")
+        for name, position in outputs.items():
+            if not isinstance(name, str):
+                raise TypeError(f"{owner}: field 'outputs' keys must be parameter names (str), got {_show(name)}.")
+            if not _identifier(name):
+                raise ValueError(f"{owner}: field 'outputs' key {name!r} is not a parameter name.")
+            if position is not None and (isinstance(position, bool) or not isinstance(position, int)):
+                raise TypeError(
+                    f"{owner}: field 'outputs' maps {name!r} to {_show(position)}; expected a position "
+                    "in the block's returned tuple (int >= 0), or None when the block returns that one tensor."
+                )
+            if position is not None and position < 0:
+                raise ValueError(
+                    f"{owner}: field 'outputs' maps {name!r} to {position}; positions count from 0 "
+                    "(negative indices would silently follow the length of the returned tuple)."
+                )
+        single = [name for name, position in outputs.items() if position is None]
+        if single and len(outputs) > 1:
+            raise ValueError(
+                f"{owner}: field 'outputs' maps {single[0]!r} to None (the block returns that one tensor), "
+                f"so it cannot also carry {sorted(set(outputs) - {single[0]})}; use tuple positions instead."
+            )
+        # a private copy: mutating the caller's dict later must not change a registered family
+        object.__setattr__(self, "outputs", dict(outputs))
+
 
 @dataclass(frozen=True)
 class BlockList:
@@ -45,6 +141,21 @@ class BlockList:
     path: str
     carry: Carry | None = None  # None: blocks of this list cannot be chunked (interval is ignored)
     optional: bool = False  # the attribute may be missing or None in some configs
+
+    def __post_init__(self) -> None:
+        owner = f"BlockList({self.path!r})" if isinstance(self.path, str) else "BlockList"
+        if not isinstance(self.path, str):
+            raise TypeError(f"{owner}: field 'path' must be an attribute path (str), got {_show(self.path)}.")
+        if not _is_path(self.path):
+            raise ValueError(
+                f"{owner}: field 'path' is not an attribute path (attribute names separated by dots, "
+                "e.g. 'transformer_blocks' or 'text_fusion.layerwise_blocks')."
+            )
+        if self.carry is not None and not isinstance(self.carry, Carry):
+            wrap = f" Wrap it: carry=Carry({self.carry!r})." if isinstance(self.carry, Mapping) else ""
+            raise TypeError(f"{owner}: field 'carry' must be a Carry or None, got {_show(self.carry)}.{wrap}")
+        if not isinstance(self.optional, bool):
+            raise TypeError(f"{owner}: field 'optional' must be True or False, got {_show(self.optional)}.")
 
 
 @dataclass(frozen=True)
@@ -64,6 +175,39 @@ class BlockClass:
     cls: ClassRef
     ffn: tuple[tuple[str, ...], ...] = ()
     attention: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.cls, type) or _is_class_name(self.cls)):
+            error = ValueError if isinstance(self.cls, str) else TypeError
+            raise error(
+                "BlockClass: field 'cls' must be a class or its qualified name (e.g. "
+                f"'diffusers.models.attention.JointTransformerBlock'), got {_show(self.cls)}."
+            )
+        owner = f"BlockClass({bare_name(self.cls)!r})"
+        expected = "a tuple of seams, each a tuple of submodule paths"
+        seams = _sequence(owner, "ffn", self.ffn, expected, "(({v},),)")
+        ffn = []
+        for seam in seams:
+            if not isinstance(seam, _SEQUENCES):
+                example = f"(({seam!r},),)" if isinstance(seam, str) else '(("ff",),)'
+                raise TypeError(
+                    f"{owner}: field 'ffn' must be {expected}, got {_show(self.ffn)} (item {_show(seam)}); "
+                    f"one seam of one module is written {example}."
+                )
+            if not seam:
+                raise ValueError(f"{owner}: field 'ffn' holds an empty seam; a seam names at least one submodule.")
+            ffn.append(_paths(owner, "ffn", seam, expected, "(({v},),)"))
+        seen: set[str] = set()
+        for path in (p for seam in ffn for p in seam):
+            if path in seen:
+                raise ValueError(
+                    f"{owner}: field 'ffn' names {path!r} twice; a submodule belongs to one seam at most "
+                    "(it would be checkpointed inside its own checkpoint)."
+                )
+            seen.add(path)
+        attention = _paths(owner, "attention", self.attention, "a tuple of submodule paths", "({v},)")
+        object.__setattr__(self, "ffn", tuple(ffn))
+        object.__setattr__(self, "attention", attention)
 
     @property
     def name(self) -> str:
@@ -86,6 +230,21 @@ class Preset:
     inputs: Mapping[str, Any] = field(default_factory=dict)
     make_inputs: Callable[..., Mapping[str, Any]] | None = None
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.description, str):
+            raise TypeError(f"Preset: field 'description' must be a str, got {_show(self.description)}.")
+        owner = f"Preset({self.description!r})"
+        for name in ("config", "inputs"):
+            value = getattr(self, name)
+            if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+                raise TypeError(
+                    f"{owner}: field {name!r} must be a mapping of keyword-argument names (str) to values, "
+                    f"got {_show(value)}."
+                )
+            object.__setattr__(self, name, dict(value))
+        if self.make_inputs is not None and not callable(self.make_inputs):
+            raise TypeError(f"{owner}: field 'make_inputs' must be a function or None, got {_show(self.make_inputs)}.")
+
 
 @dataclass(frozen=True)
 class Family:
@@ -97,6 +256,63 @@ class Family:
     block_classes: tuple[BlockClass, ...]
     description: str = ""
     presets: Mapping[str, Preset] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise TypeError(f"Family: field 'name' must be a str, got {_show(self.name)}.")
+        if not _FAMILY_NAME.fullmatch(self.name):
+            raise ValueError(
+                f"Family: field 'name' is {self.name!r}; a family name is what `gradseam bench --family` "
+                "takes: letters, digits, '_', '-' and '.', starting with a letter or digit."
+            )
+        owner = f"Family {self.name!r}"
+        models = _sequence(owner, "models", self.models, "a tuple of model classes or their qualified names",
+                           "({v},)")
+        for ref in models:
+            if not (isinstance(ref, type) or _is_class_name(ref)):
+                raise (ValueError if isinstance(ref, str) else TypeError)(
+                    f"{owner}: field 'models' must hold classes or qualified class names, got {_show(ref)}."
+                )
+        self._no_duplicates(owner, "models", [class_name(m) for m in models], "model class")
+        block_lists = _sequence(owner, "block_lists", self.block_lists, "a tuple of BlockList",
+                                "(BlockList({v}),)")
+        self._all_of(owner, "block_lists", block_lists, BlockList)
+        self._no_duplicates(owner, "block_lists", [bl.path for bl in block_lists], "path")
+        block_classes = _sequence(owner, "block_classes", self.block_classes, "a tuple of BlockClass",
+                                  "(BlockClass(...),)")
+        self._all_of(owner, "block_classes", block_classes, BlockClass)
+        self._no_duplicates(owner, "block_classes", [bc.name for bc in block_classes], "class")
+        for name, items in (("models", models), ("block_lists", block_lists), ("block_classes", block_classes)):
+            if not items:
+                raise ValueError(f"{owner}: field {name!r} is empty; a family needs at least one.")
+        if not isinstance(self.description, str):
+            raise TypeError(f"{owner}: field 'description' must be a str, got {_show(self.description)}.")
+        if not isinstance(self.presets, Mapping):
+            raise TypeError(f"{owner}: field 'presets' must be a mapping of names to Preset, got {_show(self.presets)}.")
+        for key, preset in self.presets.items():
+            if not isinstance(key, str) or not key:
+                raise TypeError(f"{owner}: field 'presets' keys must be non-empty names (str), got {_show(key)}.")
+            if not isinstance(preset, Preset):
+                raise TypeError(f"{owner}: field 'presets' maps {key!r} to {_show(preset)}; expected a Preset.")
+        set_ = object.__setattr__
+        set_(self, "models", models)
+        set_(self, "block_lists", block_lists)
+        set_(self, "block_classes", block_classes)
+        set_(self, "presets", dict(self.presets))
+
+    @staticmethod
+    def _all_of(owner: str, name: str, items: tuple[Any, ...], kind: type) -> None:
+        for item in items:
+            if not isinstance(item, kind):
+                raise TypeError(f"{owner}: field {name!r} must hold {kind.__name__} objects, got {_show(item)}.")
+
+    @staticmethod
+    def _no_duplicates(owner: str, name: str, keys: list[str], what: str) -> None:
+        seen: set[str] = set()
+        for key in keys:
+            if key in seen:
+                raise ValueError(f"{owner}: field {name!r} declares {what} {key!r} twice.")
+            seen.add(key)
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -25,8 +25,12 @@ RegisterFamily = Callable[[Family], None]
 def register_families(register: RegisterFamily) -> None:
     """Declare model families by calling ``register(Family(...))`` once per family.
 
-    Called once, when gradseam first needs the registry (listing families or patching a model).
-    Return nothing. Example::
+    Called once per load, when gradseam first needs the registry (listing families or patching a
+    model), or at once for a plugin passed to :func:`gradseam.register`. Return nothing. The
+    families are collected first and installed only if the whole hook ran and none of them
+    conflicts with an installed family, so raising here leaves nothing of the plugin behind. A
+    hookimpl whose name is not a hook declared here (``register_family``) is rejected rather than
+    never called. Example::
 
         from gradseam.family import BlockClass, BlockList, Carry, Family
         from gradseam.hookspecs import hookimpl

@@ -3,13 +3,34 @@
 Built-in adapters are found through the same entry points a third-party package declares, so
 the core never names a family. ``GRADSEAM_PLUGINS`` (comma-separated entry-point names) limits
 which entry points load, e.g. to rule out a misbehaving third-party plugin.
+
+Every plugin is *staged* before anything is registered: imported, its hook called against a
+scratch plugin manager, its families collected and checked against each other and against what
+is installed. Only a load or registration that passed all of that is committed, in one step. So
+a failure never leaves part of a plugin behind, and asking again gives the same error.
+
+What a failure does depends on whether gradseam can still answer correctly without the plugin:
+
+* a **conflict** (two distributions declaring one entry-point name, two plugins registering one
+  family name or one model class) always raises: which side would win depends on install order,
+  and a model patched by the wrong declaration is a silent wrong result;
+* a **third-party plugin that fails on its own** (import error, hook raising, an invalid
+  declaration, a misspelled hook) is skipped with a :class:`~gradseam.errors.PluginWarning`:
+  it provides nothing, the others are unaffected, and a model only it would handle is refused
+  as unsupported. Named in ``GRADSEAM_PLUGINS`` it raises instead, as the user asked for it;
+* a failing **built-in** plugin means gradseam itself is broken, and raises;
+* a plugin passed to :func:`gradseam.register` raises to its caller.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
+import re
+import sys
 import threading
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
@@ -17,11 +38,19 @@ from typing import Any
 import pluggy
 
 from . import hookspecs
-from .errors import GradseamError, PluginConflictError
-from .family import Family
+from .errors import (
+    PluginConflictError,
+    PluginError,
+    PluginTypeError,
+    PluginValueError,
+    PluginWarning,
+)
+from .family import Family, bare_name
 
 ENTRY_POINT_GROUP = "gradseam"
 PLUGINS_ENV = "GRADSEAM_PLUGINS"
+BUILTIN_DISTRIBUTION = "gradseam"
+_HOOKS = ("register_families",)
 
 
 @dataclass(frozen=True)
@@ -34,115 +63,390 @@ class Installed:
     version: str | None
 
 
+@dataclass(frozen=True)
+class Failure:
+    """A third-party plugin that was skipped, and why (the text of the warning it caused)."""
+
+    plugin: str
+    distribution: str | None
+    version: str | None
+    message: str
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where a plugin comes from, for messages: its entry point and distribution, or the caller."""
+
+    plugin: str
+    distribution: str | None = None
+    version: str | None = None
+    value: str | None = None  # the entry point's "module:attr"; None for a runtime plugin
+
+    @property
+    def builtin(self) -> bool:
+        return self.distribution is not None and _normalize(self.distribution) == BUILTIN_DISTRIBUTION
+
+    def where(self) -> str:
+        if self.value is None:
+            return "registered at runtime"
+        dist = f"distribution {self.distribution} {self.version}" if self.distribution else "unknown distribution"
+        return f"{dist}, entry point {self.plugin} = {self.value}"
+
+    def describe(self) -> str:
+        return f"gradseam plugin {self.plugin!r} ({self.where()})"
+
+
+@dataclass
+class _Staged:
+    source: _Source
+    plugin: Any
+    families: list[Family]
+
+
+class _Failed(Exception):
+    """A staging failure; the caller decides whether it raises or is skipped, and adds the fix."""
+
+    def __init__(self, source: _Source, message: str, cause: BaseException | None = None,
+                 kind: type[PluginError] | None = None) -> None:
+        super().__init__(message)
+        self.source = source
+        self.message = message
+        self.cause = cause
+        self.kind = kind
+
+    def with_fix(self, fix: str) -> str:
+        # the message may end with the plugin's own exception text, which need not end a sentence
+        return f"{self.message}{'' if self.message.endswith(('.', '!', '?')) else '.'} {fix}"
+
+    def error(self, fix: str) -> PluginError:
+        kind = self.kind or _kind_of(self.cause)
+        exc = kind(self.with_fix(fix), plugin=self.source.plugin, distribution=self.source.distribution)
+        exc.__cause__ = self.cause
+        return exc
+
+
+def _kind_of(cause: BaseException | None) -> type[PluginError]:
+    # Keep the built-in category of what the plugin raised, so `except TypeError` still catches a
+    # plugin that passed a string where a tuple belongs.
+    if isinstance(cause, TypeError):
+        return PluginTypeError
+    if isinstance(cause, ValueError):
+        return PluginValueError
+    return PluginError
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _same_class(a: str, b: str) -> bool:
+    """Whether two class names can match one class: equal, or one bare and the last parts equal."""
+    if a == b:
+        return True
+    return ("." not in a or "." not in b) and bare_name(a) == bare_name(b)
+
+
+def _warn(message: str) -> None:
+    # Point the warning at the first frame outside gradseam's core, whichever public call got here.
+    here = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(0), 1
+    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == here:
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, PluginWarning, stacklevel=level)
+
+
+def _dist_of(ep: Any) -> tuple[str | None, str | None]:
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return None, None
+    return dist.name, dist.version
+
+
 class Registry:
     def __init__(self) -> None:
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._loaded = False
+        # Replaced whole, never edited in place, so readers without the lock see old or new state.
         self._families: dict[str, Installed] = {}
         self._by_model: dict[str, Installed] = {}
-        self._dists: dict[str, tuple[str | None, str | None]] = {}
+        self._sources: dict[str, _Source] = {}
+        self._failures: list[Failure] = []
 
-    # -- loading ---------------------------------------------------------------------------
-    def _allowed(self) -> set[str] | None:
+    # -- staging one plugin ----------------------------------------------------------------
+    def _stage(self, plugin: Any, source: _Source) -> _Staged:
+        """Collect a plugin's families without touching the registry (raises _Failed)."""
+        scratch = pluggy.PluginManager(hookspecs.PROJECT)
+        scratch.add_hookspecs(hookspecs)
+        try:
+            scratch.register(plugin, name=source.plugin)
+        except pluggy.PluginValidationError as exc:
+            raise _Failed(source, f"{source.describe()} has an invalid hook: {exc}. The hook is "
+                          "`register_families(register)`; its parameter must be named `register`.",
+                          exc, PluginTypeError) from None
+        self._check_hook_names(scratch, plugin, source)
+
+        families: list[Family] = []
+
+        def register(family: Family) -> None:
+            if not isinstance(family, Family):
+                raise _Failed(
+                    source,
+                    f"{source.describe()} called register() with {type(family).__name__}; expected a "
+                    "gradseam.family.Family.",
+                    kind=PluginTypeError,
+                )
+            families.append(family)
+
+        try:
+            scratch.hook.register_families(register=register)
+        except _Failed:
+            raise
+        except Exception as exc:
+            raise _Failed(
+                source, f"{source.describe()} failed in register_families: {type(exc).__name__}: {exc}", exc
+            ) from exc
+        return _Staged(source, plugin, families)
+
+    @staticmethod
+    def _check_hook_names(scratch: pluggy.PluginManager, plugin: Any, source: _Source) -> None:
+        # pluggy accepts a hookimpl for a hook nobody specified (it might be specified later) and
+        # only complains in check_pending(); a misspelled hook would otherwise never be called.
+        try:
+            scratch.check_pending()
+        except pluggy.PluginValidationError as exc:
+            unknown = sorted(
+                name for name, caller in vars(scratch.hook).items()
+                if not name.startswith("_") and not caller.has_spec() and caller.get_hookimpls()
+            )
+            hints = []
+            for name in unknown:
+                close = difflib.get_close_matches(name, _HOOKS, n=1, cutoff=0.6)
+                hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise _Failed(
+                source,
+                f"{source.describe()} implements {', '.join(hints)}, which gradseam does not define; "
+                f"gradseam's hooks are {list(_HOOKS)}.",
+                exc,
+                PluginTypeError,
+            ) from None
+        if not scratch.hook.register_families.get_hookimpls():
+            undecorated = callable(getattr(plugin, "register_families", None))
+            hint = (
+                "its register_families is not decorated with @gradseam.hookimpl"
+                if undecorated
+                else "a plugin provides families through `@hookimpl def register_families(register)`"
+            )
+            raise _Failed(source, f"{source.describe()} implements no gradseam hook: {hint}.", kind=PluginTypeError)
+
+    # -- checking a batch against the registry ----------------------------------------------
+    def _check_conflicts(self, staged: list[_Staged], fix: str) -> None:
+        """Raise if a staged family's name or model class is already taken (by the registry or the batch)."""
+        names: dict[str, tuple[Family, _Source]] = {
+            n: (i.family, self._source_of(i.plugin)) for n, i in self._families.items()
+        }
+        claims: list[tuple[str, Family, _Source]] = [
+            (model, family, source) for family, source in names.values() for model in family.model_names
+        ]
+        for item in staged:
+            for family in item.families:
+                taken = names.get(family.name)
+                if taken is not None:
+                    _, other = taken
+                    if other.plugin == item.source.plugin:
+                        raise PluginConflictError(
+                            f"{item.source.describe()} registers family {family.name!r} twice. {fix}",
+                            plugin=item.source.plugin, distribution=item.source.distribution,
+                        )
+                    raise PluginConflictError(
+                        f"family {family.name!r} is registered by both plugin {other.plugin!r} ({other.where()}) "
+                        f"and plugin {item.source.plugin!r} ({item.source.where()}). {fix}",
+                        plugin=item.source.plugin, distribution=item.source.distribution,
+                    )
+                for model in family.model_names:
+                    for claimed, owner, other in claims:
+                        if not _same_class(model, claimed):
+                            continue
+                        what = (
+                            f"model class {model!r}" if model == claimed
+                            else f"model classes {claimed!r} and {model!r} (a bare class name matches a "
+                            "class of that name from any module, so both name one class)"
+                        )
+                        raise PluginConflictError(
+                            f"{what} {'is' if model == claimed else 'are'} claimed by family {owner.name!r} "
+                            f"(plugin {other.plugin!r}, {other.where()}) and family {family.name!r} "
+                            f"(plugin {item.source.plugin!r}, {item.source.where()}). {fix}",
+                            plugin=item.source.plugin, distribution=item.source.distribution,
+                        )
+                names[family.name] = (family, item.source)
+                claims.extend((model, family, item.source) for model in family.model_names)
+        seen: dict[int, str] = {id(p): name for name, p in self.pm.list_name_plugin()}
+        for item in staged:
+            other_name = seen.setdefault(id(item.plugin), item.source.plugin)
+            if other_name != item.source.plugin:
+                raise PluginConflictError(
+                    f"plugins {other_name!r} and {item.source.plugin!r} ({item.source.where()}) are the same "
+                    f"object {item.plugin!r}; register it once. {fix}",
+                    plugin=item.source.plugin, distribution=item.source.distribution,
+                )
+
+    def _source_of(self, plugin: str) -> _Source:
+        return self._sources.get(plugin) or _Source(plugin)
+
+    def _commit(self, staged: list[_Staged]) -> None:
+        families, by_model, sources = dict(self._families), dict(self._by_model), dict(self._sources)
+        done: list[str] = []
+        try:
+            for item in staged:
+                self.pm.register(item.plugin, name=item.source.plugin)
+                done.append(item.source.plugin)
+                sources[item.source.plugin] = item.source
+                for family in item.families:
+                    installed = Installed(family, item.source.plugin, item.source.distribution, item.source.version)
+                    families[family.name] = installed
+                    for model in family.model_names:
+                        by_model[model] = installed
+        except BaseException:
+            for name in done:
+                self.pm.unregister(name=name)
+            raise
+        self._families, self._by_model, self._sources = families, by_model, sources
+
+    # -- loading the entry points -----------------------------------------------------------
+    @staticmethod
+    def _entry_points() -> list[list[Any]]:
+        """The group's entry points grouped by name; a group of two or more is a conflict.
+
+        Built-ins first, then by name: a fixed order makes a conflict read the same on every machine,
+        with the built-in as the side that was there first.
+        """
+        by_name: dict[str, list[Any]] = {}
+        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+            same = by_name.setdefault(ep.name, [])
+            dist = _normalize(_dist_of(ep)[0] or "")
+            # one distribution found twice on the path (say, an install and a build tree) is one plugin
+            if not any(o.value == ep.value and _normalize(_dist_of(o)[0] or "") == dist for o in same):
+                same.append(ep)
+
+        def builtin(ep: Any) -> bool:
+            return _normalize(_dist_of(ep)[0] or "") == BUILTIN_DISTRIBUTION
+
+        return sorted(by_name.values(), key=lambda points: (not all(map(builtin, points)), points[0].name))
+
+    @staticmethod
+    def _name_conflict(points: list[Any]) -> PluginConflictError:
+        sides = []
+        for ep in points:
+            dist, version = _dist_of(ep)
+            sides.append(f"{f'{dist} {version}' if dist else 'an unknown distribution'} ({ep.name} = {ep.value})")
+        return PluginConflictError(
+            f"gradseam plugin name {points[0].name!r} is declared by {' and by '.join(sides)}; one would "
+            f"silently replace the other depending on install order. Uninstall one of them ({PLUGINS_ENV} "
+            "selects plugins by this name, so it cannot choose between them).",
+            plugin=points[0].name,
+            distribution=", ".join(str(_dist_of(ep)[0]) for ep in points),
+        )
+
+    def _allowed(self, available: Iterable[str]) -> set[str] | None:
         raw = os.environ.get(PLUGINS_ENV)
         if raw is None:
             return None
-        return {name.strip() for name in raw.split(",") if name.strip()}
+        allowed = {name.strip() for name in raw.split(",") if name.strip()}
+        if not allowed:
+            _warn(
+                f"{PLUGINS_ENV} is set but names no plugin ({raw!r}), so no gradseam plugin loads and no "
+                f"family is installed. Unset it to load every installed plugin, or name the ones to load: "
+                f"{sorted(available)}."
+            )
+        return allowed
 
     def _load_entry_points(self) -> None:
-        allowed = self._allowed()
-        points = list(metadata.entry_points(group=ENTRY_POINT_GROUP))
+        groups = self._entry_points()
+        names = [points[0].name for points in groups]
+        allowed = self._allowed(names)
         if allowed is not None:
-            unknown = sorted(allowed - {ep.name for ep in points})
+            unknown = sorted(allowed - set(names))
             if unknown:
-                warnings.warn(
+                _warn(
                     f"{PLUGINS_ENV} names {unknown}, which no installed distribution provides; "
-                    f"installed gradseam plugins: {sorted(ep.name for ep in points)}.",
-                    RuntimeWarning,
-                    stacklevel=4,
+                    f"installed gradseam plugins: {sorted(names)}."
                 )
-        for ep in points:
-            if allowed is not None and ep.name not in allowed:
+        staged: list[_Staged] = []
+        skipped: list[_Failed] = []
+        for points in groups:
+            point, name = points[0], points[0].name
+            if allowed is not None and name not in allowed:
                 continue
-            if self.pm.has_plugin(ep.name):
-                continue
+            if len(points) > 1:
+                raise self._name_conflict(points)
+            source = _Source(name, *_dist_of(point), value=point.value)
             try:
-                plugin = ep.load()
-            except Exception as exc:
-                dist = getattr(getattr(ep, "dist", None), "name", "an unknown distribution")
-                raise GradseamError(
-                    f"gradseam plugin {ep.name!r} (from {dist}, {ep.value}) failed to import: "
-                    f"{type(exc).__name__}: {exc}. Fix or uninstall it, or load only the plugins you "
-                    f"need with {PLUGINS_ENV}=name,name..."
-                ) from exc
-            self.pm.register(plugin, name=ep.name)
-            dist = getattr(ep, "dist", None)
-            self._dists[ep.name] = (dist.name, dist.version) if dist is not None else (None, None)
-
-    def _collect(self, plugin_name: str) -> None:
-        # Call each plugin's hook on its own, so every family knows which plugin declared it.
-        for impl in self.pm.hook.register_families.get_hookimpls():
-            if impl.plugin_name != plugin_name:
-                continue
-
-            def register(family: Family) -> None:
-                self._add(family, plugin_name)
-
-            impl.function(register=register)
-
-    def _add(self, family: Family, plugin_name: str) -> None:
-        if not isinstance(family, Family):
-            raise TypeError(
-                f"plugin {plugin_name!r} called register() with {type(family).__name__}; "
-                "expected a gradseam.family.Family."
+                try:
+                    plugin = point.load()
+                except Exception as exc:
+                    raise _Failed(source, f"{source.describe()} failed to import: {type(exc).__name__}: {exc}",
+                                  exc) from exc
+                staged.append(self._stage(plugin, source))
+            except _Failed as failed:
+                if source.builtin:
+                    raise failed.error(
+                        "This plugin is part of gradseam, so the installation is broken: reinstall gradseam."
+                    ) from failed.cause
+                if allowed is not None:
+                    raise failed.error(
+                        f"It is named in {PLUGINS_ENV}, so it is not skipped: fix or uninstall it, or leave "
+                        f"it out of {PLUGINS_ENV}."
+                    ) from failed.cause
+                skipped.append(failed)
+        self._check_conflicts(
+            staged, f"Uninstall one, or leave one out with {PLUGINS_ENV}=name,name... (the entry-point names)."
+        )
+        failures = []
+        for failed in skipped:
+            dist = failed.source.distribution or "it"
+            message = failed.with_fix(
+                f"Skipped: its families are not installed, every other plugin's are. Fix or uninstall {dist}, "
+                f"or leave it out with {PLUGINS_ENV}=name,name...; naming it in {PLUGINS_ENV} makes this an error."
             )
-        dist, version = self._dists.get(plugin_name, (None, None))
-        installed = Installed(family, plugin_name, dist, version)
-        other = self._families.get(family.name)
-        if other is not None:
-            raise PluginConflictError(
-                f"family {family.name!r} is registered by both plugin {other.plugin!r} and plugin "
-                f"{plugin_name!r}; uninstall one, or restrict loading with {PLUGINS_ENV}=..."
-            )
-        for model in family.model_names:
-            other = self._by_model.get(model)
-            if other is not None:
-                raise PluginConflictError(
-                    f"model class {model!r} is claimed by family {other.family.name!r} (plugin "
-                    f"{other.plugin!r}) and family {family.name!r} (plugin {plugin_name!r}); "
-                    f"uninstall one, or restrict loading with {PLUGINS_ENV}=..."
-                )
-        self._families[family.name] = installed
-        for model in family.model_names:
-            self._by_model[model] = installed
+            # warned before committing: under `-W error` the load fails, and fails the same way again
+            _warn(message)
+            failures.append(Failure(failed.source.plugin, failed.source.distribution, failed.source.version, message))
+        self._commit(staged)
+        self._failures = failures
 
     def ensure_loaded(self) -> None:
+        if self._loaded:
+            return
         with self._lock:
             if self._loaded:
                 return
-            self._load_entry_points()
-            for name, _plugin in self.pm.list_name_plugin():
-                self._collect(name)
+            self._load_entry_points()  # raises before committing anything; then the next call retries
             self._loaded = True
 
     # -- public operations -----------------------------------------------------------------
     def register(self, plugin: Any, name: str | None = None) -> str:
-        """Register a plugin object at runtime (its families are added at once)."""
+        """Register a plugin object at runtime: all of its families, or (on any error) none of them."""
         self.ensure_loaded()
         with self._lock:
+            if name is not None and (not isinstance(name, str) or not name):
+                raise PluginTypeError(f"a plugin name must be a non-empty str, got {name!r}.")
+            plugin_name = name or self.pm.get_canonical_name(plugin)
             # pluggy raises a bare ValueError for a taken name or object; say it as a plugin conflict
-            if (name is not None and self.pm.has_plugin(name)) or self.pm.is_registered(plugin):
-                raise PluginConflictError(f"plugin {name or plugin!r} is already registered.")
-            plugin_name = self.pm.register(plugin, name=name)
-            if plugin_name is None:
-                raise PluginConflictError(f"plugin {name or plugin!r} is already registered.")
+            if self.pm.has_plugin(plugin_name) or self.pm.is_registered(plugin):
+                taken = self.pm.get_name(plugin) if self.pm.is_registered(plugin) else plugin_name
+                raise PluginConflictError(f"plugin {taken!r} is already registered.", plugin=plugin_name)
+            source = _Source(plugin_name)
             try:
-                self._collect(plugin_name)
-            except Exception:
-                self._drop(plugin_name)
-                raise
+                staged = self._stage(plugin, source)
+            except _Failed as failed:
+                raise failed.error("Nothing of it was registered.") from failed.cause
+            self._check_conflicts(
+                [staged],
+                f"Nothing of plugin {plugin_name!r} was registered. Unregister the other plugin, or leave an "
+                f"installed one out with {PLUGINS_ENV}=name,name...",
+            )
+            self._commit([staged])
             return plugin_name
 
     def unregister(self, name: str) -> None:
@@ -152,10 +456,9 @@ class Registry:
     def _drop(self, plugin_name: str) -> None:
         if self.pm.has_plugin(plugin_name):
             self.pm.unregister(name=plugin_name)
-        for key in [k for k, v in self._families.items() if v.plugin == plugin_name]:
-            del self._families[key]
-        for key in [k for k, v in self._by_model.items() if v.plugin == plugin_name]:
-            del self._by_model[key]
+        self._families = {k: v for k, v in self._families.items() if v.plugin != plugin_name}
+        self._by_model = {k: v for k, v in self._by_model.items() if v.plugin != plugin_name}
+        self._sources = {k: v for k, v in self._sources.items() if k != plugin_name}
 
     def installed(self) -> list[Installed]:
         self.ensure_loaded()
@@ -163,6 +466,11 @@ class Registry:
 
     def families(self) -> list[Family]:
         return [i.family for i in self.installed()]
+
+    def failures(self) -> list[Failure]:
+        """Third-party plugins skipped at load time (each also gave a PluginWarning)."""
+        self.ensure_loaded()
+        return list(self._failures)
 
     def get(self, name: str) -> Family:
         self.ensure_loaded()
@@ -174,12 +482,12 @@ class Registry:
     def for_model_type(self, model_type: type) -> Family | None:
         """The family that handles a model class (or one of its bases)."""
         self.ensure_loaded()
+        by_model = self._by_model
         for klass in model_type.__mro__:
             # A full dotted name first; a bare class name (declared without a module) matches any module,
-            # for classes whose home module is not settled upstream yet.
-            found = self._by_model.get(f"{klass.__module__}.{klass.__qualname__}") or self._by_model.get(
-                klass.__qualname__
-            )
+            # for classes whose home module is not settled upstream yet. Registration rejects a bare
+            # and a full claim of one name by different families, so at most one of the two is found.
+            found = by_model.get(f"{klass.__module__}.{klass.__qualname__}") or by_model.get(klass.__qualname__)
             if found is not None:
                 return found.family
         return None
@@ -189,9 +497,8 @@ class Registry:
         with self._lock:
             for name, _ in list(self.pm.list_name_plugin()):
                 self.pm.unregister(name=name)
-            self._families.clear()
-            self._by_model.clear()
-            self._dists.clear()
+            self._families, self._by_model, self._sources = {}, {}, {}
+            self._failures = []
             self._loaded = False
 
 

@@ -98,19 +98,42 @@ LTX23 = Case(
 
 
 # -- MageFlow (reference model: the class is not in a diffusers release yet) --------------------
-def mageflow_model():
-    from mageflow_reference import MageFlowTransformer2DModel
+# Upstream's constructor arguments. Head width 8 with rotary widths 2 + 2 + 2: the last two channels
+# of each head stay unrotated, as they may upstream.
+MAGEFLOW_TINY = {
+    "in_channels": 4, "out_channels": 4, "context_in_dim": 12, "hidden_size": 16, "num_attention_heads": 2,
+    "num_layers": 5, "axes_dim": (2, 2, 2),
+}
 
-    return MageFlowTransformer2DModel(
-        in_channels=4, num_layers=5, attention_head_dim=8, num_attention_heads=2, joint_attention_dim=12
-    )
+
+def mageflow_class() -> type:
+    """diffusers' class once a release exports it, else the from-scratch reference of the same signature:
+    the day the class ships, every MageFlow test runs against it unchanged."""
+    import diffusers
+
+    found = getattr(diffusers, "MageFlowTransformer2DModel", None)
+    if found is None:
+        from mageflow_reference import MageFlowTransformer2DModel as found
+    return found
+
+
+def mageflow_model():
+    return mageflow_class()(**MAGEFLOW_TINY)
+
+
+def mageflow_img_ids(rows: int, cols: int) -> torch.Tensor:
+    """(frame, row, column) of each image token of one frame, as upstream's ``img_ids``."""
+    r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+    return torch.stack([torch.zeros_like(r), r, c], dim=-1).reshape(-1, 3)
 
 
 def mageflow_inputs(g: torch.Generator, batch: int = 1) -> dict:
+    # a 4 x 4 grid of patch-1 latent tokens, 6 text tokens
     return {
         "hidden_states": _randn(g, batch, 16, 4, grad=True),
         "encoder_hidden_states": _randn(g, batch, 6, 12, grad=True),
         "timestep": torch.full((batch,), 0.5),
+        "img_ids": mageflow_img_ids(4, 4),
     }
 
 

@@ -413,6 +413,155 @@ def test_missing_json_file(tmp_path):
         CheckpointConfig.from_json(tmp_path / "nope.json")
 
 
+# -- what patch() / patching() accept as a config ------------------------------------------------
+
+NOT_A_CONFIG = "gradseam: the config argument must be a CheckpointConfig, a mapping of config keys, the path of " \
+    "a JSON config file (str or os.PathLike), or None (keyword arguments only); got "
+SWITCH_ON = " To switch checkpointing on, pass gradient_checkpointing=True or {'gradient_checkpointing': True}."
+PAIRS = " A list of pairs is not a mapping: pass dict(...) of it."
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        (True, "bool True." + SWITCH_ON),
+        (False, "bool False." + SWITCH_ON),
+        (0, "int 0."),
+        (1, "int 1."),
+        (0.0, "float 0.0."),
+        ([], "list []." + PAIRS),
+        ([("gradient_checkpointing", True)], "list [('gradient_checkpointing', True)]." + PAIRS),
+        ((), "tuple ()." + PAIRS),
+        (set(), "set set()."),
+        (b"config.json", "bytes b'config.json'. A path must be str or os.PathLike: decode it."),
+    ],
+    ids=["true", "false", "zero", "one", "float", "empty-list", "pairs", "tuple", "set", "bytes"],
+)
+def test_non_mapping_config_is_a_type_error(value, shown):
+    # falsy ones used to mean "defaults", True crashed with "'bool' object is not iterable"
+    for call in (
+        lambda: CheckpointConfig.coerce(value),
+        lambda: CheckpointConfig.coerce(value, gradient_checkpointing=True),
+        lambda: gradseam.patching(value).__enter__(),
+    ):
+        with pytest.raises(TypeError) as info:
+            call()
+        assert str(info.value) == NOT_A_CONFIG + shown
+
+
+def test_patch_with_a_non_mapping_config_leaves_the_model_alone():
+    from cases import WAN
+
+    model = WAN.build()
+    for value in (True, 0, []):
+        with pytest.raises(TypeError, match="^gradseam: the config argument must be"):
+            gradseam.patch(model, value)
+        assert gradseam.handle_of(model) is None
+
+
+def test_mappings_none_and_paths_still_accepted(tmp_path):
+    from types import MappingProxyType
+
+    assert CheckpointConfig.coerce(None) == CheckpointConfig()
+    assert CheckpointConfig.coerce({}) == CheckpointConfig()
+    _assert_full(CheckpointConfig.coerce(MappingProxyType(FULL)))
+    _assert_full(CheckpointConfig.coerce(_write(tmp_path, json.dumps(FULL))))
+    _assert_full(CheckpointConfig.coerce(str(_write(tmp_path, json.dumps(FULL), "s.json"))))
+
+
+IGNORE_UNKNOWN = (
+    "gradseam: ignore_unknown is not a config key, and patch() / patching() read every keyword as one. To read "
+    "the gradseam keys out of a larger trainer config, pass CheckpointConfig.from_dict(trainer_config, "
+    "ignore_unknown=True) (or CheckpointConfig.from_json(path, ignore_unknown=True)) as the config."
+)
+
+
+@pytest.mark.parametrize(
+    "config", [None, FULL, CheckpointConfig(**FULL), TRAINER_CONFIG], ids=["none", "dict", "config", "trainer"]
+)
+def test_ignore_unknown_as_a_patch_keyword_is_refused(config):
+    from cases import WAN
+
+    model = WAN.build()
+    for call in (
+        lambda: CheckpointConfig.coerce(config, ignore_unknown=True),
+        lambda: gradseam.patch(model, config, ignore_unknown=True),
+        lambda: gradseam.patching(config, ignore_unknown=True).__enter__(),
+    ):
+        with pytest.raises(TypeError) as info:
+            call()
+        assert str(info.value) == IGNORE_UNKNOWN
+    assert gradseam.handle_of(model) is None
+    # what the message recommends works
+    assert CheckpointConfig.from_dict(TRAINER_CONFIG, ignore_unknown=True).gradient_checkpointing_interval == 2
+
+
+def test_json_text_instead_of_a_path():
+    with pytest.raises(ValueError) as info:
+        CheckpointConfig.coerce(json.dumps(FULL))
+    assert str(info.value) == (
+        "gradseam: a str config is read as the path of a JSON file, but this one looks like JSON text; pass "
+        "json.loads(text) instead."
+    )
+
+
+# -- JSON files: what json.loads takes silently or reports without the file -------------------
+
+HUGE = "9" * 5000
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ('{"gradient_checkpointing_interval": ' + HUGE + "}", "gradient_checkpointing_interval"),
+        ('{"gradient_checkpointing_offload_pin_memory_max_buckets": -' + HUGE + "}",
+         "gradient_checkpointing_offload_pin_memory_max_buckets"),
+        ('{"gradient_checkpointing": true, "optimizer": {"steps": [1, ' + HUGE + "]}}", "optimizer.steps[1]"),
+    ],
+    ids=["known-key", "negative", "nested"],
+)
+@pytest.mark.parametrize("ignore_unknown", [False, True])
+def test_json_huge_integer_names_file_and_key(tmp_path, text, key, ignore_unknown):
+    path = _write(tmp_path, text, "train_config.json")
+    with pytest.raises(ValueError) as info:
+        CheckpointConfig.from_json(path, ignore_unknown=ignore_unknown)
+    assert str(info.value) == (
+        f"gradseam config file {str(path)!r}: key {key!r} holds an integer of 5000 digits, more than Python "
+        "converts (4300, see sys.set_int_max_str_digits); no gradseam setting takes such a number."
+    )
+    assert info.value.__cause__ is None and info.value.__context__ is None  # not Python's raw error
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ('{"gradient_checkpointing": true, "gradient_checkpointing": false}', "gradient_checkpointing"),
+        ('{"gradient_checkpointing_interval": 2, "gradient_checkpointing": true, "gradient_checkpointing_interval": 2}',
+         "gradient_checkpointing_interval"),
+        ('{"gradient_checkpointing": true, "optimizer": {"lr": 1, "lr": 2}}', "optimizer.lr"),
+        ('{"gradient_checkpointing": true, "datasets": [{"id": 1}, {"id": 2, "id": 3}]}', "datasets[1].id"),
+    ],
+    ids=["conflicting", "same-value", "nested", "in-a-list"],
+)
+@pytest.mark.parametrize("ignore_unknown", [False, True])
+def test_json_duplicate_key_names_file_and_key(tmp_path, text, key, ignore_unknown):
+    path = _write(tmp_path, text, "train_config.json")
+    with pytest.raises(ValueError) as info:
+        CheckpointConfig.from_json(path, ignore_unknown=ignore_unknown)
+    assert str(info.value) == (
+        f"gradseam config file {str(path)!r}: key {key!r} appears more than once. JSON readers keep the last "
+        "value without a word, so the file does not say which one it means; remove the duplicate."
+    )
+    with pytest.raises(ValueError, match="appears more than once"):  # patch() reads files the same way
+        CheckpointConfig.coerce(path)
+
+
+def test_json_long_integer_within_the_limit_parses(tmp_path):
+    path = _write(tmp_path, '{"gradient_checkpointing_interval": ' + "9" * 4000 + "}")
+    cfg = CheckpointConfig.from_json(path)  # a large interval is legal, if pointless
+    assert cfg.gradient_checkpointing_interval == int("9" * 4000)
+
+
 def test_package_exports():
     assert gradseam.CheckpointConfig is CheckpointConfig
     assert gradseam.BACKENDS == ("torch", "torch-ffn", "unsloth", "unsloth-ffn")

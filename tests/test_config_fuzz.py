@@ -194,23 +194,56 @@ def test_single_key_any_value(key, value):
     _check_invariants(cfg)
 
 
+def _parse(text: str) -> tuple[object, list[str]]:
+    """json.loads, and what from_json refuses although json takes it: keys seen twice, integers longer
+    than int() converts. Returns (document or None, the refused keys, if any)."""
+    refused: list[str] = []
+
+    def pairs(items):
+        keys = [k for k, _ in items]
+        refused.extend(k for k in set(keys) if keys.count(k) > 1)
+        return dict(items)
+
+    def parse_int(digits):
+        try:
+            return int(digits)
+        except ValueError:
+            refused.append(digits)
+            return 0
+
+    try:
+        return json.loads(text, object_pairs_hook=pairs, parse_int=parse_int), refused
+    except (ValueError, RecursionError):
+        return None, []
+
+
+# JSON objects written by hand: keys may repeat, integers may be too long for int()
+hand_written = st.lists(
+    st.tuples(st.sampled_from([*KEYS[:3], "lr"]), st.sampled_from(["true", "2", "null", '"torch"', "9" * 5000])),
+    max_size=4,
+).map(lambda pairs: "{" + ", ".join(f'"{k}": {v}' for k, v in pairs) + "}")
+
+
 @SETTINGS
 @example(text="[" * 100_000)
 @example(text='{"gradient_checkpointing_interval": "--2"}')
-@given(text=st.one_of(st.text(max_size=80), st.builds(json.dumps, configs().map(lambda c: {
+@example(text='{"gradient_checkpointing": true, "gradient_checkpointing": true}')
+@example(text='{"lr": ' + "9" * 5000 + "}")
+@given(text=st.one_of(st.text(max_size=80), hand_written, st.builds(json.dumps, configs().map(lambda c: {
     str(k): v for k, v in c[0].items()}))))
 def test_from_json_any_text(tmp_path_factory, text):
     path = tmp_path_factory.getbasetemp() / "fuzz_config.json"
     path.write_text(text, encoding="utf-8")
-    try:
-        parsed = json.loads(text)
-    except (ValueError, RecursionError):
-        parsed = None
+    parsed, refused = _parse(text)
     try:
         cfg = CheckpointConfig.from_json(path)
     except (ValueError, TypeError) as exc:
         message = str(exc)
-        if isinstance(parsed, dict):
+        if isinstance(parsed, dict) and refused:
+            # a file-level problem json would have hidden: the file and the key are named
+            assert message.startswith(f"gradseam config file {str(path)!r}: key "), message
+            assert "appears more than once" in message or "digits" in message, message
+        elif isinstance(parsed, dict):
             # the file is a JSON object: the error is the same as from_dict's, about a key
             assert _named_key(message, parsed) is not None, message
             try:
@@ -223,6 +256,28 @@ def test_from_json_any_text(tmp_path_factory, text):
             assert repr(str(path)) in message, message
             assert ("not valid JSON" in message) or ("must hold a JSON object" in message)
         return
-    assert isinstance(parsed, dict)
+    assert isinstance(parsed, dict) and not refused
     assert cfg == CheckpointConfig.from_dict(parsed)
     _check_invariants(cfg)
+
+
+@SETTINGS
+@given(anything.filter(lambda v: not isinstance(v, str)), st.dictionaries(st.sampled_from(KEYS), anything, max_size=2))
+@example(True, {})
+@example(0, {"gradient_checkpointing": True})
+@example([], {})
+def test_coerce_any_value(value, kwargs):
+    """coerce (what patch() and patching() call) takes a mapping or None, or names the argument's type."""
+    try:
+        cfg = CheckpointConfig.coerce(value, **kwargs)
+    except TypeError as exc:
+        assert not isinstance(value, dict) and value is not None
+        assert str(exc).startswith("gradseam: the config argument must be a CheckpointConfig, a mapping of "), exc
+        assert f"; got {type(value).__name__} " in str(exc)
+        return
+    except ValueError as exc:
+        assert isinstance(value, dict) or value is None
+        assert _named_key(str(exc), {**(value or {}), **kwargs}) is not None, str(exc)
+        return
+    assert isinstance(value, dict) or value is None
+    assert cfg == CheckpointConfig.from_dict({**(value or {}), **kwargs})

@@ -20,10 +20,12 @@ from gradseam import (
     Carry,
     Family,
     PluginConflictError,
+    Preset,
     UnsupportedModelError,
     hookimpl,
 )
-from gradseam.registry import REGISTRY
+from gradseam.errors import PluginWarning
+from gradseam.registry import REGISTRY, Failure, Registry
 from gradseam.testing import Case, check_strategy, cpu_configs
 
 # -- a tiny third-party model --------------------------------------------------------------------
@@ -248,7 +250,7 @@ def test_two_plugins_claiming_one_model_class(registered):
 
 def test_plugin_claiming_a_builtin_model_class(registered):
     flux_class = REGISTRY.get("flux").model_names[0]
-    hijack = Family("tiny-flux", models=(flux_class,), block_lists=TINY.block_lists, block_classes=())
+    hijack = Family("tiny-flux", models=(flux_class,), block_lists=TINY.block_lists, block_classes=TINY.block_classes)
     with pytest.raises(PluginConflictError) as info:
         registered(plugin_of(hijack), "tiny-hijack")
     msg = str(info.value)
@@ -269,8 +271,14 @@ def test_same_family_name_twice(registered):
 
 def test_same_family_name_as_builtin(registered):
     clash = Family("wan", models=(TinyStack,), block_lists=TINY.block_lists, block_classes=TINY.block_classes)
-    with pytest.raises(PluginConflictError, match=r"family 'wan' is registered by both plugin 'wan' and plugin 'tiny-x'"):
+    with pytest.raises(PluginConflictError) as info:
         registered(plugin_of(clash), "tiny-x")
+    assert str(info.value) == (
+        f"family 'wan' is registered by both plugin 'wan' (distribution gradseam {gradseam.__version__}, entry "
+        "point wan = gradseam.adapters.wan) and plugin 'tiny-x' (registered at runtime). Nothing of plugin "
+        "'tiny-x' was registered. Unregister the other plugin, or leave an installed one out with "
+        "GRADSEAM_PLUGINS=name,name..."
+    )
     assert REGISTRY.for_model_type(TinyStack) is None
 
 
@@ -302,3 +310,564 @@ def test_register_rejects_non_family(registered):
     msg = str(info.value)
     assert "'tiny-bad'" in msg and "dict" in msg and "Family" in msg
     assert not REGISTRY.pm.has_plugin("tiny-bad")
+
+
+# -- failures leave the registry exactly as it was ------------------------------------------------
+
+
+def state(registry=REGISTRY) -> tuple:
+    """Everything a failed registration could have left behind."""
+    return (
+        sorted((i.family.name, i.plugin, i.distribution) for i in registry._families.values()),
+        sorted((model, i.family.name) for model, i in registry._by_model.items()),
+        sorted(name for name, _ in registry.pm.list_name_plugin()),
+        sorted(registry._sources),
+        registry._loaded,
+    )
+
+
+def failing_twice(register, *args) -> Exception:
+    """Run a registration that must fail, twice: the same error both times, and no trace left."""
+    before = state()
+    errors = []
+    for _ in range(2):
+        with pytest.raises(Exception) as info:
+            register(*args)
+        errors.append(info.value)
+        assert state() == before
+    assert type(errors[0]) is type(errors[1]) and str(errors[0]) == str(errors[1])
+    return errors[0]
+
+
+def test_hook_raising_names_the_plugin_and_leaves_nothing(registered):
+    class Boom:
+        @hookimpl
+        def register_families(self, register):
+            register(TINY)  # accepted into the staging list, then the hook fails: TINY must not stay
+            raise ValueError("boom")
+
+    error = failing_twice(registered, Boom(), "tiny-boom")
+    assert isinstance(error, gradseam.errors.PluginValueError) and isinstance(error, ValueError)
+    assert str(error) == (
+        "gradseam plugin 'tiny-boom' (registered at runtime) failed in register_families: ValueError: boom. "
+        "Nothing of it was registered."
+    )
+    assert isinstance(error.__cause__, ValueError)
+    assert (error.plugin, error.distribution) == ("tiny-boom", None)
+    assert REGISTRY.for_model_type(TinyStack) is None
+    # every other family still works
+    assert REGISTRY.get("flux").name == "flux"
+
+
+def test_register_non_family_same_error_on_retry(registered):
+    class Bad:
+        @hookimpl
+        def register_families(self, register):
+            register(TINY)
+            register(("tiny",))
+
+    error = failing_twice(registered, Bad(), "tiny-bad")
+    assert isinstance(error, TypeError)
+    assert str(error) == (
+        "gradseam plugin 'tiny-bad' (registered at runtime) called register() with tuple; expected a "
+        "gradseam.family.Family. Nothing of it was registered."
+    )
+
+
+def test_invalid_family_field_names_field_family_and_plugin(registered):
+    class Stringly:
+        @hookimpl
+        def register_families(self, register):
+            register(Family("tiny-str", models=f"{__name__}.TinyStack", block_lists=TINY.block_lists,
+                            block_classes=TINY.block_classes))
+
+    error = failing_twice(registered, Stringly(), "tiny-str-plugin")
+    assert isinstance(error, TypeError)
+    msg = str(error)
+    assert msg.startswith("gradseam plugin 'tiny-str-plugin' (registered at runtime) failed in register_families: ")
+    assert (
+        "TypeError: Family 'tiny-str': field 'models' must be a tuple of model classes or their qualified names, "
+        f"got str '{__name__}.TinyStack'. A string here would be read as its characters: write "
+        f"('{__name__}.TinyStack',)." in msg
+    )
+
+
+@pytest.mark.parametrize(
+    ("hook_name", "expected"),
+    [
+        ("register_family", "implements 'register_family' (did you mean 'register_families'?), which gradseam "
+                            "does not define; gradseam's hooks are ['register_families']."),
+        ("setup", "implements 'setup', which gradseam does not define; gradseam's hooks are "
+                  "['register_families']."),
+    ],
+)
+def test_misspelled_hook_is_rejected(registered, hook_name, expected):
+    plugin = types.SimpleNamespace(**{hook_name: hookimpl(lambda register: register(TINY))})
+    error = failing_twice(registered, plugin, "tiny-typo")
+    assert isinstance(error, TypeError)
+    assert str(error) == f"gradseam plugin 'tiny-typo' (registered at runtime) {expected} Nothing of it was registered."
+
+
+def test_undecorated_hook_is_rejected(registered):
+    class Forgot:
+        def register_families(self, register):
+            register(TINY)
+
+    error = failing_twice(registered, Forgot(), "tiny-plain")
+    assert str(error) == (
+        "gradseam plugin 'tiny-plain' (registered at runtime) implements no gradseam hook: its register_families "
+        "is not decorated with @gradseam.hookimpl. Nothing of it was registered."
+    )
+
+
+def test_hook_with_a_wrong_parameter_name_is_rejected(registered):
+    class WrongArg:
+        @hookimpl
+        def register_families(self, reg):
+            reg(TINY)
+
+    error = failing_twice(registered, WrongArg(), "tiny-arg")
+    msg = str(error)
+    assert msg.startswith("gradseam plugin 'tiny-arg' (registered at runtime) has an invalid hook: ")
+    assert "{'reg'}" in msg and "its parameter must be named `register`" in msg
+
+
+def test_one_plugin_registering_a_family_twice(registered):
+    error = failing_twice(registered, plugin_of(TINY, TINY), "tiny-twice")
+    assert isinstance(error, PluginConflictError)
+    assert str(error).startswith("gradseam plugin 'tiny-twice' (registered at runtime) registers family 'tiny' twice.")
+
+
+def test_the_same_object_under_a_second_name(registered):
+    plugin = plugin_of(TINY)
+    registered(plugin, "tiny-once")
+    with pytest.raises(PluginConflictError, match="plugin 'tiny-once' is already registered"):
+        gradseam.register(plugin, name="tiny-again")
+    assert not REGISTRY.pm.has_plugin("tiny-again")
+
+
+# -- bare and full class names -------------------------------------------------------------------
+
+FULL = f"{TinyStack.__module__}.TinyStack"
+
+
+@pytest.mark.parametrize(("first", "second"), [("TinyStack", FULL), (FULL, "TinyStack"), ("TinyStack", TinyStack)])
+def test_bare_and_full_claims_of_one_class_conflict(registered, first, second):
+    one = Family("tiny-one", models=(first,), block_lists=TINY.block_lists, block_classes=TINY.block_classes)
+    two = Family("tiny-two", models=(second,), block_lists=TINY.block_lists, block_classes=TINY.block_classes)
+    registered(plugin_of(one), "tiny-p1")
+    error = failing_twice(registered, plugin_of(two), "tiny-p2")
+    assert isinstance(error, PluginConflictError)
+    assert str(error).startswith(
+        f"model classes {first if isinstance(first, str) else FULL!r} and {FULL if first == 'TinyStack' else 'TinyStack'!r} "
+        "(a bare class name matches a class of that name from any module, so both name one class) are claimed "
+        "by family 'tiny-one' (plugin 'tiny-p1', registered at runtime) and family 'tiny-two' (plugin 'tiny-p2', "
+        "registered at runtime)."
+    )
+    assert REGISTRY.for_model_type(TinyStack).name == "tiny-one"
+
+
+def test_bare_claim_of_a_builtin_class_conflicts(registered):
+    # mageflow claims the bare name; a full name in any module is the same claim
+    squatter = Family("tiny-mage", models=("somewhere.other.MageFlowTransformer2DModel",),
+                      block_lists=TINY.block_lists, block_classes=TINY.block_classes)
+    error = failing_twice(registered, plugin_of(squatter), "tiny-mage")
+    msg = str(error)
+    assert "'MageFlowTransformer2DModel' and 'somewhere.other.MageFlowTransformer2DModel'" in msg
+    assert f"family 'mageflow' (plugin 'mageflow', distribution gradseam {gradseam.__version__}" in msg
+
+
+def test_full_names_in_different_modules_do_not_conflict(registered):
+    one = Family("tiny-a1", models=("pkg_a.Model",), block_lists=TINY.block_lists, block_classes=TINY.block_classes)
+    two = Family("tiny-a2", models=("pkg_b.Model",), block_lists=TINY.block_lists, block_classes=TINY.block_classes)
+    registered(plugin_of(one, two), "tiny-ab")
+    assert {"tiny-a1", "tiny-a2"} <= {f.name for f in gradseam.families()}
+
+
+# -- family declarations are validated where they are written -----------------------------------
+
+_BL, _BC = (BlockList("blocks"),), (BlockClass("pkg.Block"),)
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "message"),
+    [
+        (lambda: Family("x", models="pkg.Model", block_lists=_BL, block_classes=_BC), TypeError,
+         "Family 'x': field 'models' must be a tuple of model classes or their qualified names, got str "
+         "'pkg.Model'. A string here would be read as its characters: write ('pkg.Model',)."),
+        (lambda: Family("x", models=("pkg.Model",), block_lists="blocks", block_classes=_BC), TypeError,
+         "Family 'x': field 'block_lists' must be a tuple of BlockList, got str 'blocks'. A string here would be "
+         "read as its characters: write (BlockList('blocks'),)."),
+        (lambda: Family("x", models=("pkg.Model",), block_lists=("blocks",), block_classes=_BC), TypeError,
+         "Family 'x': field 'block_lists' must hold BlockList objects, got str 'blocks'."),
+        (lambda: Family("x", models=("pkg.Model",), block_lists=_BL, block_classes=()), ValueError,
+         "Family 'x': field 'block_classes' is empty; a family needs at least one."),
+        (lambda: Family("", models=("pkg.Model",), block_lists=_BL, block_classes=_BC), ValueError,
+         "Family: field 'name' is ''; a family name is what `gradseam bench --family` takes: letters, digits, "
+         "'_', '-' and '.', starting with a letter or digit."),
+        (lambda: Family(3, models=("pkg.Model",), block_lists=_BL, block_classes=_BC), TypeError,
+         "Family: field 'name' must be a str, got int 3."),
+        (lambda: Family("x", models=("pkg.Model", "pkg.Model"), block_lists=_BL, block_classes=_BC), ValueError,
+         "Family 'x': field 'models' declares model class 'pkg.Model' twice."),
+        (lambda: Family("x", models=("pkg..Model",), block_lists=_BL, block_classes=_BC), ValueError,
+         "Family 'x': field 'models' must hold classes or qualified class names, got str 'pkg..Model'."),
+        (lambda: Family("x", models=("pkg.Model",), block_lists=_BL, block_classes=_BC, presets={"a": {}}),
+         TypeError, "Family 'x': field 'presets' maps 'a' to dict {}; expected a Preset."),
+        (lambda: BlockClass("pkg.Block", ffn="ff"), TypeError,
+         "BlockClass('Block'): field 'ffn' must be a tuple of seams, each a tuple of submodule paths, got str "
+         "'ff'. A string here would be read as its characters: write (('ff',),)."),
+        (lambda: BlockClass("pkg.Block", ffn=("ff",)), TypeError,
+         "BlockClass('Block'): field 'ffn' must be a tuple of seams, each a tuple of submodule paths, got tuple "
+         "('ff',) (item str 'ff'); one seam of one module is written (('ff',),)."),
+        (lambda: BlockClass("pkg.Block", ffn=(("ff",), ("norm", "ff"))), ValueError,
+         "BlockClass('Block'): field 'ffn' names 'ff' twice; a submodule belongs to one seam at most (it would "
+         "be checkpointed inside its own checkpoint)."),
+        (lambda: BlockClass("pkg.Block", ffn=((),)), ValueError,
+         "BlockClass('Block'): field 'ffn' holds an empty seam; a seam names at least one submodule."),
+        (lambda: BlockClass("pkg.Block", attention="attn"), TypeError,
+         "BlockClass('Block'): field 'attention' must be a tuple of submodule paths, got str 'attn'. A string "
+         "here would be read as its characters: write ('attn',)."),
+        (lambda: BlockClass("pkg.Block", attention=("attn", None)), TypeError,
+         "BlockClass('Block'): field 'attention' must be a tuple of submodule paths, got tuple ('attn', None) "
+         "(item NoneType None)."),
+        (lambda: BlockClass("pkg.Block", attention=("attn.",)), ValueError,
+         "BlockClass('Block'): field 'attention' holds 'attn.', which is not a submodule path (attribute names "
+         "separated by dots, e.g. 'ff' or 'attn.to_out.0')."),
+        (lambda: BlockClass(""), ValueError,
+         "BlockClass: field 'cls' must be a class or its qualified name (e.g. "
+         "'diffusers.models.attention.JointTransformerBlock'), got str ''."),
+        (lambda: BlockList("blocks", carry={"hidden_states": None}), TypeError,
+         "BlockList('blocks'): field 'carry' must be a Carry or None, got dict {'hidden_states': None}. Wrap it: "
+         "carry=Carry({'hidden_states': None})."),
+        (lambda: BlockList(""), ValueError,
+         "BlockList(''): field 'path' is not an attribute path (attribute names separated by dots, e.g. "
+         "'transformer_blocks' or 'text_fusion.layerwise_blocks')."),
+        (lambda: BlockList("blocks", optional="yes"), TypeError,
+         "BlockList('blocks'): field 'optional' must be True or False, got str 'yes'."),
+        (lambda: Carry({"hidden_states": -1}), ValueError,
+         "Carry: field 'outputs' maps 'hidden_states' to -1; positions count from 0 (negative indices would "
+         "silently follow the length of the returned tuple)."),
+        (lambda: Carry({"hidden_states": "0"}), TypeError,
+         "Carry: field 'outputs' maps 'hidden_states' to str '0'; expected a position in the block's returned "
+         "tuple (int >= 0), or None when the block returns that one tensor."),
+        (lambda: Carry({"hidden_states": True}), TypeError,
+         "Carry: field 'outputs' maps 'hidden_states' to bool True; expected a position in the block's returned "
+         "tuple (int >= 0), or None when the block returns that one tensor."),
+        (lambda: Carry({"hidden_states": None, "encoder_hidden_states": 0}), ValueError,
+         "Carry: field 'outputs' maps 'hidden_states' to None (the block returns that one tensor), so it cannot "
+         "also carry ['encoder_hidden_states']; use tuple positions instead."),
+        (lambda: Carry({}), ValueError,
+         "Carry: field 'outputs' is empty; name the parameter(s) each block hands to the next."),
+        (lambda: Carry({"hidden states": 0}), ValueError,
+         "Carry: field 'outputs' key 'hidden states' is not a parameter name."),
+        (lambda: Carry("hidden_states"), TypeError,
+         "Carry: field 'outputs' must be a mapping of the block's forward parameter names to positions in its "
+         "return value (int >= 0, or None for a block returning one tensor), got str 'hidden_states'; e.g. "
+         "Carry({'hidden_states': None})."),
+        (lambda: Preset("p", config=[("num_layers", 2)]), TypeError,
+         "Preset('p'): field 'config' must be a mapping of keyword-argument names (str) to values, got list "
+         "[('num_layers', 2)]."),
+        (lambda: Preset("p", config={}, make_inputs="make_inputs"), TypeError,
+         "Preset('p'): field 'make_inputs' must be a function or None, got str 'make_inputs'."),
+    ],
+)
+def test_declarations_validate_their_fields(build, error, message):
+    with pytest.raises(error) as info:
+        build()
+    assert str(info.value) == message
+
+
+def test_declarations_are_normalised_and_private():
+    outputs = {"hidden_states": None}
+    carry = Carry(outputs)
+    outputs["extra"] = 0  # the caller's dict changing later must not change the declaration
+    assert carry.outputs == {"hidden_states": None}
+    declared = BlockClass("pkg.Block", ffn=[["norm2", "ff"]], attention=["attn"])
+    assert declared.ffn == (("norm2", "ff"),) and declared.attention == ("attn",)
+    family = Family("x", models=["pkg.Model"], block_lists=[BlockList("blocks.0.inner")], block_classes=[declared])
+    assert family.models == ("pkg.Model",) and isinstance(family.block_lists, tuple)
+    assert BlockList("layers.3").path == "layers.3"  # a ModuleList index is a path step
+    from dataclasses import replace
+
+    assert replace(family, name="y").block_classes == (declared,)  # replace() validates again, and passes
+
+
+# -- entry points: third-party distributions, faked on disk ---------------------------------------
+
+
+class FakeSite:
+    """Installed distributions for a fresh :class:`Registry`: the real built-ins plus fakes.
+
+    Each fake is a real ``.dist-info`` read by ``importlib.metadata`` (so ``EntryPoint.dist`` is
+    real); ``importlib.metadata.entry_points``, as the registry calls it, returns the built-ins'
+    entry points followed by the fakes'. Plugin modules go to a directory on ``sys.path``.
+    """
+
+    def __init__(self, root, monkeypatch) -> None:
+        from importlib import metadata
+
+        self.dists_dir, self.modules_dir = root / "dists", root / "modules"
+        self.dists_dir.mkdir()
+        self.modules_dir.mkdir()
+        self.dists: list = []
+        self.builtins = True
+        monkeypatch.syspath_prepend(str(self.modules_dir))
+        real = metadata.entry_points
+
+        def entry_points(**params):
+            if params.get("group") != "gradseam":
+                return real(**params)
+            found = list(real(group="gradseam")) if self.builtins else []
+            for dist in self.dists:
+                found.extend(ep for ep in dist.entry_points if ep.group == "gradseam")
+            return metadata.EntryPoints(found)
+
+        monkeypatch.setattr(metadata, "entry_points", entry_points)
+
+    def add(self, dist: str, version: str, entry_points: dict[str, str], **modules: str) -> None:
+        import importlib
+        import textwrap
+        from importlib import metadata
+
+        info = self.dists_dir / f"{dist.replace('-', '_')}-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        (info / "entry_points.txt").write_text(
+            "[gradseam]\n" + "".join(f"{name} = {value}\n" for name, value in entry_points.items())
+        )
+        for module, code in modules.items():
+            (self.modules_dir / f"{module}.py").write_text(textwrap.dedent(code))
+        importlib.invalidate_caches()
+        self.dists.append(next(d for d in metadata.distributions(path=[str(info.parent)]) if d.name == dist))
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    monkeypatch.delenv("GRADSEAM_PLUGINS", raising=False)
+    fake = FakeSite(tmp_path, monkeypatch)
+    yield fake
+    for name, module in list(sys.modules.items()):  # the next test may reuse a module name
+        if str(getattr(module, "__file__", "") or "").startswith(str(fake.modules_dir)):
+            del sys.modules[name]
+
+
+def family_module(name: str, model: str = "", extra: str = "") -> str:
+    """The source of a plugin module declaring one family by class names (no torch needed)."""
+    model = model or f"{name}_pkg.Model"
+    return f"""
+        from gradseam.family import BlockClass, BlockList, Carry, Family
+        from gradseam.hookspecs import hookimpl
+
+        FAMILY = Family(
+            name={name!r},
+            models=({model!r},),
+            block_lists=(BlockList("blocks", carry=Carry({{"hidden_states": None}})),),
+            block_classes=(BlockClass("{name}_pkg.Block", ffn=(("ff",),), attention=("attn",)),),
+        )
+
+        @hookimpl
+        def register_families(register):
+            register(FAMILY)
+        {extra}
+        """
+
+
+BUILTINS = ["chroma", "flux", "krea2", "ltx2", "mageflow", "wan", "zimage"]
+EMPTY = ([], [], [], [], False)
+
+
+def test_third_party_entry_point_installs_with_its_distribution(site):
+    site.add("gradseam-sd9", "1.2", {"sd9": "gs_sd9"}, gs_sd9=family_module("sd9"))
+    registry = Registry()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        installed = {i.family.name: i for i in registry.installed()}
+    assert sorted(installed) == sorted([*BUILTINS, "sd9"])
+    assert (installed["sd9"].plugin, installed["sd9"].distribution, installed["sd9"].version) == (
+        "sd9", "gradseam-sd9", "1.2"
+    )
+    assert registry.failures() == []
+
+
+BROKEN = {
+    "import": ("raise ImportError('needs sd9-kernels')", "failed to import: ImportError: needs sd9-kernels"),
+    "hook": (
+        family_module("sd9", extra="@hookimpl\n        def register_families(register):\n            raise RuntimeError('no GPU')"),
+        "failed in register_families: RuntimeError: no GPU",
+    ),
+    "non-family": (
+        "from gradseam.hookspecs import hookimpl\n\n@hookimpl\ndef register_families(register):\n    register('sd9')\n",
+        "called register() with str; expected a gradseam.family.Family.",
+    ),
+    "field": (
+        family_module("sd9").replace("models=('sd9_pkg.Model',)", "models='sd9_pkg.Model'"),
+        "failed to import: TypeError: Family 'sd9': field 'models' must be a tuple of model classes or their "
+        "qualified names, got str 'sd9_pkg.Model'.",
+    ),
+    "misspelled": (
+        "from gradseam.hookspecs import hookimpl\n\n@hookimpl\ndef register_family(register):\n    pass\n",
+        "implements 'register_family' (did you mean 'register_families'?), which gradseam does not define;",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(BROKEN))
+def test_broken_third_party_plugin_is_skipped_with_a_warning(site, kind):
+    code, cause = BROKEN[kind]
+    site.add("gradseam-broken", "0.3", {"broken": "gs_broken"}, gs_broken=code)
+    site.add("gradseam-sd8", "1.0", {"sd8": "gs_sd8"}, gs_sd8=family_module("sd8"))
+    registry = Registry()
+    with pytest.warns(PluginWarning) as record:
+        names = [f.name for f in registry.families()]
+    assert names == sorted([*BUILTINS, "sd8"])  # the built-ins and the healthy plugin are unaffected
+    messages = [str(w.message) for w in record if issubclass(w.category, PluginWarning)]
+    assert len(messages) == 1
+    prefix = "gradseam plugin 'broken' (distribution gradseam-broken 0.3, entry point broken = gs_broken) "
+    assert messages[0].startswith(prefix + cause), messages[0]
+    assert messages[0].endswith(
+        "Skipped: its families are not installed, every other plugin's are. Fix or uninstall gradseam-broken, "
+        "or leave it out with GRADSEAM_PLUGINS=name,name...; naming it in GRADSEAM_PLUGINS makes this an error."
+    )
+    assert record[0].filename == __file__  # attributed to the caller, not to gradseam's internals
+    assert registry.failures() == [Failure("broken", "gradseam-broken", "0.3", messages[0])]
+    assert not registry.pm.has_plugin("broken")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # loaded once: no second warning
+        assert [f.name for f in registry.families()] == names
+
+
+def test_broken_plugin_named_in_gradseam_plugins_raises_the_same_error_until_fixed(site, monkeypatch):
+    site.add("gradseam-broken", "0.3", {"broken": "gs_broken"}, gs_broken=BROKEN["field"][0])
+    monkeypatch.setenv("GRADSEAM_PLUGINS", "flux,broken")
+    registry = Registry()
+    errors = []
+    for _ in range(2):
+        with pytest.raises(TypeError) as info:
+            registry.families()
+        errors.append(str(info.value))
+        assert state(registry) == EMPTY  # flux loaded fine, but nothing was committed
+    assert errors[0] == errors[1]
+    assert isinstance(info.value, gradseam.errors.PluginTypeError)
+    assert (info.value.plugin, info.value.distribution) == ("broken", "gradseam-broken")
+    assert errors[0].startswith(
+        "gradseam plugin 'broken' (distribution gradseam-broken 0.3, entry point broken = gs_broken) failed to "
+        "import: TypeError: Family 'sd9': field 'models'"
+    )
+    assert errors[0].endswith(
+        "It is named in GRADSEAM_PLUGINS, so it is not skipped: fix or uninstall it, or leave it out of "
+        "GRADSEAM_PLUGINS."
+    )
+    monkeypatch.setenv("GRADSEAM_PLUGINS", "flux")  # the failure was not latched: the next call loads
+    assert [f.name for f in registry.families()] == ["flux"]
+
+
+def test_warning_as_error_fails_the_same_way_each_time(site):
+    site.add("gradseam-broken", "0.3", {"broken": "gs_broken"}, gs_broken=BROKEN["import"][0])
+    registry = Registry()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PluginWarning)
+        for _ in range(2):
+            with pytest.raises(PluginWarning, match="'broken'.*ImportError: needs sd9-kernels"):
+                registry.families()
+            assert state(registry) == EMPTY
+
+
+def test_broken_builtin_plugin_raises(site):
+    site.add("gradseam", "9.9", {"gone": "gs_gone"}, gs_gone="raise ImportError('half-installed')")
+    site.builtins = False
+    registry = Registry()
+    with pytest.raises(gradseam.errors.PluginError) as info:
+        registry.families()
+    assert str(info.value) == (
+        "gradseam plugin 'gone' (distribution gradseam 9.9, entry point gone = gs_gone) failed to import: "
+        "ImportError: half-installed. This plugin is part of gradseam, so the installation is broken: reinstall "
+        "gradseam."
+    )
+    assert state(registry) == EMPTY
+
+
+def test_entry_point_named_like_a_builtin_is_a_conflict(site, monkeypatch):
+    site.add("evil-flux", "2.0", {"flux": "gs_evil_flux"}, gs_evil_flux=family_module("evil"))
+    registry = Registry()
+    messages = []
+    for _ in range(2):
+        with pytest.raises(PluginConflictError) as info:
+            registry.families()
+        messages.append(str(info.value))
+        assert state(registry) == EMPTY
+    assert messages[0] == messages[1] == (
+        f"gradseam plugin name 'flux' is declared by gradseam {gradseam.__version__} (flux = "
+        "gradseam.adapters.flux) and by evil-flux 2.0 (flux = gs_evil_flux); one would silently replace the other "
+        "depending on install order. Uninstall one of them (GRADSEAM_PLUGINS selects plugins by this name, so "
+        "it cannot choose between them)."
+    )
+    assert "gs_evil_flux" not in sys.modules  # refused before importing either side
+    monkeypatch.setenv("GRADSEAM_PLUGINS", "wan")  # a conflict among plugins not loaded does not matter
+    assert [f.name for f in registry.families()] == ["wan"]
+
+
+def test_two_third_party_distributions_with_one_entry_point_name(site):
+    site.add("sd9-a", "1.0", {"sd9": "gs_sd9a"}, gs_sd9a=family_module("sd9a"))
+    site.add("sd9-b", "2.0", {"sd9": "gs_sd9b"}, gs_sd9b=family_module("sd9b"))
+    with pytest.raises(PluginConflictError) as info:
+        Registry().families()
+    assert "'sd9' is declared by sd9-a 1.0 (sd9 = gs_sd9a) and by sd9-b 2.0 (sd9 = gs_sd9b)" in str(info.value)
+    assert (info.value.plugin, info.value.distribution) == ("sd9", "sd9-a, sd9-b")
+
+
+def test_one_distribution_found_twice_is_one_plugin(site):
+    site.add("gradseam-sd9", "1.2", {"sd9": "gs_sd9"}, gs_sd9=family_module("sd9"))
+    site.dists.append(site.dists[-1])  # e.g. an install and a build tree, both on the path
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert "sd9" in [f.name for f in Registry().families()]
+
+
+@pytest.mark.parametrize(
+    ("family", "model", "expected"),
+    [
+        ("wan", "", "family 'wan' is registered by both plugin 'wan' (distribution gradseam {v}, entry point "
+                    "wan = gradseam.adapters.wan) and plugin 'sd9' (distribution gradseam-sd9 1.2, entry point "
+                    "sd9 = gs_sd9)."),
+        ("sd9", "FluxTransformer2DModel",
+         "model classes 'diffusers.models.transformers.transformer_flux.FluxTransformer2DModel' and "
+         "'FluxTransformer2DModel' (a bare class name matches a class of that name from any module, so both "
+         "name one class) are claimed by family 'flux' (plugin 'flux', distribution gradseam {v}, entry point "
+         "flux = gradseam.adapters.flux) and family 'sd9' (plugin 'sd9', distribution gradseam-sd9 1.2, entry "
+         "point sd9 = gs_sd9)."),
+    ],
+    ids=["family-name", "bare-model-class"],
+)
+def test_third_party_family_conflicting_with_a_builtin(site, family, model, expected):
+    site.add("gradseam-sd9", "1.2", {"sd9": "gs_sd9"}, gs_sd9=family_module(family, model=model))
+    registry = Registry()
+    for _ in range(2):
+        with pytest.raises(PluginConflictError) as info:
+            registry.families()
+        assert str(info.value) == (
+            expected.format(v=gradseam.__version__)
+            + " Uninstall one, or leave one out with GRADSEAM_PLUGINS=name,name... (the entry-point names)."
+        )
+        assert state(registry) == EMPTY
+
+
+@pytest.mark.parametrize("value", ["", "  ", " , ,"])
+def test_empty_gradseam_plugins_warns(site, monkeypatch, value):
+    monkeypatch.setenv("GRADSEAM_PLUGINS", value)
+    registry = Registry()
+    with pytest.warns(PluginWarning) as record:
+        assert registry.families() == []
+    assert [str(w.message) for w in record] == [
+        f"GRADSEAM_PLUGINS is set but names no plugin ({value!r}), so no gradseam plugin loads and no family is "
+        f"installed. Unset it to load every installed plugin, or name the ones to load: {BUILTINS}."
+    ]
+
+
+def test_unknown_name_in_gradseam_plugins_warns(site, monkeypatch):
+    monkeypatch.setenv("GRADSEAM_PLUGINS", "flux,sd3")
+    with pytest.warns(PluginWarning) as record:
+        assert [f.name for f in Registry().families()] == ["flux"]
+    assert [str(w.message) for w in record] == [
+        f"GRADSEAM_PLUGINS names ['sd3'], which no installed distribution provides; installed gradseam plugins: "
+        f"{BUILTINS}."
+    ]

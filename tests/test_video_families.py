@@ -5,7 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases_video import LTX2, LTX2_MASKED, LTX2_STG, MAGEFLOW
+from cases_video import (
+    LTX2,
+    LTX2_MASKED,
+    LTX2_STG,
+    MAGEFLOW,
+    MAGEFLOW_TINY,
+    mageflow_class,
+    mageflow_img_ids,
+)
 
 import gradseam
 from gradseam.config import CheckpointConfig
@@ -94,7 +102,8 @@ def test_ltx2_regions():
 def test_mageflow_matches_by_bare_class_name():
     torch.manual_seed(0)
     model = MAGEFLOW.build()
-    assert type(model).__module__ == "mageflow_reference"  # not a diffusers module
+    if not _mageflow_shipped():
+        assert type(model).__module__ == "mageflow_reference"  # not a diffusers module
     family = family_for(model)
     assert family.name == "mageflow"
     assert family.block_class_for(type(model.transformer_blocks[0])).ffn == (("img_mlp",), ("txt_mlp",))
@@ -115,9 +124,10 @@ def test_mageflow_builtin_flag_is_owned_by_gradseam():
     assert patched.saved_bytes < reference.saved_bytes
 
 
-def test_presets_build_the_published_sizes():
+def test_presets_build_the_published_sizes(monkeypatch):
     from diffusers import LTX2VideoTransformer3DModel
-    from mageflow_reference import MageFlowTransformer2DModel
+
+    from gradseam.workloads import build
 
     ltx2 = REGISTRY.get("ltx2").presets["19b-768x512"]
     with torch.device("meta"):
@@ -127,9 +137,96 @@ def test_presets_build_the_published_sizes():
     assert (block.attn1.heads, block.attn1.head_dim) == (32, 128)
     assert (block.audio_attn1.heads, block.audio_attn1.head_dim) == (32, 64)
 
-    mageflow = REGISTRY.get("mageflow").presets["base-1024"]
-    with torch.device("meta"):
-        model = MageFlowTransformer2DModel(**mageflow.config)
+    # built the way `gradseam bench --family mageflow` builds it: the class found in diffusers by name
+    _ship_mageflow(monkeypatch)
+    model = build("mageflow", "base-1024", device="meta").model
+    block = model.transformer_blocks[0]
     assert len(model.transformer_blocks) == 12
-    assert model.transformer_blocks[0].img_mlp.net[0].proj.in_features == 3072
+    assert block.img_mlp.net[0].proj.in_features == 3072 and block.txt_mlp.net[0].proj.out_features == 4 * 3072
+    assert block.attn.to_q.out_features == 3072 and block.attn.heads == 24  # 24 heads of 128
+    assert (model.x_embedder.in_features, model.context_embedder.in_features) == (128, 2560)
+    assert sum(model.config.axes_dim) == 128  # every channel of a head is rotated
+    assert model.proj_out.out_features == 128
+
+
+# -- MageFlow against its upstream class ------------------------------------------------------------
+# The upstream class (huggingface/diffusers#14295) is not in a diffusers release yet. These pin the
+# public surface the adapter's preset and input builder rely on, so that they work unchanged with it.
+
+UPSTREAM_INIT = {"in_channels", "out_channels", "context_in_dim", "hidden_size", "num_attention_heads",
+                 "num_layers", "axes_dim", "patch_size"}
+UPSTREAM_FORWARD = {"hidden_states", "encoder_hidden_states", "timestep", "img_ids"}
+
+
+def _mageflow_shipped() -> bool:
+    import diffusers
+
+    return hasattr(diffusers, "MageFlowTransformer2DModel")
+
+
+def _ship_mageflow(monkeypatch) -> None:
+    """Make ``diffusers.MageFlowTransformer2DModel`` resolve, as it will once a release exports it."""
+    import diffusers
+
+    if not _mageflow_shipped():
+        monkeypatch.setattr(diffusers, "MageFlowTransformer2DModel", mageflow_class(), raising=False)
+
+
+def test_mageflow_preset_and_inputs_use_the_upstream_signature():
+    import inspect
+
+    cls = mageflow_class()
+    preset = REGISTRY.get("mageflow").presets["base-1024"]
+    assert set(preset.config) <= UPSTREAM_INIT <= set(inspect.signature(cls.__init__).parameters)
+    forward = inspect.signature(cls.forward).parameters
+    assert set(forward) >= UPSTREAM_FORWARD
+    torch.manual_seed(0)
+    model = MAGEFLOW.build()
+    inputs = preset.make_inputs(model, torch.device("cpu"), torch.float32, 9, text_tokens=5)
+    assert set(inputs) == UPSTREAM_FORWARD  # nothing the upstream forward might not take
+    assert inputs["img_ids"].tolist() == [[0, r, c] for r in range(3) for c in range(3)]
+    assert inputs["hidden_states"].shape == (1, 9, MAGEFLOW_TINY["in_channels"])
+    assert inputs["hidden_states"].requires_grad
+    assert inputs["encoder_hidden_states"].shape == (1, 5, MAGEFLOW_TINY["context_in_dim"])
+    assert model(**inputs).sample.shape == (1, 9, MAGEFLOW_TINY["out_channels"])
+
+
+def test_mageflow_positions_reach_the_attention():
+    # img_ids drive the rotary embedding: permuting them must change the output, or the cases above
+    # would not exercise the (complex-valued) rotary path that attention offload has to carry.
+    torch.manual_seed(0)
+    model = MAGEFLOW.build()
+    inputs = MAGEFLOW.inputs(torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = model(**inputs).sample
+        inputs["img_ids"] = mageflow_img_ids(4, 4)[:, [0, 2, 1]]  # transposed grid
+        moved = model(**inputs).sample
+    assert not torch.equal(plain, moved)
+
+
+def test_mageflow_bench_workload_runs_and_patches_exactly(monkeypatch):
+    """What `gradseam bench --family mageflow` does, on a tiny preset: find the class in diffusers,
+    build it truncated, build its inputs, step; then the same step patched is bit-identical."""
+    from dataclasses import replace
+
+    from gradseam import Preset
+    from gradseam.workloads import build, find_family, grad_leaves, make_step, sequence_length
+
+    _ship_mageflow(monkeypatch)
+    family = find_family("mageflow")
+    real = family.presets["base-1024"]
+    tiny = replace(family, presets={"tiny": Preset("tiny", MAGEFLOW_TINY, {"image_tokens": 16, "text_tokens": 6},
+                                                   real.make_inputs)})
+    workload = build(tiny, "tiny", layers=4, device="cpu", dtype=torch.float32)
+    assert workload.truncated == {"transformer_blocks": (4, 5)}
+    inputs = workload.inputs()
+    assert sequence_length(workload.model, workload.family, inputs) == 16
+    leaves = grad_leaves(inputs)
+    make_step(workload.model, inputs)()
+    reference = [t.grad.clone() for t in leaves]
+    with gradseam.patch(workload.model, CHUNKED) as handle:
+        assert handle.family.name == "mageflow"
+        make_step(workload.model, inputs)()
+    assert all(torch.equal(t.grad, r) for t, r in zip(leaves, reference))
+    assert workload.inputs(tokens=64)["img_ids"].shape == (64, 3)
 
