@@ -16,7 +16,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-BACKENDS: tuple[str, ...] = ("torch", "torch-ffn", "unsloth", "unsloth-ffn")
+from .backends import CATALOG, Backend
+
+BACKENDS: tuple[str, ...] = tuple(CATALOG)
 DEFAULT_PIN_BUCKETS = 12
 
 _TRUE_STRINGS = {"true": True, "false": False}
@@ -170,6 +172,7 @@ class CheckpointConfig:
     gradient_checkpointing_segment_stride: int | None = None
     gradient_checkpointing_offload_attention: bool = False
     gradient_checkpointing_offload_pin_memory_max_buckets: int = DEFAULT_PIN_BUCKETS
+    gradient_checkpointing_keep_attention: bool = False
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalise through object.__setattr__ so the stored values are the parsed ones.
@@ -197,6 +200,11 @@ class CheckpointConfig:
             self,
             "gradient_checkpointing_offload_attention",
             _parse_bool("gradient_checkpointing_offload_attention", self.gradient_checkpointing_offload_attention),
+        )
+        set_(
+            self,
+            "gradient_checkpointing_keep_attention",
+            _parse_bool("gradient_checkpointing_keep_attention", self.gradient_checkpointing_keep_attention),
         )
         set_(
             self,
@@ -235,12 +243,31 @@ class CheckpointConfig:
         return self.gradient_checkpointing_offload_pin_memory_max_buckets
 
     @property
+    def keep_attention(self) -> bool:
+        return self.gradient_checkpointing_keep_attention
+
+    @property
+    def backend_spec(self) -> Backend:
+        return CATALOG[self.backend]
+
+    @property
     def ffn_scope(self) -> bool:
-        return self.backend.endswith("-ffn")
+        return self.backend_spec.scope == "ffn"
 
     @property
     def offloads_regions(self) -> bool:
-        return self.backend.startswith("unsloth")
+        return self.backend_spec.offloads_inputs
+
+    @property
+    def kept_kernels(self) -> str:
+        """Where whole-block regions keep attention kernel outputs: "cpu", "gpu", or "" (recomputed)."""
+        if not self.enabled or self.ffn_scope:
+            return ""
+        return "cpu" if self.offload_attention else "gpu" if self.keep_attention else ""
+
+    @property
+    def needs_engine(self) -> bool:
+        return (self.enabled and self.offloads_regions) or self.offload_attention
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -330,4 +357,6 @@ class CheckpointConfig:
             parts.append(f"stride {self.stride}")
         if self.offload_attention:
             parts.append("attention offload")
+        elif self.keep_attention:
+            parts.append("attention kept")
         return ", ".join(parts)

@@ -44,3 +44,25 @@ def register_families(register: RegisterFamily) -> None:
                 block_classes=(BlockClass("mypkg.models.MyBlock", ffn=(("ff",),), attention=("attn",)),),
             ))
     """
+
+
+RegisterKernel = Callable[[str], None]
+
+
+@hookspec
+def register_attention_kernels(register: RegisterKernel) -> None:
+    """Name the attention kernels of your model, as operators, by calling ``register("ns::op")``.
+
+    With ``gradient_checkpointing_offload_attention`` (or ``..._keep_attention``) on a whole-block
+    backend, gradseam keeps the outputs of attention kernels across the checkpoint instead of
+    recomputing them, and it finds attention by operator: aten's scaled-dot-product kernels and
+    the custom ops of the libraries diffusers' attention dispatcher routes to are built in
+    (:data:`gradseam.kernels.BUILTIN_KERNELS`). A model that calls another kernel registered as a
+    torch operator (``torch.library.custom_op("mylib::attention", ...)``) names it here; one whose
+    kernel is not an operator (a bare Triton launch) is recomputed like any other op, exactly.
+    A plugin may implement this hook alone. Example::
+
+        @hookimpl
+        def register_attention_kernels(register):
+            register("mylib::attention")
+    """

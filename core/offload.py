@@ -1,10 +1,13 @@
 """Saved-tensor offload: move what autograd keeps for backward to host memory, and back in time.
 
-This module knows nothing of diffusers or families. It provides ``saved_tensors_hooks`` pairs:
+This module knows nothing of diffusers or families. An engine packs tensors into *groups* (one
+per region call) and unpacks them in backward; :mod:`gradseam.scopes` decides what is packed:
 
-* around a checkpoint call, the hooks see only the checkpoint's inputs (non-reentrant checkpoint
-  saves them through ``save_for_backward``), so offloading there is the *unsloth* strategy;
-* around an un-checkpointed attention call, they see everything attention saves.
+* around a checkpoint call, saved-tensor hooks see only the checkpoint's inputs (non-reentrant
+  checkpoint saves them through ``save_for_backward``), so offloading there is the *unsloth* strategy;
+* around an un-checkpointed attention call, they see everything attention saves;
+* inside a checkpointed region, the attention kernels' outputs are packed as they are produced and
+  handed back when backward recomputes the region (:mod:`gradseam.kernels`).
 
 How the copies stay off the critical path (each point is a decision, not an accident):
 
@@ -25,8 +28,8 @@ How the copies stay off the critical path (each point is a decision, not an acci
   dtype (at most ``max_buckets`` classes) and reused across steps; a size with no bucket under the
   cap, or a failed pinning, falls back to pageable memory (warning once for the failure).
 * **Host-to-device prefetch in backward.** Backward visits groups in reverse forward order. When
-  the first tensor of group *g* is needed, the rest of *g* and all of group *g-1* are queued on
-  the load stream, so the transfer overlaps group *g*'s backward. A storage whose views have all
+  the first tensor of group *g* is needed, the rest of *g* and all of group *g-1* (the last group
+  before it that copied anything; each group links to it) are queued on the load stream, so the transfer overlaps group *g*'s backward. A storage whose views have all
   been unpacked is never loaded again by a prefetch (only on demand, for a second backward). Loaded tensors are allocated on the load stream and
   marked with ``record_stream`` for the compute stream that consumes them.
 * **A pinned buffer returns to the pool** only after the device-to-host copy into it and every
@@ -38,11 +41,8 @@ version counter and unpack raises the same error autograd would if it changed.
 
 from __future__ import annotations
 
-import math
-import threading
-import warnings
 import weakref
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -51,104 +51,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from .pinned import Bucket, PinnedPool
+
 MIN_OFFLOAD_BYTES = 1 << 20  # smaller tensors cost more in launch and bookkeeping than they save
 _WHOLE_STORAGE_FACTOR = 4  # copy the whole storage when a view covers at least 1/4 of it
 _ALIGN = 512  # the caching allocator's block alignment
 KEEP_RECENT = 1  # closed groups whose GPU sources stay referenced (see OffloadEngine._close)
-
-
-Bucket = tuple[int, torch.dtype]
-
-
-def size_class(nbytes: int) -> int:
-    """Round up to four steps per power of two (at most 25% waste), so shapes share buffers."""
-    if nbytes <= 4096:
-        return 4096
-    step = 1 << max(int(math.log2(nbytes)) - 2, 0)
-    return -(-nbytes // step) * step
-
-
-class PinnedPool:
-    """Reusable host buffers, grouped in buckets by (size class, dtype); at most ``max_buckets`` buckets.
-
-    ``pin=False`` (or ``max_buckets == 0``) hands out plain pageable memory. Buffers are only handed
-    out again once the events recorded against them have completed.
-    """
-
-    def __init__(self, max_buckets: int, pin: bool = True, allocate: Callable[[int], torch.Tensor] | None = None) -> None:
-        self.max_buckets = max_buckets
-        self.pin = pin and max_buckets > 0
-        # How a bucket buffer is made; tests substitute plain memory to exercise the pool on the CPU.
-        self._allocate = allocate or (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
-        self._free: dict[Bucket, list[tuple[torch.Tensor, list[Any]]]] = {}
-        self._buckets: set[Bucket] = set()
-        self._lock = threading.RLock()
-        self.pinned_allocations = 0
-        self.pinned_bytes = 0
-        self.pageable_allocations = 0
-        self.checked_out = 0
-        self._warned = False
-
-    @property
-    def buckets(self) -> int:
-        return len(self._buckets)
-
-    def acquire(self, nbytes: int, dtype: torch.dtype) -> tuple[torch.Tensor, Bucket | None]:
-        """A uint8 host buffer of at least ``nbytes``; returns it with its bucket (None: pageable)."""
-        key: Bucket | None = (size_class(nbytes), dtype)
-        with self._lock:
-            self.checked_out += 1
-            if self.pin and key in self._buckets:
-                free = self._free.setdefault(key, [])
-                for i, (buf, events) in enumerate(free):
-                    if all(e.query() for e in events):
-                        del free[i]
-                        return buf, key
-            elif self.pin and len(self._buckets) < self.max_buckets:
-                self._buckets.add(key)
-            else:
-                key = None
-        if key is not None and self.pin:
-            try:
-                buf = self._allocate(key[0])
-                with self._lock:
-                    self.pinned_allocations += 1
-                    self.pinned_bytes += key[0]
-                return buf, key
-            except RuntimeError as exc:  # pinned memory exhausted or capped (e.g. WSL2)
-                self._pinning_failed(exc)
-        with self._lock:
-            self.pageable_allocations += 1
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=False), None
-
-    def _pinning_failed(self, exc: BaseException) -> None:
-        with self._lock:
-            self.pin = False
-            warn = not self._warned
-            self._warned = True
-        if warn:
-            warnings.warn(
-                f"gradseam could not allocate pinned host memory ({str(exc).splitlines()[0]}); offloaded "
-                "activations now use pageable memory (slower copies). Lower "
-                "gradient_checkpointing_offload_pin_memory_max_buckets or raise the pinned-memory limit.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-
-    def release(self, buf: torch.Tensor, bucket: Bucket | None, events: list[Any]) -> None:
-        with self._lock:
-            self.checked_out -= 1
-            if bucket is not None and self.pin:
-                self._free.setdefault(bucket, []).append((buf, events))
-
-    def stats(self) -> dict[str, int]:
-        return {
-            "buckets": self.buckets,
-            "pinned_allocations": self.pinned_allocations,
-            "pinned_bytes": self.pinned_bytes,
-            "pageable_allocations": self.pageable_allocations,
-            "checked_out": self.checked_out,
-        }
 
 
 class _Done:
@@ -218,18 +126,17 @@ class _Packed:
 class _Group:
     """The tensors packed by one region call (one block, chunk, FFN seam or attention call)."""
 
-    def __init__(self, engine: OffloadEngine, index: int) -> None:
+    __slots__ = ("__weakref__", "by_storage", "closed", "engine", "prefetched", "previous", "stored")
+
+    def __init__(self, engine: OffloadEngine) -> None:
         self.engine = engine
-        self.index = index
         self.by_storage: dict[tuple[int, int, int], _Stored] = {}
         self.stored: list[weakref.ref[_Stored]] = []
         self.closed = False
         self.prefetched = False
-
-    def __del__(self) -> None:
-        engine = self.engine
-        with engine._lock:
-            engine._groups.pop(self.index, None)
+        # The group that packed something last before this one: backward visits groups in reverse, so
+        # it is the one to prefetch while this one's backward runs. Weak: a consumed group may go.
+        self.previous: weakref.ref[_Group] | None = None
 
 
 class OffloadEngine:
@@ -248,9 +155,7 @@ class OffloadEngine:
             self.pool = PinnedPool(max_buckets, pin=torch.cuda.is_available())
         self.min_bytes = min_bytes
         self.test_mode = device_test_mode
-        self._lock = threading.RLock()  # RLock: a group's __del__ may run from GC while we hold it
-        self._groups: OrderedDict[int, weakref.ref[_Group]] = OrderedDict()
-        self._next_index = 0
+        self._last: weakref.ref[_Group] | None = None  # the newest group that copied something
         self._streams: dict[torch.device, tuple[Any, Any]] = {}
         # The most recently closed groups keep their GPU sources (see the module docstring).
         self._recent: deque[_Group] = deque()
@@ -291,7 +196,7 @@ class OffloadEngine:
         """
         self._key_refs = None
 
-    def _state_storages(self) -> set[int]:
+    def state_storages(self) -> set[int]:
         model = self._model() if getattr(self, "_model", None) is not None else None
         if model is None:
             return set()
@@ -317,17 +222,38 @@ class OffloadEngine:
         return t.untyped_storage().data_ptr() not in state
 
     # -- grouping --------------------------------------------------------------------------
-    @contextmanager
-    def group(self, select: Callable[[torch.Tensor], bool] | None = None) -> Iterator[None]:
-        """Offload what autograd saves inside this block (optionally only tensors ``select`` accepts)."""
-        with self._lock:
-            index = self._next_index
-            self._next_index += 1
-        group = _Group(self, index)
-        with self._lock:
-            self._groups[index] = weakref.ref(group)
+    def open_group(self) -> _Group:
+        """A new group for one region call; pass it to :meth:`pack`, then :meth:`close` it."""
+        return _Group(self)
 
-        state = self._state_storages()
+    def pack(self, group: _Group, t: torch.Tensor, state: set[int] | None = None) -> Any:
+        """What to keep for ``t``: a handle to its host copy, or ``t`` itself when it stays on the device."""
+        if not self._offloadable(t, self.state_storages() if state is None else state):
+            return t
+        return self._pack(group, t)
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        """The tensor a :meth:`pack` result stands for, back on its device (waiting for it if needed)."""
+        return self._unpack(packed)
+
+    def close(self, group: _Group) -> None:
+        self._close(group)
+
+    @contextmanager
+    def group(self, select: Callable[[torch.Tensor], bool] | None = None, *, hooks: bool = True) -> Iterator[_Group]:
+        """Offload what autograd saves inside this block (optionally only tensors ``select`` accepts).
+
+        ``hooks=False`` opens the group without saved-tensor hooks, for callers that pack themselves
+        (kept attention kernel outputs).
+        """
+        group = self.open_group()
+        if not hooks:
+            try:
+                yield group
+            finally:
+                self._close(group)
+            return
+        state = self.state_storages()
 
         def pack(t: torch.Tensor) -> Any:
             if not self._offloadable(t, state) or (select is not None and not select(t)):
@@ -336,7 +262,7 @@ class OffloadEngine:
 
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
-                yield
+                yield group
         finally:
             self._close(group)
 
@@ -354,6 +280,8 @@ class OffloadEngine:
         if stored is None:
             stored = self._copy_out(group, t, storage, span_lo, span_hi)
             group.by_storage[key] = stored
+            if not group.stored:  # the group's first copy: link it behind the last group that copied
+                group.previous, self._last = self._last, weakref.ref(group)
             group.stored.append(weakref.ref(stored))
         stored.users += 1
         return _Packed(t, stored, t.storage_offset() - span_lo // item)
@@ -414,7 +342,9 @@ class OffloadEngine:
         if not group.prefetched:  # first touch of this group: bring the rest of it and the one before
             group.prefetched = True
             self._load_group(group)
-            self._prefetch_before(group.index)
+            before = group.previous() if group.previous is not None else None
+            if before is not None and not before.prefetched:
+                self._load_group(before)
         item = packed.dtype.itemsize
         out = torch.empty(0, dtype=packed.dtype, device=data.device).set_(
             data.untyped_storage(), data.storage_offset() // item + packed.offset, packed.size, packed.stride
@@ -431,14 +361,6 @@ class OffloadEngine:
             stored = ref()
             if stored is not None and stored.gpu is None and stored.src is None and not stored.consumed:
                 self._copy_in(stored)
-
-    def _prefetch_before(self, index: int) -> None:
-        with self._lock:
-            earlier = [i for i in self._groups if i < index]
-            ref = self._groups.get(earlier[-1]) if earlier else None
-        group = ref() if ref is not None else None
-        if group is not None and not group.prefetched:
-            self._load_group(group)
 
     def _copy_in(self, stored: _Stored) -> None:
         host = stored.host
@@ -497,66 +419,6 @@ def _fresh_engine(max_buckets: int, min_bytes: int, device_test_mode: bool, mode
     if model is not None:  # the copy of the watched model (deepcopy and pickle map it through their memo)
         engine.watch(model)
     return engine
-
-
-# -- what the patcher installs ----------------------------------------------------------------
-
-
-def refuse_transforms(what: str) -> None:
-    """torch.func transforms (grad, vjp, jvp, vmap) cannot run saved-tensor hooks, which is how every
-    offload works: say so by name instead of failing deep inside the engine."""
-    interpreter = torch._C._functorch.peek_interpreter_stack()
-    if interpreter is None:
-        return
-    key = str(interpreter.key()).rsplit(".", 1)[-1].lower()
-    transform = {"grad": "grad / torch.func.vjp"}.get(key, key)  # vjp runs under the grad interpreter
-    from .errors import UnsupportedStrategyError
-
-    raise UnsupportedStrategyError(
-        f"{what} cannot run under torch.func.{transform}: it moves saved tensors to the CPU through "
-        "saved-tensor hooks, which torch.func transforms do not support (torch.utils.checkpoint, and with "
-        "it every gradseam backend, has the same limit under grad and vjp). Call handle.remove() before "
-        "the transform and patch again after it."
-    )
-
-
-class RegionOffload:
-    """A ``saved_hooks`` factory for :class:`gradseam.strategies.Runner` (the unsloth backends).
-
-    Only the stream a region carries is moved: its first argument (the hidden states) and any
-    tensor input that requires grad (encoder hidden states on dual-stream blocks). Conditioning
-    shared by every block (timestep embeddings, rotary tables, masks) stays on the GPU: the
-    model's loop references it anyway, so offloading it would cost copies and free nothing.
-    """
-
-    def __init__(self, engine: OffloadEngine) -> None:
-        self.engine = engine
-
-    def __call__(self, args: tuple, kwargs: dict) -> Any:
-        refuse_transforms("gradseam's unsloth backends (region inputs offloaded)")
-        chosen = set()
-        first = True
-        for value in [*args, *kwargs.values()]:
-            if isinstance(value, torch.Tensor) and (first or value.requires_grad):
-                chosen.add(value.untyped_storage().data_ptr())
-            first = False
-        return self.engine.group(lambda t: t.untyped_storage().data_ptr() in chosen)
-
-
-class AttentionOffload:
-    """Handler installed as an attention submodule's forward: offload everything it saves."""
-
-    def __init__(self, engine: OffloadEngine) -> None:
-        self.engine = engine
-
-    def __call__(self, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        from .strategies import inside_region
-
-        if not torch.is_grad_enabled() or inside_region():
-            return call(*args, **kwargs)
-        refuse_transforms("gradient_checkpointing_offload_attention")
-        with self.engine.group():
-            return call(*args, **kwargs)
 
 
 # -- the CPU stand-in used by tests -----------------------------------------------------------

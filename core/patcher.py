@@ -28,9 +28,10 @@ from .planning import (  # noqa: F401 - GradseamWarning and _warned are re-expor
     plan,
 )
 from .registry import REGISTRY
-from .strategies import BlockLink, Chain, Runner, SeamLink
+from .strategies import BlockLink, Chain, SeamLink
 
 if TYPE_CHECKING:
+    from .kernels import KernelSet
     from .summary import Summary
 
 
@@ -188,7 +189,7 @@ class PatchHandle:
         for name, enable in (("enable_gradient_checkpointing", True), ("disable_gradient_checkpointing", False)):
             if hasattr(model, name):
                 setattr(model, name, _GuardedEnable(self, enable))
-        if (config.enabled and config.offloads_regions) or config.offload_attention:
+        if config.needs_engine:
             from .offload import engine_for  # only offload configs pay for it
 
             self.engine = engine_for(config.pin_buckets)
@@ -200,14 +201,13 @@ class PatchHandle:
 
     def _install_regions(self) -> None:
         config, family = self.config, self.family
-        runner = Runner()
+        kernels = attention_kernels() if config.kept_kernels else None
+        runner = config.backend_spec.runner(self.engine, kernels, offload_kernels=config.kept_kernels == "cpu")
         attention_offload = None
         if self.engine is not None:
-            from .offload import AttentionOffload, RegionOffload
+            from .scopes import AttentionOffload
 
             attention_offload = AttentionOffload(self.engine)
-            if config.enabled and config.offloads_regions:
-                runner = Runner(saved_hooks=RegionOffload(self.engine))
         for region in self.plan.regions:
             if region.kind == "attention-offload":
                 self._seams.append(seams.install(region.modules[0], attention_offload, owner=self.model))
@@ -377,6 +377,20 @@ class PipelineHandle:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+_kernel_sets: dict[frozenset[str], KernelSet] = {}
+
+
+def attention_kernels() -> KernelSet:
+    """The attention kernels installed plugins name, as one memoised matcher per set of names."""
+    from .kernels import KernelSet
+
+    names = REGISTRY.attention_kernels()
+    found = _kernel_sets.get(names)
+    if found is None:
+        found = _kernel_sets[names] = KernelSet(names)
+    return found
 
 
 def family_for(model: nn.Module) -> Family:

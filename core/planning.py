@@ -167,6 +167,13 @@ def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
             f"gradient_checkpointing_offload_attention needs an attention side, but family {family.name!r} "
             "declares none; turn attention offload off for this model."
         )
+    if config.keep_attention and not config.kept_kernels:
+        why = ("no checkpointing runs" if not config.enabled else
+               f"backend {config.backend!r} never recomputes attention (it only checkpoints the feed-forward side)")
+        _warn_once(
+            f"gradient_checkpointing_keep_attention has no effect here: {why}. It keeps attention kernel "
+            "outputs inside whole-block regions (backends 'torch' / 'unsloth')."
+        )
     if config.enabled and config.gradient_checkpointing_interval and config.interval > 1:
         if config.ffn_scope and config.stride is None:
             _warn_once(

@@ -31,7 +31,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
@@ -50,7 +50,7 @@ from .family import Family, bare_name
 ENTRY_POINT_GROUP = "gradseam"
 PLUGINS_ENV = "GRADSEAM_PLUGINS"
 BUILTIN_DISTRIBUTION = "gradseam"
-_HOOKS = ("register_families",)
+_HOOKS = ("register_families", "register_attention_kernels")
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,7 @@ class _Staged:
     source: _Source
     plugin: Any
     families: list[Family]
+    kernels: list[str] = field(default_factory=list)
 
 
 class _Failed(Exception):
@@ -172,6 +173,7 @@ class Registry:
         self._families: dict[str, Installed] = {}
         self._by_model: dict[str, Installed] = {}
         self._sources: dict[str, _Source] = {}
+        self._kernels: dict[str, tuple[str, ...]] = {}  # plugin -> attention kernels it named
         self._failures: list[Failure] = []
 
     # -- staging one plugin ----------------------------------------------------------------
@@ -199,15 +201,31 @@ class Registry:
                 )
             families.append(family)
 
-        try:
-            scratch.hook.register_families(register=register)
-        except _Failed:
-            raise
-        except Exception as exc:
-            raise _Failed(
-                source, f"{source.describe()} failed in register_families: {type(exc).__name__}: {exc}", exc
-            ) from exc
-        return _Staged(source, plugin, families)
+        kernels: list[str] = []
+
+        def register_kernel(name: str) -> None:
+            namespace, sep, op = name.partition("::") if isinstance(name, str) else ("", "", "")
+            if not (sep and namespace and op):
+                raise _Failed(
+                    source,
+                    f"{source.describe()} called register() in register_attention_kernels with {name!r}; "
+                    "expected an operator's schema name such as 'mylib::attention'.",
+                    kind=PluginTypeError,
+                )
+            kernels.append(name)
+
+        for hook, call in (("register_families", lambda: scratch.hook.register_families(register=register)),
+                           ("register_attention_kernels",
+                            lambda: scratch.hook.register_attention_kernels(register=register_kernel))):
+            try:
+                call()
+            except _Failed:
+                raise
+            except Exception as exc:
+                raise _Failed(
+                    source, f"{source.describe()} failed in {hook}: {type(exc).__name__}: {exc}", exc
+                ) from exc
+        return _Staged(source, plugin, families, kernels)
 
     @staticmethod
     def _check_hook_names(scratch: pluggy.PluginManager, plugin: Any, source: _Source) -> None:
@@ -231,7 +249,7 @@ class Registry:
                 exc,
                 PluginTypeError,
             ) from None
-        if not scratch.hook.register_families.get_hookimpls():
+        if not any(getattr(scratch.hook, hook).get_hookimpls() for hook in _HOOKS):
             undecorated = callable(getattr(plugin, "register_families", None))
             hint = (
                 "its register_families is not decorated with @gradseam.hookimpl"
@@ -296,12 +314,15 @@ class Registry:
 
     def _commit(self, staged: list[_Staged]) -> None:
         families, by_model, sources = dict(self._families), dict(self._by_model), dict(self._sources)
+        kernels = dict(self._kernels)
         done: list[str] = []
         try:
             for item in staged:
                 self.pm.register(item.plugin, name=item.source.plugin)
                 done.append(item.source.plugin)
                 sources[item.source.plugin] = item.source
+                if item.kernels:
+                    kernels[item.source.plugin] = tuple(item.kernels)
                 for family in item.families:
                     installed = Installed(family, item.source.plugin, item.source.distribution, item.source.version)
                     families[family.name] = installed
@@ -311,7 +332,7 @@ class Registry:
             for name in done:
                 self.pm.unregister(name=name)
             raise
-        self._families, self._by_model, self._sources = families, by_model, sources
+        self._families, self._by_model, self._sources, self._kernels = families, by_model, sources, kernels
 
     # -- loading the entry points -----------------------------------------------------------
     @staticmethod
@@ -459,6 +480,7 @@ class Registry:
         self._families = {k: v for k, v in self._families.items() if v.plugin != plugin_name}
         self._by_model = {k: v for k, v in self._by_model.items() if v.plugin != plugin_name}
         self._sources = {k: v for k, v in self._sources.items() if k != plugin_name}
+        self._kernels = {k: v for k, v in self._kernels.items() if k != plugin_name}
 
     def installed(self) -> list[Installed]:
         self.ensure_loaded()
@@ -466,6 +488,13 @@ class Registry:
 
     def families(self) -> list[Family]:
         return [i.family for i in self.installed()]
+
+    def attention_kernels(self) -> frozenset[str]:
+        """Operator names that count as attention kernels: the built-in ones and every plugin's."""
+        from .kernels import BUILTIN_KERNELS
+
+        self.ensure_loaded()
+        return BUILTIN_KERNELS.union(*self._kernels.values())
 
     def failures(self) -> list[Failure]:
         """Third-party plugins skipped at load time (each also gave a PluginWarning)."""
@@ -497,7 +526,7 @@ class Registry:
         with self._lock:
             for name, _ in list(self.pm.list_name_plugin()):
                 self.pm.unregister(name=name)
-            self._families, self._by_model, self._sources = {}, {}, {}
+            self._families, self._by_model, self._sources, self._kernels = {}, {}, {}, {}
             self._failures = []
             self._loaded = False
 

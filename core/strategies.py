@@ -27,6 +27,7 @@ import inspect
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,13 +69,14 @@ class _RegionScope:
 class Runner:
     """Runs a callable as one non-reentrant checkpoint region.
 
-    ``saved_hooks`` (when set) wraps the checkpoint call in ``saved_tensors_hooks``: around a
-    non-reentrant checkpoint those hooks see only what the checkpoint keeps across the region
-    (its inputs), which is exactly what the unsloth backends move to the CPU.
+    ``scope`` (when set) is entered around each region call (:class:`gradseam.scopes.RegionScope`):
+    it may open saved-tensor hooks, which around a non-reentrant checkpoint see only what the
+    checkpoint keeps across the region (its inputs: what the unsloth backends move to the CPU), and
+    it yields the checkpoint's ``context_fn`` (attention kernels kept instead of recomputed) or None.
     """
 
-    def __init__(self, saved_hooks: Callable[[tuple, dict], Any] | None = None) -> None:
-        self.saved_hooks = saved_hooks
+    def __init__(self, scope: Callable[[tuple, dict], AbstractContextManager[Any]] | None = None) -> None:
+        self.scope = scope
 
     def __call__(self, fn: Call, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # Keyword arguments go in positionally: checkpoint keeps positional tensors through
@@ -88,10 +90,12 @@ class Runner:
                 return fn(*flat[:n], **dict(zip(names, flat[n:])))
 
         flat = (*args, *kwargs.values())
-        if self.saved_hooks is None:
+        if self.scope is None:
             return checkpoint(region, *flat, use_reentrant=False)
-        with self.saved_hooks(args, kwargs):
-            return checkpoint(region, *flat, use_reentrant=False)
+        with self.scope(args, kwargs) as context_fn:
+            if context_fn is None:
+                return checkpoint(region, *flat, use_reentrant=False)
+            return checkpoint(region, *flat, use_reentrant=False, context_fn=context_fn)
 
 
 # -- signatures, snapshots and generator states ------------------------------------------------

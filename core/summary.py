@@ -34,13 +34,13 @@ class Summary:
         cfg = handle.config
         pending = handle.offload_pending()
         where = " (pending: the model is on the CPU)" if pending else ""
-        offload = f" + CPU offload of region inputs{where}" if cfg.offloads_regions else ""
+        backend = cfg.backend_spec
         merged: dict[tuple[str, tuple[int, ...]], list[str]] = {}
         classes: dict[tuple[str, tuple[int, ...]], str] = {}
         for region in handle.plan.regions:
             if region.kind in ("block", "chunk"):
                 unit = f"chunks of {len(region.blocks)} blocks" if region.kind == "chunk" else "each block"
-                what = f"{cfg.backend}: recompute {unit}{offload}"
+                what = backend.describe(unit, kernels=cfg.kept_kernels, pending=pending)
                 for i in region.blocks:
                     key = (region.list_path, (i,))
                     classes[key] = region.block_class
@@ -49,7 +49,7 @@ class Summary:
             key = (region.list_path, region.blocks)
             classes[key] = region.block_class
             if region.kind == "ffn":
-                merged.setdefault(key, []).append(f"{cfg.backend}: recompute {'→'.join(region.seam)}{offload}")
+                merged.setdefault(key, []).append(backend.describe("→".join(region.seam), pending=pending))
             else:
                 merged.setdefault(key, []).append(f"offload {region.seam[0]} saved tensors{where}")
         for path, index, block_class in handle.plan.plain:

@@ -214,6 +214,30 @@ def assert_regions_whole(regions: list[RegionRun], *, what: str = "") -> None:
         )
 
 
+@contextmanager
+def count_kernels() -> Iterator[list[int]]:
+    """How many attention kernel calls (:mod:`gradseam.kernels`) really run in the block.
+
+    An outermost dispatch mode: a kernel answered from kept outputs in a recompute never reaches
+    it, so with attention kept a patched step counts exactly what an unpatched step counts.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from .patcher import attention_kernels
+
+    kernels = attention_kernels()
+    count = [0]
+
+    class _Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            if kernels(func):
+                count[0] += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Count():
+        yield count
+
+
 @dataclass
 class ParityReport:
     config: CheckpointConfig
@@ -246,12 +270,19 @@ def check_strategy(
     model = case.build()
     before_dicts = {name: set(m.__dict__) for name, m in model.named_modules()}
     keys_before = list(model.state_dict().keys())
-    reference = run_step(model, case)
+    with count_kernels() as unpatched_kernels:
+        reference = run_step(model, case)
     handle = gradseam.patch(model, cfg)
     try:
         assert list(model.state_dict().keys()) == keys_before, "patching changed state_dict() keys"
-        with record_regions(handle) as regions:
+        with record_regions(handle) as regions, count_kernels() as patched_kernels:
             patched = run_step(model, case)
+        # (a chunk that falls back computes its later blocks twice in forward: only whole runs compare)
+        if cfg.kept_kernels and unpatched_kernels[0] and not any(r.fallback for r in regions):
+            assert patched_kernels[0] == unpatched_kernels[0], (
+                f"{what}: attention kernels ran {patched_kernels[0]} times in a step, unpatched "
+                f"{unpatched_kernels[0]}: with attention kept they must not be recomputed"
+            )
             engine = getattr(handle, "engine", None)
             if engine is not None and not getattr(engine, "min_bytes", 0):
                 assert engine.copies > 0, f"{what}: the offload strategy moved nothing"
@@ -307,6 +338,9 @@ def cpu_configs(*, ffn: bool = True, interval: bool = True, stride: bool = True)
                         "gradient_checkpointing_segment_stride": s,
                     }
                 )
+    # whole blocks that never recompute attention (its kernel outputs kept on the device)
+    out.append({"gradient_checkpointing": True, "gradient_checkpointing_keep_attention": True,
+                "gradient_checkpointing_interval": 2 if interval else None})
     return out
 
 
@@ -321,6 +355,10 @@ def offload_configs(*, ffn: bool = True, interval: bool = True, attention: bool 
     if ffn:
         out.append({**on, "gradient_checkpointing_backend": "unsloth-ffn"})
     if attention:
+        # whole blocks whose attention kernel outputs live in host memory, with and without region inputs
+        out.append({**on, "gradient_checkpointing_offload_attention": True})
+        out.append({**on, "gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_offload_attention": True,
+                    "gradient_checkpointing_interval": 2 if interval else None})
         out.append({"gradient_checkpointing_offload_attention": True})
         out.append({**on, "gradient_checkpointing_segment_stride": 3, "gradient_checkpointing_offload_attention": True})
         if ffn:

@@ -17,6 +17,7 @@ KEYS = (
     "gradient_checkpointing_segment_stride",
     "gradient_checkpointing_offload_attention",
     "gradient_checkpointing_offload_pin_memory_max_buckets",
+    "gradient_checkpointing_keep_attention",
 )
 
 # One non-default value for every key, as a trainer would write it.
@@ -27,6 +28,7 @@ FULL = {
     "gradient_checkpointing_segment_stride": 5,
     "gradient_checkpointing_offload_attention": True,
     "gradient_checkpointing_offload_pin_memory_max_buckets": 3,
+    "gradient_checkpointing_keep_attention": True,
 }
 
 

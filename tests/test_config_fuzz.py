@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from gradseam import BACKENDS, CheckpointConfig
 
 KEYS = CheckpointConfig.keys()
-BOOL_KEYS = ("gradient_checkpointing", "gradient_checkpointing_offload_attention")
+BOOL_KEYS = ("gradient_checkpointing", "gradient_checkpointing_offload_attention",
+             "gradient_checkpointing_keep_attention")
 OPTIONAL_INT_KEYS = ("gradient_checkpointing_interval", "gradient_checkpointing_segment_stride")
 BUCKETS = "gradient_checkpointing_offload_pin_memory_max_buckets"
 BACKEND = "gradient_checkpointing_backend"
@@ -51,6 +52,7 @@ anything = st.one_of(
 GOOD = {
     "gradient_checkpointing": st.sampled_from([True, False, "true", "false", " True "]),
     "gradient_checkpointing_offload_attention": st.sampled_from([True, False, "true", "false"]),
+    "gradient_checkpointing_keep_attention": st.sampled_from([True, False, "true", "false"]),
     BACKEND: st.sampled_from(BACKENDS),
     "gradient_checkpointing_interval": st.one_of(st.none(), st.integers(1, 10**20)),
     "gradient_checkpointing_segment_stride": st.one_of(st.none(), st.integers(1, 10**20)),

@@ -97,9 +97,9 @@ def assert_points_at(model: nn.Module, handle) -> None:
         if chain is not None:
             assert all(id(m) in own for m in chain.members), f"{name}: chain members of another model"
             assert all(o is None or id(o.module) in own for o in chain._originals), name
-        # AttentionOffload handlers and RegionOffload runners both name their engine `.engine`
-        offload = seam.handler if chain is None else chain.runner.saved_hooks
-        if offload is not None:
+        # AttentionOffload handlers and RegionScope runners both name their engine `.engine`
+        offload = seam.handler if chain is None else chain.runner.scope
+        if offload is not None and offload.engine is not None:
             assert offload.engine is handle.engine, f"{name}: offloads through another model's engine"
 
 

@@ -10,7 +10,8 @@ from cases import FAMILIES as ALL
 
 import gradseam
 from gradseam.errors import UnsupportedStrategyError
-from gradseam.offload import OffloadEngine, PinnedPool, cpu_test_mode, size_class
+from gradseam.offload import OffloadEngine, cpu_test_mode
+from gradseam.pinned import PinnedPool, size_class
 from gradseam.testing import check_strategy, config_id
 
 OFFLOAD_CONFIGS = [

@@ -35,6 +35,9 @@ CONFIGS = [
     {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth"},
     {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth-ffn",
      "gradient_checkpointing_offload_attention": True},
+    {"gradient_checkpointing": True, "gradient_checkpointing_keep_attention": True},
+    {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth",
+     "gradient_checkpointing_offload_attention": True, "gradient_checkpointing_interval": 2},
 ]
 
 

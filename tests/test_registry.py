@@ -396,9 +396,9 @@ def test_invalid_family_field_names_field_family_and_plugin(registered):
     ("hook_name", "expected"),
     [
         ("register_family", "implements 'register_family' (did you mean 'register_families'?), which gradseam "
-                            "does not define; gradseam's hooks are ['register_families']."),
+                            "does not define; gradseam's hooks are ['register_families', 'register_attention_kernels']."),
         ("setup", "implements 'setup', which gradseam does not define; gradseam's hooks are "
-                  "['register_families']."),
+                  "['register_families', 'register_attention_kernels']."),
     ],
 )
 def test_misspelled_hook_is_rejected(registered, hook_name, expected):

@@ -272,6 +272,11 @@ def _compiled_step(model, case) -> Step:
 # The offload backends run on the smaller (cheaper to compile) Wan model only.
 COMPILE_MATRIX = [(c, k, "aot_eager") for c in SMALL for k in (TORCH, FFN)]
 COMPILE_MATRIX += [(SMALL[1], k, "aot_eager") for k in (UNSLOTH, UNSLOTH_FFN)] + [(SMALL[1], FFN, "eager")]
+# whole blocks keeping attention: compiled regions use torch's selective checkpoint (kernels kept on the
+# device); with offload the eager path around the compiled code still moves the region inputs
+KEEP = {**TORCH, "gradient_checkpointing_keep_attention": True}
+UNSLOTH_OFFLOAD = {**UNSLOTH, "gradient_checkpointing_offload_attention": True}
+COMPILE_MATRIX += [(c, KEEP, "aot_eager") for c in SMALL] + [(SMALL[1], UNSLOTH_OFFLOAD, "aot_eager")]
 _compiled_references: dict[tuple[str, str], Step] = {}
 
 
