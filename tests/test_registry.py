@@ -198,7 +198,7 @@ def test_runtime_plugin_makes_custom_model_patchable(registered):
             warnings.simplefilter("always")
             report = check_strategy(TINY_CASE, config)
         assert report.saved_ratio < 1.0
-        if config["gradient_checkpointing_backend"] == "torch-ffn" and config["gradient_checkpointing_interval"]:
+        if config.get("gradient_checkpointing_backend") == "torch-ffn" and config["gradient_checkpointing_interval"]:
             # said once per process; the first such config is the one that says it
             assert all("does not group FFN regions" in str(w.message) for w in record)
         else:
