@@ -1,4 +1,4 @@
-"""The ``gradseam`` command: ``families``, ``demo``, ``bench`` and ``advise``.
+"""The ``gradseam`` command: ``families``, ``demo``, ``bench``, ``advise`` and ``run``.
 
 Every option is checked before a command starts working (a benchmark that runs for minutes and
 then cannot write its results has wasted the minutes): values, combinations, the family and its
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -343,6 +343,71 @@ def advise(
         raise typer.Exit(code)
     out.print(f"recommended ({result.chosen.label}); paste into your trainer config:", markup=False)
     out.print_json(result.to_json())
+
+
+# -- run ------------------------------------------------------------------------------------------
+
+
+@command(
+    context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
+    epilog="Examples: gradseam run --backend torch-ffn -- train.py --lr 1e-4 | "
+           "accelerate launch -m gradseam run --backend torch -- train.py ... | "
+           "torchrun --nproc-per-node 8 -m gradseam run --config gradseam.json -- train.py ...",
+)
+def run(
+    program: Annotated[list[str] | None, typer.Argument(
+        metavar="PROGRAM", show_default=False,
+        help="script.py [ARGS]... or -m module [ARGS]...: the training program and its arguments, as you "
+             "would give them to python, after gradseam's options (a -- before it is allowed)")] = None,
+    checkpointing: Annotated[bool | None, typer.Option(
+        "--checkpointing/--no-checkpointing",
+        help="gradient_checkpointing (default: on; off leaves only attention offload)")] = None,
+    backend: Annotated[str | None, typer.Option(
+        metavar="NAME", help="gradient_checkpointing_backend: torch | torch-ffn | unsloth | unsloth-ffn (default torch)")] = None,
+    interval: Annotated[str | None, typer.Option(
+        metavar="N", help="gradient_checkpointing_interval: chunks of N blocks per region")] = None,
+    segment_stride: Annotated[str | None, typer.Option(
+        "--segment-stride", metavar="S", help="gradient_checkpointing_segment_stride: checkpoint the first N of every S blocks")] = None,
+    offload_attention: Annotated[bool | None, typer.Option(
+        "--offload-attention/--no-offload-attention", help="gradient_checkpointing_offload_attention")] = None,
+    offload_pin_memory_max_buckets: Annotated[str | None, typer.Option(
+        "--offload-pin-memory-max-buckets", metavar="N", help="gradient_checkpointing_offload_pin_memory_max_buckets")] = None,
+    config: Annotated[Path | None, typer.Option(
+        "--config", metavar="FILE", help="a JSON file of gradseam config keys; the options above override it")] = None,
+    ignore_unknown: Annotated[bool, typer.Option(
+        "--ignore-unknown", help="with --config: read the gradseam keys out of a whole trainer config, ignoring the others")] = False,
+    report: Annotated[Path | None, typer.Option(
+        "--report", metavar="FILE", help="write a JSON report at exit: each patched model and how often its "
+        "regions ran ('{rank}' in the name, or .rankN added, under a multi-process launcher)")] = None,
+) -> None:
+    """Run a training script with every diffusers model it loads patched; exits with the script's exit code.
+
+    Models a gradseam family handles are patched as the script loads them (from_pretrained,
+    from_single_file); one line per patched model and a summary at exit go to stderr. The options
+    are the config keys without the gradient_checkpointing_ prefix; they go before the script.
+    """
+    from . import launch
+
+    values: dict[str, Any] = {
+        "--checkpointing": checkpointing, "--backend": backend, "--interval": interval,
+        "--segment-stride": segment_stride, "--offload-attention": offload_attention,
+        "--offload-pin-memory-max-buckets": offload_pin_memory_max_buckets,
+    }
+    try:
+        cfg = launch.build_config(config, ignore_unknown=ignore_unknown,
+                                  flags={k: v for k, v in values.items() if v is not None})
+        known = [*launch.FLAG_KEYS, "--no-checkpointing", "--no-offload-attention", "--config", "--ignore-unknown",
+                 "--report", "--help"]
+        program_ = launch.parse_program(list(program or []), known)
+    except launch.LaunchError as exc:
+        fail(str(exc))
+    rank, world = launch.rank_info()
+    path = output_path(launch.report_path(report, rank, world), "--report") if report is not None else None
+    try:
+        code = launch.Launch(cfg, program_, path, rank, world).run()
+    except launch.LaunchError as exc:
+        fail(str(exc))
+    raise typer.Exit(code)
 
 
 def main() -> None:
