@@ -61,6 +61,12 @@ def _device(device: str | None, option: str = "--device") -> str | None:
     return device
 
 
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _family(name: str, preset: str | None) -> tuple[Family, str]:
     """The installed family and its preset, and its model class importable: checked on any machine."""
     from .workloads import find_family, find_preset, model_class
@@ -127,11 +133,14 @@ def demo(
     tokens: Annotated[int | None, typer.Option(metavar="N", help="image tokens, a square number (default 4096 on GPU, 256 on CPU)")] = None,
     steps: Annotated[int, typer.Option(min=1, metavar="N", help="timed steps per strategy")] = 3,
     device: Annotated[str | None, typer.Option(metavar="cpu|cuda", help="default: cuda if available")] = None,
+    threads: Annotated[int | None, typer.Option(min=1, metavar="N", help="CPU: torch threads (default 1: steadier times on small or busy machines)")] = None,
 ) -> None:
     """Patch a small built-in Flux with every strategy this machine supports and compare them."""
     from .demo import check_tokens, run
 
     device = _device(device)
+    if threads is not None and device != "cpu" and _default_device() != "cpu":
+        fail("--threads sets the CPU's torch threads; the demo runs on the GPU here (add --device cpu).")
     if tokens is not None:
         try:
             check_tokens(tokens)
@@ -148,7 +157,7 @@ def demo(
                 yield item
                 progress.advance(task)
 
-        rows = run(device=device, image_tokens=tokens, steps=steps, progress=track)
+        rows = run(device=device, image_tokens=tokens, steps=steps, progress=track, threads=threads)
     none = rows[0]
     table = Table(title=f"small Flux ({rows[0].device}, {rows[0].tokens} image tokens): kept activations and step time")
     for column in ("strategy", "kept MiB", "vs none", "step ms", "vs none", "max |grad - unpatched|"):

@@ -94,13 +94,36 @@ def _inputs(device: torch.device, dtype: torch.dtype, image_tokens: int, text_to
 
 def run(
     *, device: str | None = None, image_tokens: int | None = None, text_tokens: int = 64, steps: int = 3,
-    progress: Callable[[Iterator[Any], int], Iterator[Any]] | None = None,
+    progress: Callable[[Iterator[Any], int], Iterator[Any]] | None = None, threads: int | None = None,
+) -> list[DemoRow]:
+    """Every strategy on the demo Flux; on the CPU with ``threads`` torch threads (default 1).
+
+    One thread by default: the model is small, and on a small or busy machine torch's default
+    (one thread per core) makes the threads wait on each other; on the 2-core CI machine, with
+    other jobs running, that made the demo take 1-2 minutes instead of about 12 seconds and
+    scattered one row's step time by 40x.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1 (the median of the timed steps is reported), got {steps}.")
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}.")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type != "cpu":
+        return _run(dev, image_tokens, text_tokens, steps, progress)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or 1)
+    try:
+        return _run(dev, image_tokens, text_tokens, steps, progress)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(
+    dev: torch.device, image_tokens: int | None, text_tokens: int, steps: int,
+    progress: Callable[[Iterator[Any], int], Iterator[Any]] | None,
 ) -> list[DemoRow]:
     from diffusers import FluxTransformer2DModel
 
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1 (the median of the timed steps is reported), got {steps}.")
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if image_tokens is None:
         image_tokens = 4096 if dev.type == "cuda" else 256  # a CPU run should take seconds, not minutes

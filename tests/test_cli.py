@@ -214,6 +214,7 @@ OPTION_ERRORS = [
                                  "side x side patches; nearest: 81 (9x9) or 100 (10x10)."),
     (["demo", "--device", "tpu"], "Invalid value for '--device': expected cpu or cuda, got 'tpu'."),
     (["demo", "--stpes", "2"], "No such option: --stpes"),
+    (["demo", "--threads", "0"], "Invalid value for '--threads'"),
     (["bench", "--family", "nosuch"], f"Invalid value for '--family': no installed family 'nosuch'; {INSTALLED}"),
     (["bench", "--family", "flux", "--preset", "nope"], "Invalid value for '--preset': family 'flux' has no preset "
                                                         "'nope'; presets: dev-1024."),
@@ -269,8 +270,10 @@ def test_demo_cuda_without_cuda_is_refused():
 
 
 def test_demo_runs_the_size_its_title_says():
-    result = _invoke("demo", "--device", "cpu", "--tokens", "16", "--steps", "1")
+    threads = torch.get_num_threads()
+    result = _invoke("demo", "--device", "cpu", "--tokens", "16", "--steps", "1", "--threads", "2")
     assert result.exit_code == 0, result.output
+    assert torch.get_num_threads() == threads  # the demo's thread count does not outlive it
     assert "small Flux (cpu, 16 image tokens)" in result.output
     assert result.output.count("0.0e+00") == 5  # every strategy's gradient equals the unpatched one
 
