@@ -74,6 +74,8 @@ def patching(config: Any = None, **kwargs: Any) -> AbstractContextManager[list[P
     ``with gradseam.patching(config): pipe = FluxPipeline.from_pretrained(...)`` patches each loaded
     model or pipeline component an installed family handles, and leaves the rest alone. Leaving the
     block restores the loaders; the models keep their patches. Yields the handles made in the block.
+    ``on_patch=callback`` is called as ``callback(handle, component)`` after each model is patched
+    (``component``: the pipeline attribute, or None), for callers that never see the loaded object.
     """
     from .loading import patching as _patching
 

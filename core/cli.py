@@ -1,40 +1,115 @@
-"""The ``gradseam`` command: ``families``, ``demo``, ``bench`` and ``advise``."""
+"""The ``gradseam`` command: ``families``, ``demo``, ``bench``, ``advise`` and ``run``.
+
+Every option is checked before a command starts working (a benchmark that runs for minutes and
+then cannot write its results has wasted the minutes): values, combinations, the family and its
+preset (before the CUDA check, so a typo is reported on any machine), the device, and the output
+files. How a mistake is shown, and why flags and tables look the way they do: :mod:`gradseam.cli_support`.
+"""
 
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 import gradseam
 
+from .cli_support import Command, Group, bad, console, fail, output_path
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from .family import Family
+
 app = typer.Typer(
+    cls=Group,
     help="Gradient checkpointing and activation offload for diffusers transformers.",
     no_args_is_help=True,
     add_completion=False,
+    rich_markup_mode=None,
 )
-console = Console()
+command = partial(app.command, cls=Command)
+DEVICES = ("cpu", "cuda")
 
 
-def _progress() -> Progress:
+def _progress(out: Console) -> Progress:
     return Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=True,
+        console=out, transient=True,
     )
 
 
-@app.command()
+# -- checks shared by the commands ----------------------------------------------------------------
+
+
+def _device(device: str | None, option: str = "--device") -> str | None:
+    if device is None:
+        return None
+    if device not in DEVICES:
+        bad(option, f"expected cpu or cuda, got {device!r}.")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            bad(option, "cuda asked for, but torch sees no CUDA GPU here (torch.cuda.is_available() is False); "
+                        "use --device cpu, or leave --device out.")
+    return device
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _family(name: str, preset: str | None) -> tuple[Family, str]:
+    """The installed family and its preset, and its model class importable: checked on any machine."""
+    from .workloads import find_family, find_preset, model_class
+
+    try:
+        family = find_family(name)
+    except gradseam.GradseamError as exc:
+        bad("--family", str(exc))
+    try:
+        preset_name, _ = find_preset(family, preset)
+    except gradseam.GradseamError as exc:
+        bad("--preset" if preset is not None else "--family", str(exc))
+    try:
+        model_class(family)
+    except gradseam.GradseamError as exc:
+        bad("--family", str(exc))
+    return family, preset_name
+
+
+def _need_cuda(message: str) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        fail(message)
+
+
+def _quiet_diffusers() -> None:
+    # building random-weight models logs a bf16-cast notice per model; it is noise here
+    from diffusers.utils import logging as dlogging
+
+    dlogging.set_verbosity_error()
+
+
+# -- families -------------------------------------------------------------------------------------
+
+
+@command()
 def families() -> None:
     """List installed families: who provides them, what they patch, and what they support."""
     table = Table(title="gradseam families")
     for column in ("family", "plugin (distribution)", "model classes", "block lists", "FFN cut",
                    "interval/stride", "attention offload"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")
     for item in gradseam.installed():
         fam = item.family
         dist = f"{item.plugin} ({item.distribution} {item.version})" if item.distribution else item.plugin
@@ -47,19 +122,32 @@ def families() -> None:
             "yes" if fam.supports_interval else "no",
             "yes" if fam.has_attention else "no",
         )
-    console.print(table)
+    console().print(table)
 
 
-@app.command()
+# -- demo -----------------------------------------------------------------------------------------
+
+
+@command()
 def demo(
-    tokens: Annotated[int | None, typer.Option(help="image tokens, a square number (default 4096 on GPU, 256 on CPU)")] = None,
-    steps: Annotated[int, typer.Option(help="timed steps per strategy")] = 3,
-    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda if available)")] = None,
+    tokens: Annotated[int | None, typer.Option(metavar="N", help="image tokens, a square number (default 4096 on GPU, 256 on CPU)")] = None,
+    steps: Annotated[int, typer.Option(min=1, metavar="N", help="timed steps per strategy")] = 3,
+    device: Annotated[str | None, typer.Option(metavar="cpu|cuda", help="default: cuda if available")] = None,
+    threads: Annotated[int | None, typer.Option(min=1, metavar="N", help="CPU: torch threads (default 1: steadier times on small or busy machines)")] = None,
 ) -> None:
     """Patch a small built-in Flux with every strategy this machine supports and compare them."""
-    from .demo import run
+    from .demo import check_tokens, run
 
-    with _progress() as progress:
+    device = _device(device)
+    if threads is not None and device != "cpu" and _default_device() != "cpu":
+        fail("--threads sets the CPU's torch threads; the demo runs on the GPU here (add --device cpu).")
+    if tokens is not None:
+        try:
+            check_tokens(tokens)
+        except ValueError as exc:
+            bad("--tokens", str(exc))
+    out = console()
+    with _progress(out) as progress:
         task = progress.add_task("strategies", total=None)
 
         def track(it, total):
@@ -69,51 +157,56 @@ def demo(
                 yield item
                 progress.advance(task)
 
-        rows = run(device=device, image_tokens=tokens, steps=steps, progress=track)
+        rows = run(device=device, image_tokens=tokens, steps=steps, progress=track, threads=threads)
     none = rows[0]
     table = Table(title=f"small Flux ({rows[0].device}, {rows[0].tokens} image tokens): kept activations and step time")
     for column in ("strategy", "kept MiB", "vs none", "step ms", "vs none", "max |grad - unpatched|"):
-        table.add_column(column, justify="right" if column != "strategy" else "left")
+        table.add_column(column, justify="right" if column != "strategy" else "left", overflow="fold")
     for r in rows:
         table.add_row(
             r.strategy, f"{r.kept_mib:.1f}", f"{r.kept_mib / none.kept_mib:.2f}", f"{r.step_ms:.1f}",
             f"{r.step_ms / none.step_ms:.2f}", f"{r.max_grad_diff:.1e}",
         )
-    console.print(table)
-    console.print(
+    out.print(table)
+    out.print(
         "Practical rule: no checkpointing if it fits -> torch-ffn -> torch -> unsloth-ffn -> unsloth; "
         "interval >= 2 only to win speed back once it fits."
     )
 
 
-def _need_cuda(what: str) -> None:
-    import torch
-
-    if not torch.cuda.is_available():
-        console.print(f"[red]gradseam {what} measures GPU memory and time and needs a CUDA GPU; none is available.[/red]")
-        raise typer.Exit(2)
+# -- bench ----------------------------------------------------------------------------------------
 
 
-def _quiet_diffusers() -> None:
-    # building random-weight models logs a bf16-cast notice per model; it is noise here
-    from diffusers.utils import logging as dlogging
+def _chart_path(json_path: Path, png_path: Path | None) -> Path:
+    chart = png_path or json_path.with_suffix(".png")
+    if chart.resolve() == json_path.resolve():
+        bad("--png", f"the chart would overwrite the results file {str(json_path)!r}; name another file with --png.")
+    if png_path is not None:
+        try:
+            from matplotlib.backend_bases import FigureCanvasBase
+        except ImportError:
+            pass  # no chart is written without matplotlib; bench says so at the end
+        else:
+            formats = FigureCanvasBase.get_supported_filetypes()
+            if chart.suffix.lstrip(".").lower() not in formats:
+                bad("--png", f"matplotlib cannot write {chart.suffix or 'a file without a suffix'!r}; name a "
+                             f"file ending in one of: {', '.join('.' + f for f in sorted(formats))}.")
+    return output_path(chart, "--png")
 
-    dlogging.set_verbosity_error()
 
-
-@app.command()
+@command()
 def bench(
-    family: Annotated[str | None, typer.Option(help="benchmark this family's real-size preset model (random weights; needs CUDA)")] = None,
-    preset: Annotated[str | None, typer.Option(help="the family's preset (default: its first)")] = None,
-    layers: Annotated[int | None, typer.Option(min=1, help="keep only the first K blocks of every block list")] = None,
-    tokens: Annotated[list[int] | None, typer.Option(min=1, help="tokens per workload (repeat for several; default: the preset's, or the synthetic shapes)")] = None,
+    family: Annotated[str | None, typer.Option(metavar="NAME", help="benchmark this family's real-size preset model (random weights; needs CUDA)")] = None,
+    preset: Annotated[str | None, typer.Option(metavar="NAME", help="the family's preset (default: its first)")] = None,
+    layers: Annotated[int | None, typer.Option(min=1, metavar="K", help="keep only the first K blocks of every block list")] = None,
+    tokens: Annotated[list[int] | None, typer.Option(min=1, metavar="N", help="tokens per workload (repeat for several; default: the preset's, or the synthetic shapes)")] = None,
     synthetic: Annotated[bool, typer.Option("--synthetic", help="the synthetic block stack (the default without --family)")] = False,
-    blocks: Annotated[int | None, typer.Option(min=1, help="synthetic stack: number of blocks (default 8 on GPU, 2 on CPU)")] = None,
-    dim: Annotated[int | None, typer.Option(min=1, help="synthetic stack: model width (default 3072 on GPU, 256 on CPU)")] = None,
-    device: Annotated[str | None, typer.Option(help="synthetic stack: cpu or cuda (default: cuda if available)")] = None,
-    json_path: Annotated[Path, typer.Option("--json", help="where to write the results")] = Path("gradseam-bench.json"),
-    png_path: Annotated[Path | None, typer.Option("--png", help="chart path (default: the JSON path with .png)")] = None,
-    steps: Annotated[int | None, typer.Option(min=1, help="timed steps per strategy, median reported (default 5 on GPU, 2 on CPU)")] = None,
+    blocks: Annotated[int | None, typer.Option(min=1, metavar="N", help="synthetic stack: number of blocks (default 8 on GPU, 2 on CPU)")] = None,
+    dim: Annotated[int | None, typer.Option(min=1, metavar="D", help="synthetic stack: model width, divisible by its head count max(dim // 128, 1) (default 3072 on GPU, 256 on CPU)")] = None,
+    device: Annotated[str | None, typer.Option(metavar="cpu|cuda", help="synthetic stack: cpu or cuda (default: cuda if available)")] = None,
+    json_path: Annotated[Path, typer.Option("--json", metavar="FILE", help="where to write the results (its directory is created)")] = Path("gradseam-bench.json"),
+    png_path: Annotated[Path | None, typer.Option("--png", metavar="FILE", help="chart path (default: the JSON path with .png)")] = None,
+    steps: Annotated[int | None, typer.Option(min=1, metavar="N", help="timed steps per strategy, median reported (default 5 on GPU, 2 on CPU)")] = None,
 ) -> None:
     """Benchmark every strategy: memory and step time, side by side with the hand-written references.
 
@@ -123,29 +216,32 @@ def bench(
     --blocks, --tokens and --dim pick one synthetic size. With --family NAME [--preset P]: the
     family's real-size model with random bf16 weights built on the GPU (needs CUDA).
     """
-    import torch
-
     if synthetic and family:
-        console.print("[red]--synthetic and --family exclude each other.[/red]")
-        raise typer.Exit(2)
+        fail("--synthetic and --family exclude each other.")
     if family is None and (preset or layers):
-        console.print("[red]--preset and --layers need --family.[/red]")
-        raise typer.Exit(2)
+        fail("--preset and --layers need --family.")
     if family is not None and (blocks or dim or device):
-        console.print("[red]--blocks, --dim and --device are for the synthetic stack; they exclude --family.[/red]")
-        raise typer.Exit(2)
-    if device not in (None, "cpu", "cuda"):
-        console.print(f"[red]--device: expected cpu or cuda, got {device!r}.[/red]")
-        raise typer.Exit(2)
-    if family is not None and not torch.cuda.is_available():
-        console.print(
-            "[red]gradseam bench --family builds the family's real-size model (billions of parameters) "
-            "and measures GPU memory and time, so it needs a CUDA GPU; none is available. Without "
-            "--family, `gradseam bench` runs the small synthetic stack on the CPU.[/red]"
+        fail("--blocks, --dim and --device are for the synthetic stack; they exclude --family.")
+    device = _device(device)
+    if family is not None:
+        fam, preset = _family(family, preset)
+    if dim is not None:
+        from .synthetic import HEAD_DIM
+
+        heads = max(dim // HEAD_DIM, 1)
+        if dim % heads:
+            near = sorted({d for d in range(max(1, dim - 2 * HEAD_DIM), dim + 2 * HEAD_DIM)
+                           if d % max(d // HEAD_DIM, 1) == 0}, key=lambda d: (abs(d - dim), d))[:2]
+            bad("--dim", f"{dim} does not split into the synthetic stack's {heads} heads (one per {HEAD_DIM} "
+                         f"of width); nearest widths that do: {' and '.join(map(str, sorted(near)))}.")
+    json_path = output_path(json_path, "--json")
+    png_path = _chart_path(json_path, png_path)
+    if family is not None:
+        _need_cuda(
+            "gradseam bench --family builds the family's real-size model (billions of parameters) and "
+            "measures GPU memory and time, so it needs a CUDA GPU; none is available. Without --family, "
+            "`gradseam bench` runs the small synthetic stack on the CPU."
         )
-        raise typer.Exit(2)
-    if device == "cuda":
-        _need_cuda("bench --device cuda")
     from . import bench as b
 
     dev = "cuda" if family is not None else (device or b.default_device())
@@ -154,64 +250,59 @@ def bench(
         steps = b.CPU_STEPS if cpu else 5
     shapes = None
     if family is not None:
-        from .workloads import find_family, find_preset
-
-        try:
-            fam = find_family(family)
-            preset, _ = find_preset(fam, preset)
-        except gradseam.GradseamError as exc:
-            console.print(f"[red]{exc}[/red]")
-            raise typer.Exit(2) from None
         _quiet_diffusers()
         total = len(tokens or [None]) * len(b.real_rows())
-        title = f"gradseam bench: {family} {preset}" + (f", first {layers} blocks of each list" if layers else "")
+        title = f"gradseam bench: {fam.name} {preset}" + (f", first {layers} blocks of each list" if layers else "")
     else:
         if blocks or dim or tokens:
             default_blocks, default_tokens, default_dim = (b.CPU_SHAPES if cpu else b.SYNTHETIC_SHAPES)[0]
             shapes = [(blocks or default_blocks, t, dim or default_dim) for t in (tokens or [default_tokens])]
         total = len(shapes or (b.CPU_SHAPES if cpu else b.SYNTHETIC_SHAPES)) * len(b.synthetic_rows())
         title = b.synthetic_title(dev)
-    with _progress() as progress:
+    out = console()
+    with _progress(out) as progress:
         task = progress.add_task("building" if family else "bench", total=total)
 
         def on_row(result):
             progress.advance(task)
             progress.update(task, description=f"{result.workload}: {result.strategy}")
             if result.status not in ("ok", b.NEEDS_CUDA):
-                progress.console.print(f"{result.strategy}: {result.status}")
+                progress.console.print(f"{result.strategy}: {result.status}", markup=False, highlight=False)
 
         if family is not None:
             try:
-                results = b.real(family, preset, layers=layers, tokens=list(tokens) if tokens else None,
+                results = b.real(fam.name, preset, layers=layers, tokens=list(tokens) if tokens else None,
                                  steps=steps, on_row=on_row)
             except gradseam.GradseamError as exc:
-                console.print(f"[red]{exc}[/red]")
-                raise typer.Exit(2) from None
+                fail(str(exc))
         else:
             results = b.synthetic(shapes, steps=steps, on_row=on_row, device=dev)
     rows = b.with_ratios(results)
     payload = b.payload(rows, title, device=dev, family=family, preset=preset, layers=layers, steps=steps)
     json_path.write_text(json.dumps(payload, indent=1))
-    console.print(title)
-    console.print(b.to_markdown(rows, cpu=cpu))
+    out.print(title, markup=False)
+    out.print(b.to_markdown(rows, cpu=cpu), markup=False, highlight=False, soft_wrap=True)  # pasteable as is
     if cpu:
-        console.print(f"memory: {b.MEMORY_CPU}; rows marked '{b.NEEDS_CUDA}' copy to pinned memory and need a GPU.")
-    console.print(f"wrote {json_path}")
-    png_path = png_path or json_path.with_suffix(".png")
+        out.print(f"memory: {b.MEMORY_CPU}; rows marked '{b.NEEDS_CUDA}' copy to pinned memory and need a GPU.",
+                  markup=False)
+    out.print(f"wrote {json_path}", markup=False)
     if b.chart(rows, png_path, title, cpu=cpu):
-        console.print(f"wrote {png_path}")
+        out.print(f"wrote {png_path}", markup=False)
     else:
-        console.print("matplotlib is not installed, so no chart was written (pip install 'gradseam[bench]').")
+        out.print("matplotlib is not installed, so no chart was written (pip install 'gradseam[bench]').", markup=False)
 
 
-@app.command()
+# -- advise ---------------------------------------------------------------------------------------
+
+
+@command()
 def advise(
-    family: Annotated[str, typer.Option(help="the family whose real-size preset model is measured")],
-    budget: Annotated[str, typer.Option(help="GPU memory budget: '40GiB', '40 GB', '40960MiB' or GiB as a number")],
-    preset: Annotated[str | None, typer.Option(help="the family's preset (default: its first)")] = None,
-    layers: Annotated[int | None, typer.Option(min=1, help="keep only the first K blocks of every block list")] = None,
-    tokens: Annotated[int | None, typer.Option(help="image/video tokens (default: the preset's)")] = None,
-    json_path: Annotated[Path | None, typer.Option("--json", help="also write every measurement here")] = None,
+    family: Annotated[str, typer.Option(metavar="NAME", help="the family whose real-size preset model is measured")],
+    budget: Annotated[str, typer.Option(metavar="SIZE", help="GPU memory budget: '40GiB', '40 GB', '40960MiB' or GiB as a number")],
+    preset: Annotated[str | None, typer.Option(metavar="NAME", help="the family's preset (default: its first)")] = None,
+    layers: Annotated[int | None, typer.Option(min=1, metavar="K", help="keep only the first K blocks of every block list")] = None,
+    tokens: Annotated[int | None, typer.Option(min=1, metavar="N", help="image/video tokens (default: the preset's)")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", metavar="FILE", help="also write every measurement here (its directory is created)")] = None,
 ) -> None:
     """Measure the strategy ladder on a preset model and recommend the fastest config that fits the budget."""
     from .advise import NoFitError, parse_budget
@@ -219,29 +310,32 @@ def advise(
     try:
         budget_gib = parse_budget(budget)
     except ValueError as exc:
-        console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(2) from None
-    _need_cuda("advise")
+        bad("--budget", str(exc))
+    fam, preset = _family(family, preset)
+    if json_path is not None:
+        json_path = output_path(json_path, "--json")
+    _need_cuda("gradseam advise measures GPU memory and time on the family's real-size model and needs a "
+               "CUDA GPU; none is available.")
     from .advise import advise as run_advise
     from .workloads import build
 
     _quiet_diffusers()
+    out = console()
     try:
-        with console.status("building the model"):
-            workload = build(family, preset, layers=layers, device="cuda")
+        with out.status("building the model"):
+            workload = build(fam, preset, layers=layers, device="cuda")
             inputs = workload.inputs(tokens)
-        with console.status("measuring the ladder (one warm-up + one timed step per candidate)"):
+        with out.status("measuring the ladder (one warm-up + one timed step per candidate)"):
             result = run_advise(workload.model, inputs, budget_gib)
         code = 0
     except NoFitError as exc:
         result, code = exc.advice, 1
     except gradseam.GradseamError as exc:
-        console.print(f"[red]{exc}[/red]")
-        raise typer.Exit(2) from None
-    console.print(f"{workload.family.name} {workload.preset_name} ({workload.layers_note})")
+        fail(str(exc))
+    out.print(f"{workload.family.name} {workload.preset_name} ({workload.layers_note})", markup=False)
     table = Table(title=f"strategies within {budget_gib:.2f} GiB (static {result.static_gib:.2f} GiB)")
     for column in ("", "candidate", "act. peak GiB", "step ms", "verdict"):
-        table.add_column(column, justify="right" if "GiB" in column or "ms" in column else "left")
+        table.add_column(column, justify="right" if "GiB" in column or "ms" in column else "left", overflow="fold")
     for t in result.trials:
         table.add_row(
             "->" if t is result.chosen else "", t.label,
@@ -249,15 +343,80 @@ def advise(
             f"{t.step_ms:.1f}" if t.step_ms is not None else "-",
             t.reason or t.status,  # the reason already says the status in words
         )
-    console.print(table)
+    out.print(table)
     if json_path is not None:
         json_path.write_text(json.dumps(result.to_dict(), indent=1))
-        console.print(f"wrote {json_path}")
+        out.print(f"wrote {json_path}", markup=False)
     if result.chosen is None:
-        console.print(f"[red]{result.no_fit_message()}[/red]")
+        out.print(f"[red]{result.no_fit_message()}[/red]")
         raise typer.Exit(code)
-    console.print(f"recommended ({result.chosen.label}); paste into your trainer config:")
-    console.print_json(result.to_json())
+    out.print(f"recommended ({result.chosen.label}); paste into your trainer config:", markup=False)
+    out.print_json(result.to_json())
+
+
+# -- run ------------------------------------------------------------------------------------------
+
+
+@command(
+    context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
+    epilog="Examples: gradseam run --backend torch-ffn -- train.py --lr 1e-4 | "
+           "accelerate launch -m gradseam run --backend torch -- train.py ... | "
+           "torchrun --nproc-per-node 8 -m gradseam run --config gradseam.json -- train.py ...",
+)
+def run(
+    program: Annotated[list[str] | None, typer.Argument(
+        metavar="PROGRAM", show_default=False,
+        help="script.py [ARGS]... or -m module [ARGS]...: the training program and its arguments, as you "
+             "would give them to python, after gradseam's options (a -- before it is allowed)")] = None,
+    checkpointing: Annotated[bool | None, typer.Option(
+        "--checkpointing/--no-checkpointing",
+        help="gradient_checkpointing (default: on; off leaves only attention offload)")] = None,
+    backend: Annotated[str | None, typer.Option(
+        metavar="NAME", help="gradient_checkpointing_backend: torch | torch-ffn | unsloth | unsloth-ffn (default torch)")] = None,
+    interval: Annotated[str | None, typer.Option(
+        metavar="N", help="gradient_checkpointing_interval: chunks of N blocks per region")] = None,
+    segment_stride: Annotated[str | None, typer.Option(
+        "--segment-stride", metavar="S", help="gradient_checkpointing_segment_stride: checkpoint the first N of every S blocks")] = None,
+    offload_attention: Annotated[bool | None, typer.Option(
+        "--offload-attention/--no-offload-attention", help="gradient_checkpointing_offload_attention")] = None,
+    offload_pin_memory_max_buckets: Annotated[str | None, typer.Option(
+        "--offload-pin-memory-max-buckets", metavar="N", help="gradient_checkpointing_offload_pin_memory_max_buckets")] = None,
+    config: Annotated[Path | None, typer.Option(
+        "--config", metavar="FILE", help="a JSON file of gradseam config keys; the options above override it")] = None,
+    ignore_unknown: Annotated[bool, typer.Option(
+        "--ignore-unknown", help="with --config: read the gradseam keys out of a whole trainer config, ignoring the others")] = False,
+    report: Annotated[Path | None, typer.Option(
+        "--report", metavar="FILE", help="write a JSON report at exit: each patched model and how often its "
+        "regions ran ('{rank}' in the name, or .rankN added, under a multi-process launcher)")] = None,
+) -> None:
+    """Run a training script with every diffusers model it loads patched; exits with the script's exit code.
+
+    Models a gradseam family handles are patched as the script loads them (from_pretrained,
+    from_single_file); one line per patched model and a summary at exit go to stderr. The options
+    are the config keys without the gradient_checkpointing_ prefix; they go before the script.
+    """
+    from . import launch
+
+    values: dict[str, Any] = {
+        "--checkpointing": checkpointing, "--backend": backend, "--interval": interval,
+        "--segment-stride": segment_stride, "--offload-attention": offload_attention,
+        "--offload-pin-memory-max-buckets": offload_pin_memory_max_buckets,
+    }
+    try:
+        cfg = launch.build_config(config, ignore_unknown=ignore_unknown,
+                                  flags={k: v for k, v in values.items() if v is not None})
+        known = [*launch.FLAG_KEYS, "--no-checkpointing", "--no-offload-attention", "--config", "--ignore-unknown",
+                 "--report", "--help"]
+        program_ = launch.parse_program(list(program or []), known)
+    except launch.LaunchError as exc:
+        fail(str(exc))
+    rank, world = launch.rank_info()
+    path = output_path(launch.report_path(report, rank, world), "--report") if report is not None else None
+    try:
+        code = launch.Launch(cfg, program_, path, rank, world).run()
+    except launch.LaunchError as exc:
+        fail(str(exc))
+    raise typer.Exit(code)
 
 
 def main() -> None:

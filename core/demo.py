@@ -7,6 +7,7 @@ saved-tensor hooks); on a GPU it is the measured activation peak.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -45,6 +46,23 @@ def strategies(cuda: bool) -> list[tuple[str, dict[str, Any]]]:
     return rows
 
 
+def check_tokens(image_tokens: int) -> None:
+    """The demo's image is a square grid of patches, so only square token counts are exact.
+
+    Rounding 99 down to 81 would run a different size than the table's title says; refuse instead
+    and name the nearest sizes that work.
+    """
+    if image_tokens < 1:
+        raise ValueError(f"image tokens must be a square number >= 1 (side x side patches), got {image_tokens}; "
+                         "e.g. 256 (16x16) or 4096 (64x64).")
+    side = math.isqrt(image_tokens)
+    if side * side != image_tokens:
+        raise ValueError(
+            f"{image_tokens} is not a square number, and the demo's image is side x side patches; nearest: "
+            f"{side * side} ({side}x{side}) or {(side + 1) ** 2} ({side + 1}x{side + 1})."
+        )
+
+
 @dataclass
 class DemoRow:
     strategy: str
@@ -57,7 +75,7 @@ class DemoRow:
 
 def _inputs(device: torch.device, dtype: torch.dtype, image_tokens: int, text_tokens: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(0)
-    side = int(image_tokens**0.5)
+    side = math.isqrt(image_tokens)
     axis = torch.arange(side, dtype=torch.float32)
     ids = torch.stack(torch.meshgrid(torch.zeros(1), axis, axis, indexing="ij"), -1)
 
@@ -76,14 +94,40 @@ def _inputs(device: torch.device, dtype: torch.dtype, image_tokens: int, text_to
 
 def run(
     *, device: str | None = None, image_tokens: int | None = None, text_tokens: int = 64, steps: int = 3,
-    progress: Callable[[Iterator[Any], int], Iterator[Any]] | None = None,
+    progress: Callable[[Iterator[Any], int], Iterator[Any]] | None = None, threads: int | None = None,
+) -> list[DemoRow]:
+    """Every strategy on the demo Flux; on the CPU with ``threads`` torch threads (default 1).
+
+    One thread by default: the model is small, and on a small or busy machine torch's default
+    (one thread per core) makes the threads wait on each other; on the 2-core CI machine, with
+    other jobs running, that made the demo take 1-2 minutes instead of about 12 seconds and
+    scattered one row's step time by 40x.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1 (the median of the timed steps is reported), got {steps}.")
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}.")
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dev.type != "cpu":
+        return _run(dev, image_tokens, text_tokens, steps, progress)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or 1)
+    try:
+        return _run(dev, image_tokens, text_tokens, steps, progress)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(
+    dev: torch.device, image_tokens: int | None, text_tokens: int, steps: int,
+    progress: Callable[[Iterator[Any], int], Iterator[Any]] | None,
 ) -> list[DemoRow]:
     from diffusers import FluxTransformer2DModel
 
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if image_tokens is None:
         image_tokens = 4096 if dev.type == "cuda" else 256  # a CPU run should take seconds, not minutes
+    check_tokens(image_tokens)
     torch.manual_seed(0)
     with torch.device(dev):
         model = FluxTransformer2DModel(**DEMO_CONFIG)

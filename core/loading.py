@@ -3,7 +3,7 @@
 ::
 
     with gradseam.patching(gradient_checkpointing=True, gradient_checkpointing_backend="torch-ffn"):
-        pipe = FluxPipeline.from_pretrained("black-forest-labs/FLUX.1-dev", torch_dtype=torch.bfloat16)
+        pipe = FluxPipeline.from_pretrained("black-forest-labs/FLUX.1-dev", dtype=torch.bfloat16)
     gradseam.handles(pipe)  # the handles of the patched components (here: the transformer)
 
 While a block is open, diffusers' loaders are wrapped on their defining classes, so every subclass
@@ -18,6 +18,11 @@ config (an ``-ffn`` backend on a family without an FFN boundary, say) raises, as
 
 Loaders build models on the CPU, so the offload backends skip ``patch``'s "needs a CUDA model"
 check here: the engine moves only CUDA tensors, and offloads once the model is moved to the GPU.
+
+``on_patch=callback`` is called as ``callback(handle, component)`` right after each model is
+patched (``component`` is the pipeline attribute name, or None for a model loaded on its own), so
+a caller that does not hold the loaded object (``gradseam run``, which runs someone else's script)
+can report what was patched, and when.
 
 Leaving the outermost block restores every loader attribute to the exact object it was (also when
 the block raises). Blocks nest; the innermost config applies. Models keep their patches after the
@@ -35,7 +40,7 @@ from __future__ import annotations
 import functools
 import importlib
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -61,10 +66,19 @@ class _ThreadState(threading.local):
         self.depth = 0  # loader calls in progress on this thread (a pipeline load nests model loads)
 
 
+OnPatch = Callable[[PatchHandle, str | None], None]
+
+
 class _Session:
-    def __init__(self, config: CheckpointConfig) -> None:
+    def __init__(self, config: CheckpointConfig, on_patch: OnPatch | None = None) -> None:
         self.config = config
         self.handles: list[PatchHandle] = []
+        self.on_patch = on_patch
+
+    def add(self, handle: PatchHandle, component: str | None) -> None:
+        self.handles.append(handle)
+        if self.on_patch is not None:
+            self.on_patch(handle, component)
 
 
 _local = _ThreadState()
@@ -101,7 +115,7 @@ def _handled(module: Any) -> bool:
 def _patch_loaded(result: Any, session: _Session, passed: set[int]) -> None:
     if isinstance(result, nn.Module):
         if _handled(result) and handle_of(result) is None:
-            session.handles.append(patch_model(result, session.config, check_device=False))
+            session.add(patch_model(result, session.config, check_device=False), None)
         return
     components = _pipeline_components(result)
     if components is None:
@@ -110,7 +124,8 @@ def _patch_loaded(result: Any, session: _Session, passed: set[int]) -> None:
         name: m for name, m in components.items()
         if id(m) not in passed and _handled(m) and handle_of(m) is None
     }
-    session.handles.extend(patch_models(todo, session.config, check_device=False).values())
+    for name, handle in patch_models(todo, session.config, check_device=False).items():
+        session.add(handle, name)
 
 
 def _install() -> None:
@@ -136,11 +151,13 @@ def _restore() -> None:
 
 
 @contextmanager
-def patching(config: CheckpointConfig | Mapping[str, Any] | None = None, **kwargs: Any) -> Iterator[list[PatchHandle]]:
+def patching(
+    config: CheckpointConfig | Mapping[str, Any] | None = None, *, on_patch: OnPatch | None = None, **kwargs: Any
+) -> Iterator[list[PatchHandle]]:
     """Patch every diffusers model loaded inside the block; yields the list of handles made so far."""
     global _users
     cfg = CheckpointConfig.coerce(config, **kwargs)  # a bad config raises before anything is wrapped
-    session = _Session(cfg)
+    session = _Session(cfg, on_patch)
     with _lock:
         if _users == 0:
             _install()

@@ -11,6 +11,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+import gradseam
 from gradseam.cli import app
 
 runner = CliRunner()
@@ -18,8 +19,8 @@ BUILTIN = ["chroma", "flux", "krea2", "ltx2", "mageflow", "wan", "zimage"]
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 
 
-def _invoke(*args: str):
-    return runner.invoke(app, list(args), env={"COLUMNS": "200", "NO_COLOR": "1"})
+def _invoke(*args: str, columns: str = "200"):
+    return runner.invoke(app, list(args), env={"COLUMNS": columns, "NO_COLOR": "1"}, prog_name="gradseam")
 
 
 def test_families_lists_the_builtins():
@@ -29,11 +30,24 @@ def test_families_lists_the_builtins():
         assert name in result.output
 
 
-@pytest.mark.parametrize("command", [[], ["bench"], ["advise"], ["families"], ["demo"]])
+@pytest.mark.parametrize("command", [[], ["bench"], ["advise"], ["families"], ["demo"], ["run"]])
 def test_help(command):
     result = _invoke(*command, "--help")
     assert result.exit_code == 0, result.output
     assert "Usage" in result.output
+    assert "<bool>" not in result.output  # flags are shown as flags: they take no value
+
+
+def test_families_keeps_names_when_piped():
+    """Not a terminal (a pipe, a CI log): no cell is cut, whatever COLUMNS says."""
+    result = _invoke("families", columns="40")
+    assert result.exit_code == 0, result.output
+    assert "…" not in result.output
+    for item in gradseam.installed():
+        for name in item.family.model_names:
+            assert name.rsplit(".", 1)[-1] in result.output
+        row = next(line for line in result.output.splitlines() if f" {item.family.name} " in line)
+        assert item.family.model_names[0].rsplit(".", 1)[-1] in row  # on the family's own line
 
 
 def test_bench_help_mentions_the_real_workload_options():
@@ -66,9 +80,9 @@ ROW_KEYS = {"workload", "tokens", "strategy", "peak_gib", "step_ms", "status", "
             "vs_none", "vs_torch"}
 
 
-def _bench_json(tmp_path, *extra: str):
-    path = tmp_path / "bench.json"
-    result = _invoke(*TINY_BENCH, "--json", str(path), *extra)
+def _bench_json(tmp_path, *extra: str, path=None):
+    path = path or tmp_path / "bench.json"
+    result = _invoke(*TINY_BENCH, "--json", str(path), *extra, columns="60")
     assert result.exit_code == 0, result.output
     return result, json.loads(path.read_text()), path
 
@@ -92,6 +106,9 @@ def test_bench_synthetic_on_cpu_writes_json_and_png(tmp_path):
     out = result.output
     assert "CPU" in out and "kept for backward" in out and "| torch |" in out
     assert "error" not in out
+    # pasteable markdown even at COLUMNS=60 into a pipe: every row whole, on its own line
+    table = [line for line in out.splitlines() if line.startswith("|")]
+    assert len(table) == 2 + len(doc["rows"]) and all(line.endswith("|") and line.count("|") == 7 for line in table)
     if importlib.util.find_spec("matplotlib"):
         assert path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -183,3 +200,85 @@ def test_real_rows_cover_references_and_strategies():
     for wanted in ("torch-ffn", "torch", "unsloth-ffn", "unsloth", "attention offload",
                    "torch-ffn + attention offload", "unsloth-ffn + attention offload", "torch, interval 2"):
         assert wanted in names
+
+
+# -- every option is checked before work starts: one line on stderr, exit code 2 --------------------
+
+INSTALLED = "installed: chroma, flux, krea2, ltx2, mageflow, "  # (the synthetic stack too, once bench ran)
+OPTION_ERRORS = [
+    (["demo", "--steps", "0"], "Invalid value for '--steps'"),
+    (["demo", "--tokens", "0"], "Invalid value for '--tokens': image tokens must be a square number >= 1 (side x "
+                                "side patches), got 0; e.g. 256 (16x16) or 4096 (64x64)."),
+    (["demo", "--tokens", "-4"], "image tokens must be a square number >= 1 (side x side patches), got -4"),
+    (["demo", "--tokens", "99"], "Invalid value for '--tokens': 99 is not a square number, and the demo's image is "
+                                 "side x side patches; nearest: 81 (9x9) or 100 (10x10)."),
+    (["demo", "--device", "tpu"], "Invalid value for '--device': expected cpu or cuda, got 'tpu'."),
+    (["demo", "--stpes", "2"], "No such option: --stpes"),
+    (["demo", "--threads", "0"], "Invalid value for '--threads'"),
+    (["bench", "--family", "nosuch"], f"Invalid value for '--family': no installed family 'nosuch'; {INSTALLED}"),
+    (["bench", "--family", "flux", "--preset", "nope"], "Invalid value for '--preset': family 'flux' has no preset "
+                                                        "'nope'; presets: dev-1024."),
+    (["bench", "--family", "flux", "--layers", "0"], "Invalid value for '--layers'"),
+    (["bench", "--steps", "0"], "Invalid value for '--steps'"),
+    (["bench", "--tokens", "0"], "Invalid value for '--tokens'"),
+    (["bench", "--blocks", "-1"], "Invalid value for '--blocks'"),
+    (["bench", "--dim", "257"], "Invalid value for '--dim': 257 does not split into the synthetic stack's 2 heads "
+                                "(one per 128 of width); nearest widths that do: 256 and 258."),
+    (["bench", "--device", "tpu"], "Invalid value for '--device': expected cpu or cuda, got 'tpu'."),
+    (["bench", "--synthetic", "false"], "Got unexpected extra argument(s) (false)"),
+    (["bench", "--json", "{file}/x.json"], "Invalid value for '--json': cannot create the directory"),
+    (["bench", "--json", "{dir}"], "is a directory; name a file."),
+    (["bench", "--json", "{dir}/r.png"], "Invalid value for '--png': the chart would overwrite the results file"),
+    (["bench", "--png", "{dir}/chart.txt"], "Invalid value for '--png': matplotlib cannot write '.txt'"),
+    (["advise", "--family", "nosuch", "--budget", "40GiB"], f"no installed family 'nosuch'; {INSTALLED}"),
+    (["advise", "--family", "flux", "--budget", "40XB"], "Invalid value for '--budget': memory budget: cannot read "
+                                                         "'40XB'"),
+    (["advise", "--family", "flux", "--budget", "0"], "memory budget: must be a positive finite size, got '0'."),
+    (["advise", "--family", "flux", "--budget", "40GiB", "--preset", "x"], "family 'flux' has no preset 'x'"),
+    (["advise", "--family", "flux", "--budget", "40GiB", "--tokens", "0"], "Invalid value for '--tokens'"),
+    (["advise", "--family", "flux", "--budget", "40GiB", "--layers", "-2"], "Invalid value for '--layers'"),
+    (["advise", "--family", "flux", "--budget", "40GiB", "--json", "{dir}"], "Invalid value for '--json'"),
+    (["advise", "--budget", "40GiB"], "Missing option '--family'"),
+    (["families", "extra"], "Got unexpected extra argument(s) (extra)"),
+    (["nosuch"], "No such command 'nosuch'."),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), OPTION_ERRORS, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
+def test_option_errors_are_one_line_and_exit_2(tmp_path, args, message):
+    if "{dir}/chart.txt" in args:
+        pytest.importorskip("matplotlib")
+    (tmp_path / "file").write_text("")
+    args = [a.format(file=tmp_path / "file", dir=tmp_path) for a in args]
+    result = _invoke(*args)
+    assert result.exit_code == 2, result.output
+    command = args[0] if args[0] in ("demo", "bench", "advise", "families") else ""
+    assert result.stderr.startswith(f"gradseam {command}: error: ".replace(" :", ":"))
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+    assert message in result.stderr
+    assert result.stdout == ""  # nothing ran
+    assert not (tmp_path / "r.png").exists() and not (tmp_path / "r.json").exists()
+
+
+@no_cuda
+def test_demo_cuda_without_cuda_is_refused():
+    result = _invoke("demo", "--device", "cuda")
+    assert result.exit_code == 2
+    assert result.stderr == ("gradseam demo: error: Invalid value for '--device': cuda asked for, but torch sees no "
+                             "CUDA GPU here (torch.cuda.is_available() is False); use --device cpu, or leave --device "
+                             "out.\n")
+
+
+def test_demo_runs_the_size_its_title_says():
+    threads = torch.get_num_threads()
+    result = _invoke("demo", "--device", "cpu", "--tokens", "16", "--steps", "1", "--threads", "2")
+    assert result.exit_code == 0, result.output
+    assert torch.get_num_threads() == threads  # the demo's thread count does not outlive it
+    assert "small Flux (cpu, 16 image tokens)" in result.output
+    assert result.output.count("0.0e+00") == 5  # every strategy's gradient equals the unpatched one
+
+
+def test_bench_creates_the_output_directory_before_running(tmp_path):
+    path = tmp_path / "new" / "dir" / "bench.json"
+    _, doc, _ = _bench_json(tmp_path, path=path)
+    assert path.parent.is_dir() and doc["device"] == "cpu"

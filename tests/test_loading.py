@@ -164,6 +164,26 @@ def test_pipeline_load_patches_only_handled_components(tmp_path, loaders_untouch
     assert gradseam.handles(pipe) is None
 
 
+def test_on_patch_reports_each_model_as_it_is_patched(tmp_path, loaders_untouched):
+    """``on_patch`` (used by ``gradseam run``) sees every handle at once, with its component name."""
+    original, path = _saved(FLUX, tmp_path)
+    TinyPipeline(transformer=original, scheduler=FlowMatchEulerDiscreteScheduler(), vae=_tiny_vae()).save_pretrained(
+        tmp_path / "pipe"
+    )
+    seen = []
+
+    def on_patch(handle, component):
+        assert handle.active and gradseam.handle_of(handle.model) is handle  # already installed when called
+        seen.append((handle, component))
+
+    with gradseam.patching(FFN, on_patch=on_patch) as made:
+        pipe = TinyPipeline.from_pretrained(tmp_path / "pipe")
+        assert seen == [(made[0], "transformer")]
+        model = FluxTransformer2DModel.from_pretrained(path)
+    assert seen == [(made[0], "transformer"), (gradseam.handle_of(model), None)]
+    assert made[0] is gradseam.handle_of(pipe.transformer) and made[1].config.backend == "torch-ffn"
+
+
 def test_components_passed_in_stay_the_callers(tmp_path, loaders_untouched):
     original, _ = _saved(FLUX, tmp_path)
     scheduler = FlowMatchEulerDiscreteScheduler()

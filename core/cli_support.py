@@ -1,0 +1,130 @@
+"""What every ``gradseam`` command shares: how mistakes are reported, how flags and tables are shown.
+
+- **A mistake is one line and exit code 2.** Every option is checked before work starts; a bad
+  value raises a click usage error, which :class:`Group` prints as ``gradseam CMD: error: ...`` on
+  stderr, with no traceback and no box (typer's framed errors wrap at 80 columns in a CI log and
+  cut the message). Errors found by gradseam itself go through :func:`fail` and look the same.
+- **Flags look like flags.** typer's help shows a ``<bool>`` type next to ``--synthetic``, which
+  reads as if it took a value (``--synthetic false`` is then rejected); :class:`Command` and
+  :class:`Group` give every flag an empty metavar.
+- **Tables keep their names when piped.** A console that is not a terminal gets an unlimited width,
+  so rich never cuts a cell to 80 columns in a file or CI log; in a terminal, name columns fold
+  instead of ending in an ellipsis.
+
+The click classes are found through typer (``typer.BadParameter``'s module), since typer vendors
+its own click from 0.20 on and used the ``click`` package before.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+import typer
+from rich.console import Console
+from typer.core import TyperCommand, TyperGroup
+
+# the click typer uses: the click package, or typer's vendored copy (typer._click)
+_exceptions = sys.modules[typer.BadParameter.__module__]
+_globals = importlib.import_module(_exceptions.__name__.rsplit(".", 1)[0] + ".globals")
+UsageError: type[Exception] = _exceptions.UsageError
+ClickException: type[Exception] = _exceptions.ClickException
+Abort: type[Exception] = typer.Abort
+NoArgsIsHelpError: type[Exception] | None = getattr(_exceptions, "NoArgsIsHelpError", None)  # click >= 8.2
+
+PIPED_WIDTH = 100_000  # wide enough that no table is cut; rich does not pad lines to the width
+
+
+def console() -> Console:
+    """A console for stdout as it is now: a terminal's width, or no width limit when piped."""
+    tty = sys.stdout.isatty()
+    return Console(width=None if tty else PIPED_WIDTH, soft_wrap=not tty)
+
+
+def _flags_as_flags(params: list[Any]) -> list[Any]:
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+def _parse_in(ctx: Any, parse: Any, args: list[str]) -> list[str]:
+    # click's parser raises some errors (a missing option value) without the context, which the
+    # error line needs to name the command
+    try:
+        return parse(ctx, args)
+    except UsageError as exc:
+        if getattr(exc, "ctx", None) is None:
+            exc.ctx = ctx  # type: ignore[attr-defined]
+        raise
+
+
+class Command(TyperCommand):
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _flags_as_flags(super().get_params(ctx))
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        return _parse_in(ctx, super().parse_args, args)
+
+
+class Group(TyperGroup):
+    """The ``gradseam`` group: runs a command and turns a usage error into one line and exit code 2."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return _flags_as_flags(super().get_params(ctx))
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        return _parse_in(ctx, super().parse_args, args)
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except ClickException as exc:
+            if NoArgsIsHelpError is not None and isinstance(exc, NoArgsIsHelpError):
+                exc.show()  # type: ignore[attr-defined] - the help, for a bare `gradseam`
+            else:
+                print(error_line(exc), file=sys.stderr, flush=True)
+            sys.exit(exc.exit_code)  # type: ignore[attr-defined]
+        except Abort:
+            print("Aborted.", file=sys.stderr, flush=True)
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) and not isinstance(code, bool) else 0)
+
+
+def error_line(exc: Any) -> str:
+    """``gradseam CMD: error: message`` on one line."""
+    ctx = getattr(exc, "ctx", None)
+    where = ctx.command_path if ctx is not None else "gradseam"
+    message = " ".join(str(exc.format_message()).split())
+    return f"{where}: error: {message}"
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    """Stop the current command with a one-line error (exit code 2: the command line was wrong)."""
+    exc = UsageError(message, ctx=_globals.get_current_context(silent=True))
+    exc.exit_code = code  # type: ignore[attr-defined]
+    raise exc
+
+
+def bad(option: str, message: str) -> NoReturn:
+    """A bad value of one option: ``Invalid value for '--steps': ...``, as click words its own checks."""
+    raise typer.BadParameter(message, ctx=_globals.get_current_context(silent=True), param_hint=f"'{option}'")
+
+
+def output_path(path: Path, option: str) -> Path:
+    """Check an output file before a long run: create its directory, refuse a directory or a read-only place."""
+    if path.is_dir():
+        bad(option, f"{str(path)!r} is a directory; name a file.")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        bad(option, f"cannot create the directory {str(path.parent)!r} for {str(path)!r}: {exc.strerror or exc}.")
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        bad(option, f"{str(path)!r} is not writable.")
+    return path

@@ -1,0 +1,115 @@
+"""What ``gradseam run`` says about a patched model: its line, its summary, its part of the report.
+
+Everything comes from the handle's plan (the regions gradseam decided on) and, when a report is
+asked for, from :func:`gradseam.testing.record_regions`, which counts how often each region ran
+and whether it ran as one region. The counting is on only for a report because it puts a Python
+call in front of every region, which ``torch.compile`` would have to trace around.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .patcher import PatchHandle
+    from .testing import RegionRun
+
+
+def block_counts(handle: PatchHandle) -> dict[str, tuple[int, int]]:
+    """``{block list: (checkpointed blocks, blocks)}`` from the handle's plan, in the family's order."""
+    seen: dict[str, set[int]] = {}
+    cut: dict[str, set[int]] = {}
+    for region in handle.plan.regions:
+        seen.setdefault(region.list_path, set()).update(region.blocks)
+        if region.kind != "attention-offload":
+            cut.setdefault(region.list_path, set()).update(region.blocks)
+    for path, index, _ in handle.plan.plain:
+        seen.setdefault(path, set()).add(index)
+    order = [bl.path for bl in handle.family.block_lists]
+    paths = sorted(seen, key=lambda p: order.index(p) if p in order else len(order))
+    return {p: (len(cut.get(p, ())), len(seen[p])) for p in paths}
+
+
+def _regions(handle: PatchHandle, kind: str | None = None) -> int:
+    if kind is not None:
+        return sum(r.kind == kind for r in handle.plan.regions)
+    return sum(r.kind != "attention-offload" for r in handle.plan.regions)
+
+
+def _region_names(handle: PatchHandle, runs: list[RegionRun]) -> list[tuple[str, str]]:
+    """(label, kind) of each counted region.
+
+    ``record_regions`` names a region by the modules it held when counting began; a seam that
+    PEFT moved to its LoRA layer afterwards (Flux's ``proj_mlp``) comes back as kind "?". The plan's
+    region records the move, and its block list and indices are in the label, so look it up there.
+    """
+    named = {r.label for r in runs if r.kind != "?"}
+    out = []
+    for run in runs:
+        if run.kind != "?":
+            out.append((run.label, run.kind))
+            continue
+        for region in handle.plan.regions:
+            label = f"{region.list_path}{list(region.blocks)}"
+            full = label + (f".{'→'.join(region.seam)}" if region.seam else "")
+            if region.kind != "attention-offload" and label == run.label and full not in named:
+                named.add(full)
+                out.append((full, region.kind))
+                break
+        else:
+            out.append((run.label, run.kind))
+    return out
+
+
+@dataclass
+class Patched:
+    handle: PatchHandle
+    component: str | None
+    runs: list[RegionRun] | None = None  # filled at exit when regions are counted
+
+    @property
+    def name(self) -> str:
+        cls = type(self.handle.model).__name__
+        return f"{self.component} ({cls})" if self.component else cls
+
+    def line(self) -> str:
+        handle = self.handle
+        blocks = ", ".join(f"{p} {c}/{n}" for p, (c, n) in block_counts(handle).items())
+        text = f"patched {self.name}: family {handle.family.name}, {handle.config.describe()}"
+        if handle.config.enabled:
+            text += f"; checkpointed blocks: {blocks or 'none'} ({_regions(handle)} regions)"
+        attention = _regions(handle, "attention-offload")
+        if attention:
+            text += f"; attention offload in {attention} blocks"
+        return text
+
+    def ran(self) -> tuple[int, int, int]:
+        """(regions that ran, planned regions, checkpoint regions computed in all forwards)."""
+        runs = self.runs or []
+        return sum(r.ran for r in runs), _regions(self.handle), sum(r.runs for r in runs)
+
+    def to_dict(self) -> dict[str, Any]:
+        handle = self.handle
+        model = type(handle.model)
+        doc: dict[str, Any] = {
+            "component": self.component,
+            "class": f"{model.__module__}.{model.__qualname__}",
+            "family": handle.family.name,
+            "strategy": handle.config.describe(),
+            "config": handle.config.to_dict(),
+            "blocks": {p: {"checkpointed": c, "total": n} for p, (c, n) in block_counts(handle).items()},
+            "regions": _regions(handle),
+            "attention_offload": _regions(handle, "attention-offload"),
+            "summary": [
+                {"blocks": r.blocks, "class": r.block_class, "strategy": r.strategy}
+                for r in handle.summary().rows
+            ],
+        }
+        if self.runs is not None:
+            doc["region_runs"] = [
+                {"label": label, "kind": kind, "calls": list(r.calls), "runs": r.runs,
+                 "whole": r.whole if r.ran else None}
+                for r, (label, kind) in zip(self.runs, _region_names(handle, self.runs))
+            ]
+        return doc
