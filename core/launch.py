@@ -38,7 +38,6 @@ import os
 import runpy
 import sys
 from collections.abc import Callable, Mapping
-from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -48,7 +47,6 @@ from .launch_report import Patched
 
 if TYPE_CHECKING:
     from .patcher import PatchHandle
-    from .testing import RegionRun
 
 # command-line flag -> config key; every flag is its key without the "gradient_checkpointing_" prefix
 FLAG_KEYS: dict[str, str] = {
@@ -186,8 +184,6 @@ class Launch:
     world: int = 1
     patched: list[Patched] = field(default_factory=list)
     stream: TextIO | None = None
-    _counting: ExitStack = field(default_factory=ExitStack)
-    _recorded: list[tuple[Patched, list[RegionRun]]] = field(default_factory=list)
 
     @property
     def prefix(self) -> str:
@@ -201,10 +197,6 @@ class Launch:
     def on_patch(self, handle: PatchHandle, component: str | None) -> None:
         item = Patched(handle, component)
         self.patched.append(item)
-        if self.report is not None:
-            from .testing import record_regions
-
-            self._recorded.append((item, self._counting.enter_context(record_regions(handle))))
         self.say(item.line())
 
     def run(self) -> int:
@@ -217,9 +209,9 @@ class Launch:
 
         with gradseam.patching(self.config, on_patch=self.on_patch):
             code = _execute(self.program, start)  # a module is looked up in here: that imports its packages
-        self._counting.close()  # fills the region counts
-        for item, runs in self._recorded:
-            item.runs = runs
+        if self.report is not None:  # the handles count every region's calls as they run
+            for item in self.patched:
+                item.runs = [r for r in item.handle.regions() if r.kind != "attention-offload"]
         self.finish(code)
         return code
 

@@ -1,9 +1,8 @@
 """What ``gradseam run`` says about a patched model: its line, its summary, its part of the report.
 
-Everything comes from the handle's plan (the regions gradseam decided on) and, when a report is
-asked for, from :func:`gradseam.testing.record_regions`, which counts how often each region ran
-and whether it ran as one region. The counting is on only for a report because it puts a Python
-call in front of every region, which ``torch.compile`` would have to trace around.
+Everything comes from the handle: its plan (the regions gradseam decided on) and, for a report,
+``handle.regions()``, the counts every installed region keeps of how often it ran and whether it
+ran as one region.
 """
 
 from __future__ import annotations
@@ -12,8 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .patcher import PatchHandle
-    from .testing import RegionRun
+    from .patcher import PatchHandle, RegionView
 
 
 def block_counts(handle: PatchHandle) -> dict[str, tuple[int, int]]:
@@ -37,36 +35,11 @@ def _regions(handle: PatchHandle, kind: str | None = None) -> int:
     return sum(r.kind != "attention-offload" for r in handle.plan.regions)
 
 
-def _region_names(handle: PatchHandle, runs: list[RegionRun]) -> list[tuple[str, str]]:
-    """(label, kind) of each counted region.
-
-    ``record_regions`` names a region by the modules it held when counting began; a seam that
-    PEFT moved to its LoRA layer afterwards (Flux's ``proj_mlp``) comes back as kind "?". The plan's
-    region records the move, and its block list and indices are in the label, so look it up there.
-    """
-    named = {r.label for r in runs if r.kind != "?"}
-    out = []
-    for run in runs:
-        if run.kind != "?":
-            out.append((run.label, run.kind))
-            continue
-        for region in handle.plan.regions:
-            label = f"{region.list_path}{list(region.blocks)}"
-            full = label + (f".{'→'.join(region.seam)}" if region.seam else "")
-            if region.kind != "attention-offload" and label == run.label and full not in named:
-                named.add(full)
-                out.append((full, region.kind))
-                break
-        else:
-            out.append((run.label, run.kind))
-    return out
-
-
 @dataclass
 class Patched:
     handle: PatchHandle
     component: str | None
-    runs: list[RegionRun] | None = None  # filled at exit when regions are counted
+    runs: list[RegionView] | None = None  # filled at exit when a report is asked for
 
     @property
     def name(self) -> str:
@@ -108,8 +81,8 @@ class Patched:
         }
         if self.runs is not None:
             doc["region_runs"] = [
-                {"label": label, "kind": kind, "calls": list(r.calls), "runs": r.runs,
-                 "whole": r.whole if r.ran else None}
-                for r, (label, kind) in zip(self.runs, _region_names(handle, self.runs))
+                {"label": r.label, "kind": r.kind, "calls": list(r.calls), "runs": r.runs,
+                 "whole": r.whole if r.ran else None, "fallbacks": dict(r.fallbacks)}
+                for r in self.runs
             ]
         return doc

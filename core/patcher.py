@@ -61,6 +61,16 @@ class RegionView:
     def label(self) -> str:
         return f"{self.list_path}{list(self.blocks)}" + (f".{'→'.join(self.seam)}" if self.seam else "")
 
+    @property
+    def ran(self) -> bool:
+        return bool(self.calls) and self.calls[0] > 0
+
+    @property
+    def whole(self) -> bool:
+        """Every call of the region computed it as one region (a chunk's later members were served)."""
+        first = self.calls[0] if self.calls else 0
+        return not self.fallbacks and self.runs == first and all(c == first for c in self.calls)
+
 
 # -- installing and removing ------------------------------------------------------------------
 
@@ -220,6 +230,7 @@ class PatchHandle:
             else:
                 link = SeamLink() if len(region.modules) > 1 else None
             chain = Chain(region.modules, link, runner, label=f"{region.list_path}{list(region.blocks)}")
+            region.stats = chain.stats
             for index, module in enumerate(region.modules):
                 seam = seams.install(module, chain.handler(index), owner=self.model)
                 chain.attach(index, seam.original)
@@ -271,11 +282,11 @@ class PatchHandle:
         return " and ".join(wants)
 
     def regions(self) -> tuple[RegionView, ...]:
-        """What this handle installed, region by region, with how each has run so far (read-only)."""
-        stats = {tuple(id(m) for m in c.members): c.stats for c in self._chains}
+        """What this handle installed, region by region, with how each has run so far (read-only;
+        the counts stay readable after ``remove()``)."""
         out = []
         for r in self.plan.regions:
-            s = stats.get(tuple(id(m) for m in r.modules))
+            s = r.stats
             out.append(RegionView(
                 r.list_path, r.blocks, r.kind, r.block_class, r.seam,
                 calls=tuple(s.member_calls) if s else (), runs=s.runs if s else 0,

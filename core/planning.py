@@ -45,6 +45,7 @@ class Region:
     modules: tuple[nn.Module, ...]
     seam: tuple[str, ...] = ()  # submodule paths for ffn/attention regions
     block_class: str = ""
+    stats: Any = None  # the installed chain's counts (strategies.ChainStats); kept after remove()
 
 
 @dataclass
