@@ -26,6 +26,11 @@ GPU_CONFIGS = [
     {"gradient_checkpointing_offload_attention": True},
     {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_interval": 2,
      "gradient_checkpointing_segment_stride": 4},
+    # whole blocks whose attention kernels are kept: in pinned host memory, and on the GPU
+    {"gradient_checkpointing": True, "gradient_checkpointing_offload_attention": True},
+    {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_interval": 2,
+     "gradient_checkpointing_offload_attention": True},
+    {"gradient_checkpointing": True, "gradient_checkpointing_keep_attention": True},
 ]
 
 
@@ -59,16 +64,23 @@ MATRIX = [(case, cfg) for case in ALL for cfg in GPU_CONFIGS]
 @pytest.mark.parametrize(("case", "config"), MATRIX, ids=[f"{c.name}-{config_id(k)}" for c, k in MATRIX])
 def test_gpu_parity_fp32(case, config):
     """Tiny fp32 models on the GPU: offload through pinned buffers and side streams changes nothing."""
+    from gradseam.testing import count_kernels
+
     gpu = _on_cuda(case)
     torch.manual_seed(case.seed)
     model = gpu.build()
-    reference = run_step(model, gpu)
+    with count_kernels() as unpatched:
+        reference = run_step(model, gpu)
     handle = gradseam.patch(model, config)
-    handle.engine.min_bytes = 0  # tiny models: offload everything so the copies are exercised
+    if handle.engine is not None:
+        handle.engine.min_bytes = 0  # tiny models: offload everything so the copies are exercised
     try:
         for _ in range(2):
-            assert_same_step(reference, run_step(model, gpu), atol=1e-6, what=f"{case.name} {config}")
-        assert handle.engine.copies > 0
+            with count_kernels() as patched:
+                assert_same_step(reference, run_step(model, gpu), atol=1e-6, what=f"{case.name} {config}")
+            if handle.config.kept_kernels and not any(r.fallbacks for r in handle.regions()):
+                assert unpatched[0] > 0 and patched[0] == unpatched[0], (unpatched, patched)  # never recomputed
+        assert handle.engine is None or handle.engine.copies > 0
     finally:
         handle.remove()
 
