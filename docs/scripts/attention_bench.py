@@ -132,11 +132,20 @@ def run_row(name: str, model: torch.nn.Module, inputs: dict[str, Any], blocks: l
             stack.callback(handle.remove)
         if compile_it:
             stack.enter_context(compiled(blocks, BUDGETS.get(name)))
+        engine = handle.engine if handle is not None else None
+        allocations = [0]
+
+        def counted() -> None:  # pinned allocations made during the timed steps (the pool must not grow)
+            before = engine.pool.pinned_allocations if engine is not None else 0
+            step()
+            allocations[0] += (engine.pool.pinned_allocations if engine is not None else 0) - before
+
         try:
-            peak, ms = measure(step, args.steps, not args.cpu, warmup=2 if compile_it else 1)
+            for _ in range(2 if compile_it else 1):
+                step()
+            peak, ms = measure(counted, args.steps, not args.cpu, warmup=0)
         except torch.OutOfMemoryError:
             return {"row": name, "status": "OOM"}
-        engine = handle.engine if handle is not None else None
         pinned = engine.pool.pinned_bytes / GiB if engine is not None else 0.0
         moved = engine.offloaded_bytes / GiB / (args.steps + (2 if compile_it else 1)) if engine is not None else 0.0
     for p in model.parameters():
@@ -145,7 +154,7 @@ def run_row(name: str, model: torch.nn.Module, inputs: dict[str, Any], blocks: l
     if not args.cpu:
         torch.cuda.empty_cache()
     return {"row": name, "status": "ok", "peak_gib": peak, "step_ms": ms, "pinned_gib": pinned,
-            "offloaded_gib_per_step": moved}
+            "offloaded_gib_per_step": moved, "pinned_allocations_after_warmup": allocations[0]}
 
 
 def main() -> int:
