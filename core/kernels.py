@@ -68,13 +68,20 @@ class KernelSet:
         return found
 
     def keeps(self, func: Any, args: tuple, kwargs: dict | None) -> bool:
-        """A kernel call whose output may be kept: an attention kernel drawing no random numbers.
+        """A kernel call whose output is worth keeping, and may be.
 
-        With attention dropout the kernel draws from the generator; a replay that skipped it would
-        shift every later draw of the recompute (other dropout masks) off the forward's, so such a
-        call is recomputed like any other op. Forward and recompute decide alike, call for call.
+        * Attention over few keys (cross-attention to 512 text tokens beside 32k video tokens) costs
+          little to recompute but keeps an output as large as self-attention's: only calls with at
+          least a quarter as many keys as queries are kept.
+        * With attention dropout the kernel draws from the generator; a replay that skipped it would
+          shift every later draw of the recompute (other dropout masks) off the forward's, so such a
+          call is recomputed like any other op.
+
+        Forward and recompute see the same calls, so they decide alike, call for call.
         """
         if not self(func):
+            return False
+        if not _enough_keys(func, args):
             return False
         if func not in self._dropout:
             names = [a.name for a in func._schema.arguments]
@@ -94,6 +101,19 @@ class KernelSet:
             if packet is not None:
                 found.extend(getattr(packet, o) for o in packet.overloads())
         return found
+
+
+_HEADS_FIRST = "aten::_scaled_dot_product_"  # (batch, heads, sequence, dim); the other kernels put heads third
+
+
+def _enough_keys(func: Any, args: tuple) -> bool:
+    if len(args) < 2 or not isinstance(args[0], torch.Tensor) or not isinstance(args[1], torch.Tensor):
+        return True  # a kernel whose layout we do not know: keep
+    dim = -2 if func._schema.name.startswith(_HEADS_FIRST) else -3
+    q, k = args[0], args[1]
+    if q.dim() < -dim or k.dim() < -dim:
+        return True
+    return 4 * k.shape[dim] >= q.shape[dim]
 
 
 class _Keep(TorchDispatchMode):

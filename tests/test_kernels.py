@@ -252,3 +252,16 @@ def test_attention_dropout_is_recomputed_with_the_same_masks():
         assert calls[0] == 4  # a kernel that drew random numbers is not kept: it ran again in the recompute
     finally:
         gradseam.unregister(name)
+
+
+def test_cross_attention_to_few_keys_is_recomputed():
+    """Keeping pays where recomputing is dear: self-attention yes, attention to a short context no."""
+    from gradseam.patcher import attention_kernels
+
+    kernels = attention_kernels()
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    q = torch.randn(1, 2, 64, 8)
+    assert kernels.keeps(op, (q, q, q), {})
+    assert kernels.keeps(op, (q, q[:, :, :16], q[:, :, :16]), {})  # a quarter as many keys: kept
+    assert not kernels.keeps(op, (q, q[:, :, :15], q[:, :, :15]), {})
+    assert not kernels.keeps(op, (q, q, q, 0.1), {})  # dropout_p > 0
