@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .errors import GradseamError, UnsupportedStrategyError
+from .named_strategies import rows
 
 GiB = 1 << 30
 _UNITS = {
@@ -52,25 +53,13 @@ def parse_budget(value: str | float | int) -> float:
 
 # -- the ladder ---------------------------------------------------------------------------------
 
-def _cfg(backend: str | None, attention: bool = False) -> dict[str, Any]:
-    config: dict[str, Any] = {"gradient_checkpointing": backend is not None}
-    if backend is not None:
-        config["gradient_checkpointing_backend"] = backend
-    if attention:
-        config["gradient_checkpointing_offload_attention"] = True
-    return config
-
-
-LADDER: list[tuple[str, dict[str, Any]]] = [
-    ("off", _cfg(None)),
-    ("torch-ffn", _cfg("torch-ffn")),
-    ("torch", _cfg("torch")),
-    ("unsloth-ffn", _cfg("unsloth-ffn")),
-    ("unsloth", _cfg("unsloth")),
-    ("attention offload", _cfg(None, attention=True)),
-    ("torch-ffn + attention offload", _cfg("torch-ffn", attention=True)),
-    ("unsloth-ffn + attention offload", _cfg("unsloth-ffn", attention=True)),
-]
+# From the least to the most aggressive, out of the one table of named strategies; every rung is
+# measured and the fastest that fits is chosen.
+LADDER: list[tuple[str, dict[str, Any]]] = [("off", {"gradient_checkpointing": False})] + rows(
+    "torch-ffn", "torch", "torch + attention kept", "unsloth-ffn", "unsloth", "attention offload",
+    "torch-ffn + attention offload", "unsloth-ffn + attention offload", "torch + attention offload",
+    "unsloth + attention offload",
+)
 
 # Win-back steps on the chosen backend, from the least extra memory to the most.
 INTERVAL_STEP = ("interval 2", {"gradient_checkpointing_interval": 2})

@@ -50,31 +50,20 @@ from torch.utils.checkpoint import checkpoint
 
 import gradseam
 
+from .named_strategies import needs_cuda, rows
+
 GiB = 1 << 30
 MiB = 1 << 20
 MEMORY_GPU = "activation peak: max_memory_allocated over the timed steps minus what was allocated before"
 MEMORY_CPU = "bytes autograd keeps between forward and backward (saved tensors, parameters excluded)"
 NEEDS_CUDA = "needs CUDA"
 
-# (label, gradseam config or None for a reference row)
-GRADSEAM_ROWS: list[tuple[str, dict[str, Any]]] = [
-    ("torch", {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch"}),
-    ("torch-ffn", {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"}),
-    ("unsloth", {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth"}),
-    ("unsloth-ffn", {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth-ffn"}),
-    ("attention offload", {"gradient_checkpointing_offload_attention": True}),
-    (
-        "torch-ffn + attention offload",
-        {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn",
-         "gradient_checkpointing_offload_attention": True},
-    ),
-    (
-        "unsloth-ffn + attention offload",
-        {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth-ffn",
-         "gradient_checkpointing_offload_attention": True},
-    ),
-    ("torch, interval 2", {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}),
-]
+# gradseam's rows, from the one table of named strategies (gradseam.named_strategies)
+GRADSEAM_ROWS: list[tuple[str, dict[str, Any]]] = rows(
+    "torch", "torch-ffn", "unsloth", "unsloth-ffn", "attention offload", "torch-ffn + attention offload",
+    "unsloth-ffn + attention offload", "torch + attention kept", "torch + attention offload",
+    "unsloth + attention offload", "torch, interval 2",
+)
 # Rows of a real-model workload (``gradseam bench --family``): the references a user has today
 # (no checkpointing, diffusers' own flag, ``save_on_cpu``), then gradseam's strategies.
 DIFFUSERS_ROW = "ref: diffusers enable_gradient_checkpointing()"
@@ -87,10 +76,8 @@ REFERENCE_ROWS = [
     "ref: save_on_cpu",
 ]
 # Rows that copy activations to pinned host memory: reported as "needs CUDA" on the CPU.
-CUDA_ONLY_ROWS = frozenset({
-    "unsloth", "unsloth-ffn", "attention offload", "torch-ffn + attention offload",
-    "unsloth-ffn + attention offload", "ref: naive unsloth", "ref: save_on_cpu",
-})
+CUDA_ONLY_ROWS = frozenset({label for label, _ in GRADSEAM_ROWS if needs_cuda(label)}
+                           | {"ref: naive unsloth", "ref: save_on_cpu"})
 
 
 @dataclass

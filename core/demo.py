@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 import gradseam
+from gradseam.named_strategies import needs_cuda, rows
 from gradseam.testing import count_saved_bytes
 
 DEMO_CONFIG = dict(
@@ -25,25 +26,15 @@ DEMO_CONFIG = dict(
 )
 
 
+DEMO_ROWS = (
+    "none", "torch-ffn", "torch", "torch, interval 2", "torch, interval 2, stride 4", "torch + attention kept",
+    "unsloth-ffn", "unsloth", "attention offload", "torch-ffn + attention offload", "unsloth + attention offload",
+)
+
+
 def strategies(cuda: bool) -> list[tuple[str, dict[str, Any]]]:
-    rows: list[tuple[str, dict[str, Any]]] = [
-        ("none", {}),
-        ("torch-ffn", {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"}),
-        ("torch", {"gradient_checkpointing": True}),
-        ("torch, interval 2", {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}),
-        ("torch, interval 2, stride 4", {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2,
-                                         "gradient_checkpointing_segment_stride": 4}),
-    ]
-    if cuda:
-        rows += [
-            ("unsloth-ffn", {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth-ffn"}),
-            ("unsloth", {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth"}),
-            ("attention offload", {"gradient_checkpointing_offload_attention": True}),
-            ("torch-ffn + attention offload", {"gradient_checkpointing": True,
-                                               "gradient_checkpointing_backend": "torch-ffn",
-                                               "gradient_checkpointing_offload_attention": True}),
-        ]
-    return rows
+    """The demo's rows from the table of named strategies; offload rows only where there is a GPU."""
+    return [(label, config) for label, config in rows(*DEMO_ROWS) if cuda or not needs_cuda(label)]
 
 
 def check_tokens(image_tokens: int) -> None:

@@ -107,7 +107,7 @@ def test_climbs_to_unsloth_when_needed():
 
 
 def test_interval_win_back():
-    unsloth = dict(LADDER[4][1])
+    unsloth = dict(next(config for label, config in LADDER if label == "unsloth"))
     interval2 = {**unsloth, "gradient_checkpointing_interval": 2}
     stride2 = {**unsloth, "gradient_checkpointing_interval": 1, "gradient_checkpointing_segment_stride": 2}
     stride34 = {**unsloth, "gradient_checkpointing_interval": 3, "gradient_checkpointing_segment_stride": 4}

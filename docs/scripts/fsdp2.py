@@ -49,6 +49,7 @@ from torch.distributed.fsdp import fully_shard
 import gradseam
 from gradseam import workloads
 from gradseam.family import Preset
+from gradseam.named_strategies import rows
 from gradseam.offload import cpu_test_mode
 from gradseam.planning import GradseamWarning
 
@@ -58,19 +59,9 @@ OWN_AC = "fsdp-ac"
 ROWS: list[tuple[str, Any]] = [
     ("FSDP2, no checkpointing", None),
     ("FSDP2 + its own AC (checkpoint per block)", OWN_AC),
-    ("torch", ON),
-    ("torch-ffn", {**ON, "gradient_checkpointing_backend": "torch-ffn"}),
-    ("unsloth", {**ON, "gradient_checkpointing_backend": "unsloth"}),
-    ("unsloth-ffn", {**ON, "gradient_checkpointing_backend": "unsloth-ffn"}),
-    ("attention offload", {"gradient_checkpointing_offload_attention": True}),
-    ("torch-ffn + attention offload",
-     {**ON, "gradient_checkpointing_backend": "torch-ffn", "gradient_checkpointing_offload_attention": True}),
-    ("unsloth-ffn + attention offload",
-     {**ON, "gradient_checkpointing_backend": "unsloth-ffn", "gradient_checkpointing_offload_attention": True}),
-    ("torch, interval 2", {**ON, "gradient_checkpointing_interval": 2}),
-    ("torch + attention kept", {**ON, "gradient_checkpointing_keep_attention": True}),
-    ("unsloth + attention offload",
-     {**ON, "gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_offload_attention": True}),
+    *rows("torch", "torch-ffn", "unsloth", "unsloth-ffn", "attention offload", "torch-ffn + attention offload",
+          "unsloth-ffn + attention offload", "torch, interval 2", "torch + attention kept",
+          "unsloth + attention offload"),
 ]
 # Rel. L2 error allowed per gradient in fp32: the unpatched FSDP2 run differs from one GPU by
 # ~1e-7 (reduction order); a wrong region (lost argument, wrong weights) is off by >1e-2.
