@@ -53,7 +53,6 @@ from gradseam.named_strategies import rows
 from gradseam.offload import cpu_test_mode
 from gradseam.planning import GradseamWarning
 
-ON = {"gradient_checkpointing": True}
 OWN_AC = "fsdp-ac"
 # (label, gradseam config | None | OWN_AC)
 ROWS: list[tuple[str, Any]] = [
