@@ -170,11 +170,17 @@ class BlockClass:
 
     ``attention``: the submodules that make up the attention side (their saved tensors are what
     attention offload moves to the CPU). Empty means attention offload is refused.
+
+    ``optional``: submodule paths (of ``ffn`` or ``attention``) that some instances of the class
+    lack (the attribute is missing or None). SD3's last joint block is built without ``ff_context``:
+    declared optional, that seam is simply absent from that one block instead of the whole family
+    giving up the ``-ffn`` backends. A path not listed here must exist on every instance.
     """
 
     cls: ClassRef
     ffn: tuple[tuple[str, ...], ...] = ()
     attention: tuple[str, ...] = ()
+    optional: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not (isinstance(self.cls, type) or _is_class_name(self.cls)):
@@ -206,8 +212,17 @@ class BlockClass:
                 )
             seen.add(path)
         attention = _paths(owner, "attention", self.attention, "a tuple of submodule paths", "({v},)")
+        optional = _paths(owner, "optional", self.optional, "a tuple of submodule paths", "({v},)")
+        declared = seen | set(attention)
+        for path in optional:
+            if path not in declared:
+                raise ValueError(
+                    f"{owner}: field 'optional' names {path!r}, which is neither in 'ffn' nor in 'attention'; "
+                    "only a declared submodule can be optional."
+                )
         object.__setattr__(self, "ffn", tuple(ffn))
         object.__setattr__(self, "attention", attention)
+        object.__setattr__(self, "optional", optional)
 
     @property
     def name(self) -> str:

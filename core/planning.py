@@ -117,6 +117,11 @@ def _selected(index: int, config: CheckpointConfig) -> bool:
     return index % config.stride < config.interval
 
 
+def _absent(block: nn.Module, paths: tuple[str, ...], declared: BlockClass) -> bool:
+    """A seam whose modules this instance lacks, and that the family declared optional."""
+    return all(p in declared.optional and _resolve(block, p) is None for p in paths)
+
+
 def _submodule(block: nn.Module, path: str, family: Family, where: str) -> nn.Module:
     sub = _resolve(block, path)
     if not isinstance(sub, nn.Module):
@@ -229,6 +234,8 @@ def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
                     chunk.append(index)
             elif selected:
                 for seam in declared.ffn:
+                    if _absent(block, seam, declared):
+                        continue  # declared optional, and this instance has none
                     subs = tuple(_submodule(block, p, family, where) for p in seam)
                     result.regions.append(
                         Region(block_list.path, (index,), "ffn", subs, seam, type(block).__qualname__)
@@ -236,6 +243,8 @@ def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
             if not selected or not whole:
                 if config.offload_attention:
                     for path in declared.attention:
+                        if _absent(block, (path,), declared):
+                            continue
                         sub = _submodule(block, path, family, where)
                         result.regions.append(
                             Region(block_list.path, (index,), "attention-offload", (sub,), (path,),

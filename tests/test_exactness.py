@@ -455,3 +455,62 @@ def test_cpu_model_patched_at_load_time_says_offload_is_pending(tmp_path):
     with torch.no_grad():  # sampling is not training: no warning
         model(**WAN.inputs(torch.Generator().manual_seed(1)))
     handle.remove()
+
+
+# -- a seam some instances of a block class lack ---------------------------------------------
+
+
+class TwoStreamBlock(nn.Module):
+    """Like SD3's joint block: the last one is built without the text stream's feed-forward."""
+
+    def __init__(self, last: bool = False) -> None:
+        super().__init__()
+        self.ff = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+        self.ff_context = None if last else nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+    def forward(self, hidden_states: torch.Tensor, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden_states = hidden_states + self.ff(hidden_states)
+        if self.ff_context is not None:
+            context = context + self.ff_context(context)
+        return context, hidden_states
+
+
+class TwoStreamModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([TwoStreamBlock(), TwoStreamBlock(), TwoStreamBlock(last=True)])
+
+    def forward(self, hidden_states: torch.Tensor, context: torch.Tensor) -> tuple[torch.Tensor]:
+        for block in self.blocks:
+            context, hidden_states = block(hidden_states, context)
+        return (hidden_states,)
+
+
+def _two_stream_family(optional: tuple[str, ...]) -> Family:
+    return Family(name="two-stream", models=(TwoStreamModel,), block_lists=(BlockList("blocks"),),
+                  block_classes=(BlockClass(TwoStreamBlock, ffn=(("ff",), ("ff_context",)), optional=optional),))
+
+
+TWO_STREAM = Case("two-stream", TwoStreamModel, lambda g: {"hidden_states": torch.randn(2, 4, 8, generator=g).requires_grad_(True),
+                                                          "context": torch.randn(2, 3, 8, generator=g).requires_grad_(True)})
+
+
+def test_optional_seam_is_skipped_on_instances_that_lack_it(toy):
+    from gradseam.testing import check_strategy
+
+    toy(_two_stream_family(("ff_context",)))
+    report = check_strategy(TWO_STREAM, {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"},
+                            whole=True)
+    assert sorted(r.label for r in report.regions) == [
+        "blocks[0].ff", "blocks[0].ff_context", "blocks[1].ff", "blocks[1].ff_context", "blocks[2].ff"]
+
+
+def test_a_missing_seam_not_declared_optional_is_refused(toy):
+    toy(_two_stream_family(()))
+    with pytest.raises(UnsupportedModelError, match="names submodule 'ff_context' of TwoStreamBlock"):
+        gradseam.patch(TwoStreamModel(), gradient_checkpointing=True, gradient_checkpointing_backend="torch-ffn")
+
+
+def test_optional_must_name_a_declared_submodule():
+    with pytest.raises(ValueError, match="field 'optional' names 'norm', which is neither in 'ffn' nor in 'attention'"):
+        BlockClass(TwoStreamBlock, ffn=(("ff",),), optional=("norm",))
