@@ -170,7 +170,8 @@ def demo(
     out.print(table)
     out.print(
         "Practical rule: no checkpointing if it fits -> torch-ffn -> torch -> unsloth-ffn -> unsloth; "
-        "interval >= 2 only to win speed back once it fits."
+        "at >= ~16k tokens add gradient_checkpointing_offload_attention to torch/unsloth (attention never "
+        "recomputed); interval >= 2 only to win speed back once it fits."
     )
 
 

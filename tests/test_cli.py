@@ -275,7 +275,10 @@ def test_demo_runs_the_size_its_title_says():
     assert result.exit_code == 0, result.output
     assert torch.get_num_threads() == threads  # the demo's thread count does not outlive it
     assert "small Flux (cpu, 16 image tokens)" in result.output
-    assert result.output.count("0.0e+00") == 5  # every strategy's gradient equals the unpatched one
+    from gradseam.demo import strategies
+
+    # every row's gradient equals the unpatched one ("none" included: its difference to itself)
+    assert result.output.count("0.0e+00") == len(strategies(cuda=False)) == 6
 
 
 def test_bench_creates_the_output_directory_before_running(tmp_path):

@@ -9,23 +9,21 @@ refusal of what the family cannot do. Family-specific behaviour lives in the per
 
 from __future__ import annotations
 
-import pytest
-import torch
 from cases import FLUX, WAN, WAN_TI2V
 from cases_image import CHROMA, CHROMA_MASKED, KREA2, KREA2_MASKED, ZIMAGE, ZIMAGE_BATCH, ZIMAGE_OMNI
 from cases_video import LTX2, LTX2_MASKED, LTX2_STG, LTX23, MAGEFLOW, MAGEFLOW_BATCH
 
 from gradseam.testing import ConformanceSuite
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models gain nothing from intra-op threads; on a busy 2-core machine their waits made
-    # steps several times slower. Reference and patched runs share the setting.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Input variants (masks, batches, per-token timesteps...) rerun the whole strategy matrix; of the
+# offload matrix they run one row per mechanism (region inputs + kept kernels, FFN inputs + attention
+# seams), which keeps the suite within CI's time while every plain case runs all of it.
+VARIANT_OFFLOAD = [
+    {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth",
+     "gradient_checkpointing_offload_attention": True, "gradient_checkpointing_interval": 2},
+    {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth-ffn",
+     "gradient_checkpointing_offload_attention": True},
+]
 
 
 class TestFlux(ConformanceSuite):
@@ -38,6 +36,7 @@ class TestWan(ConformanceSuite):
 
 class TestWanPerTokenTimesteps(ConformanceSuite):
     case = WAN_TI2V
+    offload = VARIANT_OFFLOAD
 
 
 class TestChroma(ConformanceSuite):
@@ -46,6 +45,7 @@ class TestChroma(ConformanceSuite):
 
 class TestChromaMasked(ConformanceSuite):
     case = CHROMA_MASKED
+    offload = VARIANT_OFFLOAD
 
 
 class TestKrea2(ConformanceSuite):
@@ -54,6 +54,7 @@ class TestKrea2(ConformanceSuite):
 
 class TestKrea2Masked(ConformanceSuite):
     case = KREA2_MASKED
+    offload = VARIANT_OFFLOAD
 
 
 class TestZImage(ConformanceSuite):
@@ -62,10 +63,12 @@ class TestZImage(ConformanceSuite):
 
 class TestZImageBatch(ConformanceSuite):
     case = ZIMAGE_BATCH
+    offload = VARIANT_OFFLOAD
 
 
 class TestZImageOmni(ConformanceSuite):
     case = ZIMAGE_OMNI
+    offload = VARIANT_OFFLOAD
 
 
 class TestLTX2(ConformanceSuite):
@@ -74,6 +77,7 @@ class TestLTX2(ConformanceSuite):
 
 class TestLTX2Masked(ConformanceSuite):
     case = LTX2_MASKED
+    offload = VARIANT_OFFLOAD
 
 
 class TestLTX2STG(ConformanceSuite):
@@ -83,6 +87,7 @@ class TestLTX2STG(ConformanceSuite):
 
 class TestLTX23(ConformanceSuite):
     case = LTX23
+    offload = VARIANT_OFFLOAD
 
 
 class TestMageFlow(ConformanceSuite):
@@ -91,3 +96,4 @@ class TestMageFlow(ConformanceSuite):
 
 class TestMageFlowBatch(ConformanceSuite):
     case = MAGEFLOW_BATCH
+    offload = VARIANT_OFFLOAD
