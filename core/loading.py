@@ -47,7 +47,7 @@ from typing import Any
 from torch import nn
 
 from .config import CheckpointConfig
-from .patcher import PatchHandle, PipelineHandle, _pipeline_components, handle_of, patch_model, patch_models
+from .patcher import PatchHandle, PipelineHandle, handle_of, patch_model, patch_models, pipeline_components
 from .registry import REGISTRY
 
 # (module, class, classmethod) of every loader that builds a model or a pipeline
@@ -117,7 +117,7 @@ def _patch_loaded(result: Any, session: _Session, passed: set[int]) -> None:
         if _handled(result) and handle_of(result) is None:
             session.add(patch_model(result, session.config, check_device=False), None)
         return
-    components = _pipeline_components(result)
+    components = pipeline_components(result)
     if components is None:
         return
     todo = {
@@ -181,7 +181,7 @@ def handles(target: Any) -> PatchHandle | PipelineHandle | None:
     """
     if isinstance(target, nn.Module):
         return handle_of(target)
-    components = _pipeline_components(target)
+    components = pipeline_components(target)
     if components is None:
         raise TypeError(f"gradseam.handles expects a diffusers model or pipeline, got {type(target).__name__}.")
     found = {name: h for name, m in components.items() if (h := handle_of(m)) is not None}

@@ -17,18 +17,19 @@ from . import seams
 from .config import CheckpointConfig
 from .errors import PLUGIN_GUIDE, UnsupportedModelError, UnsupportedStrategyError
 from .family import Family
-from .planning import (  # noqa: F401 - GradseamWarning and _warned are re-exported for callers of this module
+from .links import BlockLink, SeamLink
+from .planning import (  # noqa: F401 - GradseamWarning and warned are re-exported for callers of this module
     GradseamWarning,
     Plan,
     Region,
-    _resolve,
-    _unwrap,
-    _warn_once,
-    _warned,
     plan,
+    resolve,
+    unwrap,
+    warn_once,
+    warned,
 )
 from .registry import REGISTRY
-from .strategies import BlockLink, Chain, SeamLink
+from .strategies import Chain
 
 if TYPE_CHECKING:
     from .kernels import KernelSet
@@ -110,7 +111,7 @@ class _GuardedEnable:
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         what = "enable" if self.enable else "disable"
-        _warn_once(
+        warn_once(
             f"{what}_gradient_checkpointing() called on a model patched by gradseam; gradseam owns "
             "checkpointing while the patch is active, so the call is deferred until handle.remove()."
         )
@@ -145,7 +146,7 @@ class _ModelHooks:
             if handle.engine is not None:
                 handle.engine.refresh()
                 if handle.offload_pending() and torch.is_grad_enabled():
-                    _warn_once(
+                    warn_once(
                         f"gradseam: {type(handle.model).__name__} is training on the CPU with "
                         f"{handle._offload_what()}; nothing is offloaded until the model is on a GPU "
                         "(model.to('cuda')). On the CPU the step runs as with the 'torch' / 'torch-ffn' "
@@ -240,7 +241,7 @@ class PatchHandle:
             self._chains.append(chain)
         self._entries = [
             (bl.path, i, m) for bl in family.block_lists
-            if isinstance(lst := _resolve(self.model, bl.path), nn.ModuleList) for i, m in enumerate(lst)
+            if isinstance(lst := resolve(self.model, bl.path), nn.ModuleList) for i, m in enumerate(lst)
         ]
 
     def _uninstall_regions(self) -> None:
@@ -255,7 +256,7 @@ class PatchHandle:
         wraps blocks in a ``CheckpointWrapper`` by setting them on their list): one identity check per block."""
         lists: dict[str, Any] = {}
         for path, index, module in self._entries:
-            lst = lists[path] if path in lists else lists.setdefault(path, _resolve(self.model, path))
+            lst = lists[path] if path in lists else lists.setdefault(path, resolve(self.model, path))
             if lst is None or index >= len(lst) or lst[index] is not module:
                 return True
         return False
@@ -296,9 +297,9 @@ class PatchHandle:
         return tuple(out)
 
     def _watch(self, region: Region, index: int, seam: seams.SeamForward, chain: Chain | None) -> None:
-        block = _unwrap(_resolve(self.model, region.list_path)[region.blocks[0]])
+        block = unwrap(resolve(self.model, region.list_path)[region.blocks[0]])
         parent_path, _, name = region.seam[index].rpartition(".")
-        parent = _resolve(block, parent_path) if parent_path else block
+        parent = resolve(block, parent_path) if parent_path else block
         where = f"{region.list_path}[{region.blocks[0]}].{region.seam[index]}"
         self._slots.append(_Slot(parent, name, seam, chain, index, where))
 
@@ -454,7 +455,7 @@ def patch_model(model: nn.Module, config: CheckpointConfig, *, check_device: boo
     return patch_models({"model": model}, config, check_device=check_device)["model"]
 
 
-def _pipeline_components(target: Any) -> dict[str, nn.Module] | None:
+def pipeline_components(target: Any) -> dict[str, nn.Module] | None:
     components = getattr(target, "components", None)
     if not isinstance(components, Mapping) or isinstance(target, nn.Module):
         return None
@@ -472,11 +473,11 @@ def patch(
         if cfg.backend != "torch":
             set_keys.insert(0, "gradient_checkpointing_backend")
         if set_keys:
-            _warn_once(
+            warn_once(
                 f"{', '.join(set_keys)} set but gradient_checkpointing is false: no checkpointing will run. "
                 "Set gradient_checkpointing to true to use them."
             )
-    components = _pipeline_components(target)
+    components = pipeline_components(target)
     if components is None:
         if not isinstance(target, nn.Module):
             raise TypeError(f"gradseam.patch expects a diffusers model or pipeline, got {type(target).__name__}.")

@@ -23,12 +23,12 @@ class GradseamWarning(UserWarning):
     """A setting was accepted but cannot take effect as written; the message says what runs instead."""
 
 
-_warned: set[str] = set()
+warned: set[str] = set()
 
 
-def _warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
+def warn_once(message: str) -> None:
+    if message not in warned:
+        warned.add(message)
         warnings.warn(message, GradseamWarning, stacklevel=3)
 
 
@@ -56,7 +56,7 @@ class Plan:
     plain: list[tuple[str, int, str]] = field(default_factory=list)  # blocks left as they are
 
 
-def _resolve(root: nn.Module, path: str) -> Any:
+def resolve(root: nn.Module, path: str) -> Any:
     obj: Any = root
     for part in path.split("."):
         obj = getattr(obj, part, None)
@@ -68,7 +68,7 @@ def _resolve(root: nn.Module, path: str) -> Any:
 def _blocks(model: nn.Module, family: Family) -> list[tuple[BlockList, list[nn.Module]]]:
     found = []
     for block_list in family.block_lists:
-        modules = _resolve(model, block_list.path)
+        modules = resolve(model, block_list.path)
         if modules is None:
             if block_list.optional:
                 continue
@@ -76,11 +76,11 @@ def _blocks(model: nn.Module, family: Family) -> list[tuple[BlockList, list[nn.M
                 f"family {family.name!r} expects a block list at {type(model).__name__}.{block_list.path}, "
                 "but the model has none; the adapter does not match this model version."
             )
-        found.append((block_list, [_unwrap(m) for m in modules]))
+        found.append((block_list, [unwrap(m) for m in modules]))
     return found
 
 
-def _unwrap(module: nn.Module) -> nn.Module:
+def unwrap(module: nn.Module) -> nn.Module:
     """The block inside torch's activation-checkpoint wrapper(s), or the module itself."""
     while isinstance(getattr(module, "_checkpoint_wrapped_module", None), nn.Module):
         module = module._checkpoint_wrapped_module
@@ -119,11 +119,11 @@ def _selected(index: int, config: CheckpointConfig) -> bool:
 
 def _absent(block: nn.Module, paths: tuple[str, ...], declared: BlockClass) -> bool:
     """A seam whose modules this instance lacks, and that the family declared optional."""
-    return all(p in declared.optional and _resolve(block, p) is None for p in paths)
+    return all(p in declared.optional and resolve(block, p) is None for p in paths)
 
 
 def _submodule(block: nn.Module, path: str, family: Family, where: str) -> nn.Module:
-    sub = _resolve(block, path)
+    sub = resolve(block, path)
     if not isinstance(sub, nn.Module):
         raise UnsupportedModelError(
             f"family {family.name!r} names submodule {path!r} of {type(block).__qualname__} ({where}), "
@@ -176,19 +176,19 @@ def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
     if config.keep_attention and not config.kept_kernels:
         why = ("no checkpointing runs" if not config.enabled else
                f"backend {config.backend!r} never recomputes attention (it only checkpoints the feed-forward side)")
-        _warn_once(
+        warn_once(
             f"gradient_checkpointing_keep_attention has no effect here: {why}. It keeps attention kernel "
             "outputs inside whole-block regions (backends 'torch' / 'unsloth')."
         )
     if config.enabled and config.gradient_checkpointing_interval and config.interval > 1:
         if config.ffn_scope and config.stride is None:
-            _warn_once(
+            warn_once(
                 f"gradient_checkpointing_interval={config.interval} does not group FFN regions (attention "
                 f"sits between them); with {config.backend!r} the interval only selects blocks through "
                 "gradient_checkpointing_segment_stride."
             )
         elif not family.supports_interval:
-            _warn_once(
+            warn_once(
                 f"family {family.name!r} does not support gradient_checkpointing_interval; ignoring "
                 f"interval={config.interval} and checkpointing every selected block on its own."
             )
@@ -255,7 +255,7 @@ def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
         if whole:
             flush(chunk)
     if skipped:
-        _warn_once(
+        warn_once(
             f"{len(skipped)} block(s) of {type(model).__name__} ({skipped[0]}"
             f"{', ...' if len(skipped) > 1 else ''}) are already checkpointed by torch's activation "
             "checkpointing (a CheckpointWrapper, as FSDP's or accelerate's activation_checkpointing applies "

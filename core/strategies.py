@@ -16,14 +16,14 @@ or edited, so everything the loop (or a hook) does between two members has to be
   them; a follower then finds them exactly there unless the loop drew (stochastic depth), and
   each follower served from the chain moves them on to where its own run left them.
 
-Any mismatch makes that member, and the rest of the chain in this call, compute on their own:
+The checks themselves live in :mod:`gradseam.links`. Any mismatch makes that member, and the rest
+of the chain in this call, compute on their own:
 exact either way. The next call tries the chunk again. Each cause warns once and is counted
 (:attr:`Chain.stats`), so ``summary()`` says how many calls ran as chunks and why others did not.
 """
 
 from __future__ import annotations
 
-import inspect
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -35,9 +35,19 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .errors import UnsupportedModelError
-from .family import Carry
-from .planning import _warn_once
+from .links import (
+    ORDER,
+    PRE_HOOKS,
+    RANDOM,
+    Link,
+    rng_devices,
+    rng_state,
+    same_rng,
+    set_rng_state,
+    signature_of,
+    snapshot,
+)
+from .planning import warn_once
 from .seams import Original
 
 Call = Callable[..., Any]
@@ -96,217 +106,6 @@ class Runner:
             if context_fn is None:
                 return checkpoint(region, *flat, use_reentrant=False)
             return checkpoint(region, *flat, use_reentrant=False, context_fn=context_fn)
-
-
-# -- signatures, snapshots and generator states ------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Signature:
-    """A block class's ``forward`` signature, read once per class (not once per call)."""
-
-    signature: inspect.Signature
-    receiver: str  # the first parameter, whatever the class calls it ("self" by convention only)
-    var_keyword: str | None  # the name of ``**kwargs``, if the forward has one
-
-    def bind(self, module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
-        """Every parameter by name (defaults applied), the receiver left out."""
-        bound = self.signature.bind(module, *args, **kwargs)
-        bound.apply_defaults()
-        arguments = dict(bound.arguments)
-        del arguments[self.receiver]
-        return arguments
-
-    def spread(self, arguments: dict[str, Any]) -> dict[str, Any]:
-        """Keyword arguments for a call, with a ``**kwargs`` bag spread back out."""
-        flat = {k: v for k, v in arguments.items() if k != self.var_keyword}
-        if self.var_keyword is not None:
-            flat.update(arguments.get(self.var_keyword) or {})
-        return flat
-
-
-_signatures: dict[type, Signature] = {}
-
-
-def signature_of(cls: type) -> Signature:
-    found = _signatures.get(cls)
-    if found is None:
-        sig = inspect.signature(cls.forward)
-        params = list(sig.parameters.values())
-        if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
-            raise UnsupportedModelError(f"{cls.__qualname__}.forward takes no receiver parameter; cannot chain it.")
-        var_kw = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
-        found = _signatures[cls] = Signature(sig, params[0].name, var_kw)
-    return found
-
-
-class _Tensor:
-    """A tensor argument as it was: the object and its version counter."""
-
-    __slots__ = ("tensor", "version")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor, self.version = tensor, tensor._version
-
-    def matches(self, value: Any) -> bool:
-        return value is self.tensor and value._version == self.version
-
-
-class _Items:
-    """A tuple, list or dict argument as it was: its type and its items' snapshots."""
-
-    __slots__ = ("items", "kind")
-
-    def __init__(self, kind: type, items: tuple[Any, ...]) -> None:
-        self.kind, self.items = kind, items
-
-
-def snapshot(value: Any) -> Any:
-    """What an argument is now, in a form that a later in-place edit cannot change."""
-    if isinstance(value, torch.Tensor):
-        return _Tensor(value)
-    if isinstance(value, (tuple, list)):
-        return _Items(type(value), tuple(snapshot(v) for v in value))
-    if isinstance(value, dict):
-        return _Items(dict, tuple((k, snapshot(v)) for k, v in value.items()))
-    return value
-
-
-def unchanged(snap: Any, value: Any) -> bool:
-    """Whether ``value`` is still what :func:`snapshot` recorded."""
-    if isinstance(snap, _Tensor):
-        return snap.matches(value)
-    if isinstance(snap, _Items):
-        if type(value) is not snap.kind or len(value) != len(snap.items):
-            return False
-        if snap.kind is dict:
-            return all(k in value and unchanged(s, value[k]) for k, s in snap.items)
-        return all(unchanged(s, v) for s, v in zip(snap.items, value))
-    if isinstance(value, (torch.Tensor, tuple, list, dict)):
-        return False
-    if snap is value:
-        return True
-    try:
-        return type(snap) is type(value) and bool(snap == value)
-    except Exception:
-        return False
-
-
-def _rng_devices(args: tuple, kwargs: dict) -> tuple[torch.device, ...]:
-    found: list[torch.device] = []
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor) and value.device.type == "cuda" and value.device not in found:
-            found.append(value.device)
-    return tuple(found)
-
-
-def rng_state(devices: tuple[torch.device, ...]) -> tuple[torch.Tensor, ...]:
-    """The generators a block's dropout draws from: the CPU's and each CUDA device's the inputs live on."""
-    return (torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in devices))
-
-
-def set_rng_state(state: tuple[torch.Tensor, ...], devices: tuple[torch.device, ...]) -> None:
-    torch.set_rng_state(state[0])
-    for d, s in zip(devices, state[1:]):
-        torch.cuda.set_rng_state(s, d)
-
-
-def _same_rng(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
-    return all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-# -- how a chain member is called from its predecessor's output ------------------------------
-
-
-class Link:
-    """How member ``j+1`` of a chain is called, given member ``j``'s output and the head's arguments."""
-
-    def next_call(self, member: nn.Module, prev_out: Any, head: dict[str, Any]) -> tuple[tuple, dict]:
-        raise NotImplementedError
-
-    def mismatch(self, member: nn.Module, prev_out: Any, versions: tuple[int, ...], head: dict[str, Any],
-                 args: tuple, kwargs: dict) -> str | None:
-        """Why a follower's actual call differs from the chain's, or None if it does not."""
-        raise NotImplementedError
-
-    def carried(self, prev_out: Any) -> tuple[torch.Tensor, ...]:
-        """The tensors handed from one member to the next (their versions are checked)."""
-        raise NotImplementedError
-
-
-IDENTITY = "the carried output was replaced between blocks"
-VERSION = "the carried output was changed in place between blocks (a forward hook or a residual added in place)"
-ARGUMENTS = "another argument differs from the first block's (or was changed in place)"
-RANDOM = "random numbers were drawn between blocks"
-ORDER = "the blocks were called out of order"
-PRE_HOOKS = "the blocks carry forward pre-hooks (FSDP2's fully_shard gathers a block's weights in one)"
-
-
-class BlockLink(Link):
-    """Blocks of one list: carried outputs go to named parameters, everything else is unchanged."""
-
-    def __init__(self, carry: Carry, where: str = "") -> None:
-        self.carry = carry
-        self.where = where  # "family 'wan', transformer.blocks": for errors about the declaration
-
-    def _carried(self, prev_out: Any) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        sequence = isinstance(prev_out, (tuple, list))
-        for name, pos in self.carry.outputs.items():
-            # A position into a single tensor would index its first dimension: no error, wrong values.
-            if (pos is None) == sequence or (pos is not None and pos >= len(prev_out)):
-                what = f"a {type(prev_out).__name__} of {len(prev_out)}" if sequence else f"a single {type(prev_out).__name__}"
-                where = "the whole output" if pos is None else f"output position {pos}"
-                raise UnsupportedModelError(
-                    f"{self.where}: the family's Carry maps {name!r} to {where}, but the block returned "
-                    f"{what}; fix the Carry in the adapter (see 'Carry' in docs/plugins.md)."
-                )
-            out[name] = prev_out if pos is None else prev_out[pos]
-        return out
-
-    def carried(self, prev_out: Any) -> tuple[torch.Tensor, ...]:
-        return tuple(v for v in self._carried(prev_out).values() if isinstance(v, torch.Tensor))
-
-    def next_call(self, member: nn.Module, prev_out: Any, head: dict[str, Any]) -> tuple[tuple, dict]:
-        sig = signature_of(type(member))
-        return (), sig.spread({**head, **self._carried(prev_out)})
-
-    def mismatch(self, member: nn.Module, prev_out: Any, versions: tuple[int, ...], head: dict[str, Any],
-                 args: tuple, kwargs: dict) -> str | None:
-        try:
-            bound = signature_of(type(member)).bind(member, args, kwargs)
-        except TypeError:
-            return ARGUMENTS
-        carried = self._carried(prev_out)
-        for name, value in carried.items():
-            if bound.get(name) is not value:
-                return IDENTITY
-        if tuple(t._version for t in self.carried(prev_out)) != versions:
-            return VERSION
-        for name, value in bound.items():
-            if name not in carried and not unchanged(head.get(name), value):
-                return ARGUMENTS
-        return None
-
-
-class SeamLink(Link):
-    """Submodules of an FFN seam: each takes the previous one's output as its only argument."""
-
-    def next_call(self, member: nn.Module, prev_out: Any, head: dict[str, Any]) -> tuple[tuple, dict]:
-        return (prev_out,), {}
-
-    def carried(self, prev_out: Any) -> tuple[torch.Tensor, ...]:
-        return (prev_out,) if isinstance(prev_out, torch.Tensor) else ()
-
-    def mismatch(self, member: nn.Module, prev_out: Any, versions: tuple[int, ...], head: dict[str, Any],
-                 args: tuple, kwargs: dict) -> str | None:
-        if len(args) != 1 or kwargs:
-            return ARGUMENTS
-        if args[0] is not prev_out:
-            return IDENTITY
-        if tuple(t._version for t in self.carried(prev_out)) != versions:
-            return VERSION
-        return None
 
 
 @dataclass
@@ -376,7 +175,7 @@ class Chain:
     def _fall_back(self, cause: str) -> None:
         self._flight = None
         self.stats.fallbacks[cause] += 1
-        _warn_once(
+        warn_once(
             f"gradseam: a checkpoint chunk of {type(self.members[0]).__name__} blocks fell back to one region "
             f"per block for this call because {cause}. Results stay exact; the chunk is tried again on the "
             "next call, and summary() counts how often this happens (each fallback recomputes the chunk's "
@@ -398,7 +197,7 @@ class Chain:
         head = signature_of(type(self.members[0])).bind(self.members[0], args, kwargs)
         originals = self._originals
         compiling = torch.compiler.is_compiling()
-        devices = () if compiling else _rng_devices(args, kwargs)
+        devices = () if compiling else rng_devices(args, kwargs)
         states: list[tuple[torch.Tensor, ...]] = []
         first_pass = [True]  # the recompute in backward runs the chain again: record the forward only
 
@@ -435,7 +234,7 @@ class Chain:
         assert self.link is not None
         cause = self.link.mismatch(self.members[index], flight.kept[index - 1], flight.versions[index - 1],
                                    flight.head, args, kwargs)
-        if cause is None and flight.rng is not None and not _same_rng(rng_state(flight.devices), flight.rng[index - 1]):
+        if cause is None and flight.rng is not None and not same_rng(rng_state(flight.devices), flight.rng[index - 1]):
             cause = RANDOM
         if cause is not None:
             self._fall_back(cause)

@@ -65,7 +65,7 @@ def model_class(family: Family) -> type:
     )
 
 
-def _resolve(root: Any, path: str) -> Any:
+def resolve(root: Any, path: str) -> Any:
     for part in path.split("."):
         root = getattr(root, part, None)
         if root is None:
@@ -77,7 +77,7 @@ def blocks(model: nn.Module, family: Family) -> list[nn.Module]:
     """Every block of every declared block list the model has, in declaration order (for sharding)."""
     found = []
     for block_list in family.block_lists:
-        found.extend(_resolve(model, block_list.path) or ())
+        found.extend(resolve(model, block_list.path) or ())
     return found
 
 
@@ -87,11 +87,11 @@ def truncate(model: nn.Module, family: Family, layers: int) -> dict[str, tuple[i
         raise ValueError(f"layers must be >= 1, got {layers}.")
     done = {}
     for block_list in family.block_lists:
-        blocks = _resolve(model, block_list.path)
+        blocks = resolve(model, block_list.path)
         if blocks is None:
             continue
         parent_path, _, attr = block_list.path.rpartition(".")
-        parent = _resolve(model, parent_path) if parent_path else model
+        parent = resolve(model, parent_path) if parent_path else model
         kept = list(blocks)[:layers]
         setattr(parent, attr, nn.ModuleList(kept))
         done[block_list.path] = (len(kept), len(blocks))
@@ -206,7 +206,7 @@ def sequence_length(model: nn.Module, family: Family, inputs: Mapping[str, Any])
             seen.append(first.shape[-2])
 
     for block_list in family.block_lists:
-        blocks = _resolve(model, block_list.path)
+        blocks = resolve(model, block_list.path)
         if blocks is not None and len(blocks):
             hooks.append(blocks[0].register_forward_pre_hook(record, with_kwargs=True))
     try:

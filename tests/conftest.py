@@ -27,7 +27,7 @@ def _fresh_warnings():
     # gradseam warns once per message per process; tests that check warnings need a clean slate.
     from gradseam import planning
 
-    planning._warned.clear()
+    planning.warned.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         yield

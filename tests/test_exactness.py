@@ -16,9 +16,9 @@ from torch import nn
 import gradseam
 from gradseam import BlockClass, BlockList, Carry, Family, hookimpl
 from gradseam.errors import UnsupportedModelError, UnsupportedStrategyError
+from gradseam.links import ARGUMENTS, RANDOM, VERSION
 from gradseam.offload import cpu_test_mode
 from gradseam.patcher import GradseamWarning
-from gradseam.strategies import ARGUMENTS, RANDOM, VERSION
 from gradseam.testing import Case, assert_same_step, run_step
 
 CHUNKS = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}

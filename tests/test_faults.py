@@ -24,8 +24,9 @@ from torch import nn
 
 import gradseam
 from gradseam import seams
+from gradseam.links import PRE_HOOKS
 from gradseam.offload import cpu_test_mode
-from gradseam.strategies import PRE_HOOKS, inside_region
+from gradseam.strategies import inside_region
 from gradseam.testing import Case, Step, assert_same_step
 
 RECOMPUTES_ATTENTION = {"torch", "torch-interval2", "unsloth", "unsloth-interval2"}
