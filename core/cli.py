@@ -382,6 +382,8 @@ def run(
         "--offload-attention/--no-offload-attention", help="gradient_checkpointing_offload_attention")] = None,
     offload_pin_memory_max_buckets: Annotated[str | None, typer.Option(
         "--offload-pin-memory-max-buckets", metavar="N", help="gradient_checkpointing_offload_pin_memory_max_buckets")] = None,
+    keep_attention: Annotated[bool | None, typer.Option(
+        "--keep-attention/--no-keep-attention", help="gradient_checkpointing_keep_attention")] = None,
     config: Annotated[Path | None, typer.Option(
         "--config", metavar="FILE", help="a JSON file of gradseam config keys; the options above override it")] = None,
     ignore_unknown: Annotated[bool, typer.Option(
@@ -401,12 +403,13 @@ def run(
     values: dict[str, Any] = {
         "--checkpointing": checkpointing, "--backend": backend, "--interval": interval,
         "--segment-stride": segment_stride, "--offload-attention": offload_attention,
-        "--offload-pin-memory-max-buckets": offload_pin_memory_max_buckets,
+        "--offload-pin-memory-max-buckets": offload_pin_memory_max_buckets, "--keep-attention": keep_attention,
     }
     try:
         cfg = launch.build_config(config, ignore_unknown=ignore_unknown,
                                   flags={k: v for k, v in values.items() if v is not None})
-        known = [*launch.FLAG_KEYS, "--no-checkpointing", "--no-offload-attention", "--config", "--ignore-unknown",
+        known = [*launch.FLAG_KEYS, "--no-checkpointing", "--no-offload-attention", "--no-keep-attention", "--config",
+                 "--ignore-unknown",
                  "--report", "--help"]
         program_ = launch.parse_program(list(program or []), known)
     except launch.LaunchError as exc:

@@ -56,6 +56,7 @@ FLAG_KEYS: dict[str, str] = {
     "--segment-stride": "gradient_checkpointing_segment_stride",
     "--offload-attention": "gradient_checkpointing_offload_attention",
     "--offload-pin-memory-max-buckets": "gradient_checkpointing_offload_pin_memory_max_buckets",
+    "--keep-attention": "gradient_checkpointing_keep_attention",
 }
 _NULLABLE = {"gradient_checkpointing_interval", "gradient_checkpointing_segment_stride"}
 

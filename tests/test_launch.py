@@ -198,6 +198,17 @@ def test_config_precedence_file_then_flags(tmp_path):
     file.write_text(json.dumps({"gradient_checkpointing": "false", "gradient_checkpointing_offload_attention": True}))
     assert not build_config(file).gradient_checkpointing  # the file's explicit false wins over the default
     assert build_config(file, flags={"--checkpointing": True}).gradient_checkpointing
+    assert build_config(flags={"--keep-attention": True}).keep_attention
+
+
+def test_every_config_key_has_a_run_flag():
+    from gradseam.launch import FLAG_KEYS
+
+    assert sorted(FLAG_KEYS.values()) == sorted(CheckpointConfig.keys())
+    assert all(flag == "--" + key.removeprefix("gradient_checkpointing_").replace("_", "-")
+               for flag, key in FLAG_KEYS.items() if key != "gradient_checkpointing")
+    help_text = CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "200"}).output
+    assert all(flag in help_text for flag in FLAG_KEYS)
 
 
 def test_trainer_config_needs_ignore_unknown(tmp_path):
