@@ -1,27 +1,25 @@
-"""Sana (``SanaTransformer2DModel``: Sana, Sana 1.5, Sana Sprint) and SANA-Video
-(``SanaVideoTransformer3DModel``): linear-attention DiTs with a convolutional FFN.
+"""Sana (``SanaTransformer2DModel``: Sana, Sana 1.5, Sana Sprint): a linear-attention DiT with a
+convolutional FFN. SANA-Video, the same block design on video, is ``adapters/sana_video.py``.
 
-One family per model class; both have one list, ``transformer_blocks``, of blocks that return
-``hidden_states`` alone. The model's loop calls every block positionally with the same
-``attention_mask``, ``encoder_hidden_states``, ``encoder_attention_mask``, ``timestep`` (the adaLN
-vector, per frame in SANA-Video) and post-patch sizes (plain ints), and SANA-Video adds the same
-``rotary_emb`` tensor, all built once before the loop; so a chunk carries ``hidden_states`` and
-nothing else. ControlNet samples are added to ``hidden_states`` in the loop between blocks: a later
-block then sees other inputs than its predecessor's output, and gradseam computes block by block,
-still exactly. (``attention_mask`` reaches the blocks but diffusers 0.42.1 does not use it in
+One list, ``transformer_blocks``, of ``SanaTransformerBlock`` s that return ``hidden_states``
+alone. The model's loop calls every block positionally with the same ``attention_mask``,
+``encoder_hidden_states``, ``encoder_attention_mask``, ``timestep`` (the adaLN vector) and
+post-patch sizes (plain ints), all built once before the loop; so a chunk carries
+``hidden_states`` and nothing else. ControlNet samples are added to ``hidden_states`` in the loop
+between blocks: a later block then sees other inputs than its predecessor's output, and gradseam
+computes block by block, still exactly. (``attention_mask`` reaches the blocks but diffusers 0.42.1 does not use it in
 them; the prompt mask ``encoder_attention_mask`` goes to the cross-attention.)
 
-FFN seam: ``ff`` (``GLUMBConv``, in SANA-Video ``GLUMBTempConv`` with its temporal convolution) is
-called on exactly the modulated ``norm2`` output, reshaped to a feature map, and the gate and the
-residual are applied to its flattened return value outside it; checkpointing it alone is exact and
+FFN seam: ``ff`` (``GLUMBConv``) is called on exactly the modulated ``norm2`` output, reshaped to a
+feature map, and the gate and the residual are applied to its flattened return value outside it; checkpointing it alone is exact and
 drops its widest activations: the inverted 1x1 convolution's ``2·mlp_ratio·d`` channels (5·d in
 Sana), the SiLU over them, the depthwise convolution's output and the gated product. ``norm2``
 cannot join, since its output is scaled and shifted before ``ff`` sees it.
 
 Attention side: ``attn1`` (linear self-attention; its kernel is matmuls, not a scaled-dot-product
 operator, so inside whole-block regions it is recomputed like any other op) and ``attn2``
-(softmax cross-attention to the prompt). Both exist in every block: diffusers' blocks cannot run
-without ``attn2`` (their forward reads ``attn2`` and ``norm2`` unconditionally).
+(softmax cross-attention to the prompt). Both exist in every block: diffusers' block cannot run
+without ``attn2`` (its forward reads ``attn2`` and ``norm2`` unconditionally).
 """
 
 from __future__ import annotations
@@ -30,8 +28,6 @@ from gradseam.family import BlockClass, BlockList, Carry, Family, Preset
 from gradseam.hookspecs import hookimpl
 
 _IMAGE = "diffusers.models.transformers.sana_transformer"
-_VIDEO = "diffusers.models.transformers.transformer_sana_video"
-_CARRY = Carry({"hidden_states": None})
 
 
 def make_inputs(model, device, dtype, tokens=None, *, image_tokens=1024, text_tokens=300) -> dict:
@@ -54,37 +50,11 @@ def make_inputs(model, device, dtype, tokens=None, *, image_tokens=1024, text_to
     return inputs
 
 
-def make_video_inputs(model, device, dtype, tokens=None, *, frames=81, height=480, width=832,
-                      text_tokens=300) -> dict:
-    """One real-size SANA-Video batch: a Wan-VAE latent ``(1, C, (frames-1)/4+1, H/8, W/8)`` (grad),
-    Gemma-2 prompt states and their mask. ``tokens`` overrides the video token count by changing the
-    number of latent frames."""
-    import torch
-
-    cfg = model.config
-    pt, ph, pw = cfg.patch_size
-    h, w = height // 8, width // 8
-    latent_frames = (frames - 1) // 4 + 1
-    if tokens:
-        latent_frames = max(1, round(tokens * pt / ((h // ph) * (w // pw))))
-    inputs = {
-        "hidden_states": torch.randn(
-            1, cfg.in_channels, latent_frames, h, w, device=device, dtype=dtype, requires_grad=True
-        ),
-        "encoder_hidden_states": torch.randn(1, text_tokens, cfg.caption_channels, device=device, dtype=dtype),
-        "encoder_attention_mask": torch.ones(1, text_tokens, device=device, dtype=dtype),
-        "timestep": torch.full((1,), 500.0, device=device, dtype=dtype),
-    }
-    if cfg.guidance_embeds:
-        inputs["guidance"] = torch.full((1,), 4.5, device=device, dtype=dtype)
-    return inputs
-
-
 SANA = Family(
     name="sana",
     description="Sana / Sana 1.5 / Sana Sprint (SanaTransformer2DModel)",
     models=(f"{_IMAGE}.SanaTransformer2DModel",),
-    block_lists=(BlockList("transformer_blocks", carry=_CARRY),),
+    block_lists=(BlockList("transformer_blocks", carry=Carry({"hidden_states": None})),),
     block_classes=(
         BlockClass(f"{_IMAGE}.SanaTransformerBlock", ffn=(("ff",),), attention=("attn1", "attn2")),
     ),
@@ -102,30 +72,6 @@ SANA = Family(
     },
 )
 
-SANA_VIDEO = Family(
-    name="sana-video",
-    description="SANA-Video (SanaVideoTransformer3DModel)",
-    models=(f"{_VIDEO}.SanaVideoTransformer3DModel",),
-    block_lists=(BlockList("transformer_blocks", carry=_CARRY),),
-    block_classes=(
-        BlockClass(f"{_VIDEO}.SanaVideoTransformerBlock", ffn=(("ff",),), attention=("attn1", "attn2")),
-    ),
-    presets={
-        "2b-480p": Preset(
-            "SANA-Video 2B (20 blocks, 20 x 112 heads, RMS qk-norm, rotary) at 480x832, 81 frames "
-            "(32760 video + 300 text tokens)",
-            config={"num_layers": 20, "num_attention_heads": 20, "attention_head_dim": 112,
-                    "num_cross_attention_heads": 20, "cross_attention_head_dim": 112, "cross_attention_dim": 2240,
-                    "caption_channels": 2304, "mlp_ratio": 2.5, "in_channels": 16, "out_channels": 16,
-                    "sample_size": 30, "patch_size": (1, 2, 2), "qk_norm": "rms_norm_across_heads"},
-            inputs={"frames": 81, "height": 480, "width": 832, "text_tokens": 300},
-            make_inputs=make_video_inputs,
-        ),
-    },
-)
-
-
 @hookimpl
 def register_families(register):
     register(SANA)
-    register(SANA_VIDEO)
