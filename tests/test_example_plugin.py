@@ -1,4 +1,4 @@
-"""The example third-party plugin (docs/examples/gradseam-sd3) works the way the plugin guide says.
+"""The example third-party plugin (docs/examples/gradseam-pixart) works the way the plugin guide says.
 
 It is pip-installed, as a separate distribution, into a throw-away ``--target`` directory that only
 the subprocesses here put on their path, so the shared environment and this process's registry
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "examples" / "gradseam-sd3"
+EXAMPLE = Path(__file__).resolve().parents[1] / "docs" / "examples" / "gradseam-pixart"
 
 
 def _env(site: Path) -> dict[str, str]:
@@ -34,9 +34,9 @@ def _run(args: list[str], site: Path, cwd: Path | None = None, timeout: int = 18
 
 @pytest.fixture(scope="module")
 def installed():
-    """(source copy, site dir) with gradseam-sd3 installed into the site dir; all removed afterwards."""
+    """(source copy, site dir) with gradseam-pixart installed into the site dir; all removed afterwards."""
     pytest.importorskip("setuptools", reason="building the example plugin needs setuptools")
-    root = Path(tempfile.mkdtemp(prefix="gradseam-sd3-"))
+    root = Path(tempfile.mkdtemp(prefix="gradseam-pixart-"))
     try:
         src, site = root / "src", root / "site"
         # a copy, so the build leaves no build/ or *.egg-info in the repository
@@ -59,17 +59,17 @@ def test_families_and_cli_list_the_plugin(installed):
     out = _run([sys.executable, "-c", code], site)
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout.strip().splitlines()[-1])
-    assert ["sd3", "sd3", "gradseam-sd3"] in rows
+    assert ["pixart", "pixart", "gradseam-pixart"] in rows
     assert {"flux", "wan"} <= {r[0] for r in rows}  # the built-ins are still there
 
     cli = _run([sys.executable, "-m", "gradseam", "families"], site)
     assert cli.returncode == 0, cli.stderr
-    sd3_rows = [line for line in cli.stdout.splitlines() if " sd3 " in line]
-    assert sd3_rows and "gradseam-sd3" in sd3_rows[0] and "SD3Transformer2DModel" in sd3_rows[0], cli.stdout
+    pixart_rows = [line for line in cli.stdout.splitlines() if " pixart " in line]
+    assert pixart_rows and "gradseam-pixart" in pixart_rows[0] and "PixArtTransformer2DModel" in pixart_rows[0], cli.stdout
 
 
 def test_plugin_passes_the_conformance_kit_from_its_own_repository(installed):
-    """The plugin's own tests: the kit's whole matrix on a tiny SD3, exact to the bit."""
+    """The plugin's own tests: the kit's whole matrix on a tiny PixArt, exact to the bit."""
     src, site = installed
     out = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], site, cwd=src, timeout=300)
     summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
@@ -81,20 +81,20 @@ def test_uninstalling_brings_the_clear_error_back(installed):
     src, site = installed
     site = Path(shutil.copytree(site, site.parent / "site-uninstalled"))
     # What `pip uninstall` does: remove every file the distribution's RECORD lists, then the record.
-    (dist_info,) = site.glob("gradseam_sd3-*.dist-info")
+    (dist_info,) = site.glob("gradseam_pixart-*.dist-info")
     for line in (dist_info / "RECORD").read_text().splitlines():
         path = site / line.split(",")[0]
         if path.is_file():
             path.unlink()
     shutil.rmtree(dist_info, ignore_errors=True)
-    assert not list(site.glob("gradseam_sd3*"))
+    assert not list(site.glob("gradseam_pixart*"))
     code = (
         "import json, sys\n"
         f"sys.path.insert(0, {str(src / 'tests')!r})\n"
         "import gradseam\n"
-        "from test_sd3 import tiny_sd3\n"
+        "from test_pixart import tiny_pixart\n"
         "try:\n"
-        "    gradseam.patch(tiny_sd3(), gradient_checkpointing=True)\n"
+        "    gradseam.patch(tiny_pixart(), gradient_checkpointing=True)\n"
         "    error = None\n"
         "except gradseam.UnsupportedModelError as exc:\n"
         "    error = str(exc)\n"
@@ -103,7 +103,7 @@ def test_uninstalling_brings_the_clear_error_back(installed):
     out = _run([sys.executable, "-c", code], site)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert "sd3" not in result["families"]
+    assert "pixart" not in result["families"]
     error = result["error"]
-    assert error is not None, "an SD3 model was patched without the plugin installed"
-    assert "SD3Transformer2DModel" in error and "docs/plugins.md" in error and "flux" in error, error
+    assert error is not None, "a PixArt model was patched without the plugin installed"
+    assert "PixArtTransformer2DModel" in error and "docs/plugins.md" in error and "flux" in error, error

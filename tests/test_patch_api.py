@@ -127,16 +127,18 @@ def test_unsupported_plain_module():
 
 
 def test_unsupported_diffusers_model():
-    from diffusers import SD3Transformer2DModel
+    # PixArt has no built-in family (docs/examples/gradseam-pixart is the plugin that adds one).
+    from diffusers import PixArtTransformer2DModel
 
-    model = SD3Transformer2DModel(
-        sample_size=8, patch_size=1, in_channels=4, num_layers=1, attention_head_dim=8, num_attention_heads=1,
-        joint_attention_dim=8, caption_projection_dim=8, pooled_projection_dim=8, out_channels=4,
-        pos_embed_max_size=8,
+    model = PixArtTransformer2DModel(
+        num_attention_heads=1, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=1,
+        cross_attention_dim=8, sample_size=4, patch_size=2, caption_channels=8, norm_num_groups=4,
     )
     with pytest.raises(UnsupportedModelError) as info:
         gradseam.patch(model, TRAIN)
-    _assert_unsupported_message(str(info.value), "diffusers.models.transformers.transformer_sd3.SD3Transformer2DModel")
+    _assert_unsupported_message(
+        str(info.value), "diffusers.models.transformers.pixart_transformer_2d.PixArtTransformer2DModel"
+    )
     assert instance_forwards(model) == []
     assert gradseam.handle_of(model) is None
 

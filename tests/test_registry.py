@@ -672,7 +672,7 @@ def family_module(name: str, model: str = "", extra: str = "") -> str:
         """
 
 
-BUILTINS = ["chroma", "flux", "krea2", "ltx2", "mageflow", "wan", "zimage"]
+BUILTINS = ["chroma", "flux", "krea2", "ltx2", "mageflow", "sana", "sana-video", "sd3", "wan", "zimage"]
 EMPTY = ([], [], [], [], False)
 
 
@@ -864,10 +864,10 @@ def test_empty_gradseam_plugins_warns(site, monkeypatch, value):
 
 
 def test_unknown_name_in_gradseam_plugins_warns(site, monkeypatch):
-    monkeypatch.setenv("GRADSEAM_PLUGINS", "flux,sd3")
+    monkeypatch.setenv("GRADSEAM_PLUGINS", "flux,pixart")
     with pytest.warns(PluginWarning) as record:
         assert [f.name for f in Registry().families()] == ["flux"]
     assert [str(w.message) for w in record] == [
-        f"GRADSEAM_PLUGINS names ['sd3'], which no installed distribution provides; installed gradseam plugins: "
+        f"GRADSEAM_PLUGINS names ['pixart'], which no installed distribution provides; installed gradseam plugins: "
         f"{BUILTINS}."
     ]
