@@ -94,18 +94,35 @@ class Runner:
         # arguments only in a closure, out of any hook's reach.
         names = tuple(kwargs)
         n = len(args)
+        flat = (*args, *kwargs.values())
+        # The recompute runs long after the forward, with the same argument objects; a dict or list
+        # the model edits in place between blocks (Flux 2 swaps each block's KV cache into one
+        # kwargs dict) would hand the recompute another block's entries. So the recompute gets
+        # fresh shallow copies of the containers as they were when the region ran forward.
+        entry = None if torch.compiler.is_compiling() else tuple(_shallow(v) for v in flat)
+        runs = [0]
 
         def region(*flat: Any) -> Any:
+            runs[0] += 1
+            if runs[0] > 1 and entry is not None:
+                flat = tuple(_shallow(e) if isinstance(e, (dict, list)) else f for e, f in zip(entry, flat))
             with _RegionScope():
                 return fn(*flat[:n], **dict(zip(names, flat[n:])))
 
-        flat = (*args, *kwargs.values())
         if self.scope is None:
             return checkpoint(region, *flat, use_reentrant=False)
         with self.scope(args, kwargs) as context_fn:
             if context_fn is None:
                 return checkpoint(region, *flat, use_reentrant=False)
             return checkpoint(region, *flat, use_reentrant=False, context_fn=context_fn)
+
+
+def _shallow(value: Any) -> Any:
+    if isinstance(value, dict):
+        return dict(value)
+    if isinstance(value, list):
+        return list(value)
+    return value
 
 
 @dataclass
@@ -204,11 +221,13 @@ class Chain:
         def whole_chain(*a: Any, **k: Any) -> tuple[Any, ...]:
             record = first_pass[0] and not compiling
             first_pass[0] = False
+            # in the recompute a and k hold the forward-time copies of containers (see Runner)
+            called = head if record or compiling else signature_of(type(self.members[0])).bind(self.members[0], a, k)
             outs = [originals[0](*a, **k)]  # type: ignore[misc]
             if record:
                 states.append(rng_state(devices))
             for j in range(1, len(self.members)):
-                ca, ck = link.next_call(self.members[j], outs[-1], head)
+                ca, ck = link.next_call(self.members[j], outs[-1], called)
                 outs.append(originals[j](*ca, **ck))  # type: ignore[misc]
                 if record:
                     states.append(rng_state(devices))
