@@ -34,13 +34,15 @@ tensor the seam keeps is not also offloaded as attention (the seam region runs f
 Attention side: ``attn`` in both classes (in the single blocks it also holds the fused MLP
 projections, which cannot be separated from it).
 
-KV-cache inference (``kv_cache`` / ``kv_cache_mode``, the Klein KV pipeline) writes
-``kv_attn_kwargs["kv_cache"]`` into the same dict before every block. gradseam snapshots dict
-arguments, so a chunk sees the entry change and computes per block; under ``torch.no_grad()``
-(how that pipeline runs) no region runs at all. Do not combine ``kv_cache_mode="extract"`` under
-autograd with ``gradient_checkpointing_interval``: a chunk runs its later blocks ahead with the
-first block's dict, and the KV processor would store their reference K/V into the first block's
-cache before the fallback is noticed.
+KV-cache mode (``kv_cache`` / ``kv_cache_mode``, the Klein KV pipeline) is for sampling, under
+``torch.no_grad()``, where no region runs at all and the model is untouched. Under autograd it is
+not exact with any whole-block recompute, gradseam's or diffusers' own flag alike: the model
+rewrites ``kv_attn_kwargs["kv_cache"]`` *in place* before every block, so when backward recomputes
+block ``i`` it reads (cached mode) or overwrites (extract mode) the cache of the *last* block of the
+list, not its own; input gradients come out wrong. gradseam cannot see that from a declaration (the
+dict is the same object; it changes after the block returned). The ``-ffn`` backends never
+recompute attention and stay exact there. A chunk also notices the in-place edit and computes per
+block. tests/test_family_image2.py pins this as an expected failure.
 """
 
 from __future__ import annotations

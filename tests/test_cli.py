@@ -15,7 +15,7 @@ import gradseam
 from gradseam.cli import app
 
 runner = CliRunner()
-BUILTIN = ["chroma", "flux", "krea2", "ltx2", "mageflow", "wan", "zimage"]
+BUILTIN = ["chroma", "flux", "flux2", "krea2", "ltx2", "mageflow", "qwenimage", "wan", "zimage"]
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 
 
