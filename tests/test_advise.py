@@ -216,6 +216,16 @@ TINY = {
          "num_attention_heads": 2, "joint_attention_dim": 16, "pooled_projection_dim": 8, "axes_dims_rope": [2, 2, 4]},
         {"image_tokens": 16, "text_tokens": 8},
     ),
+    "flux2": (
+        {"in_channels": 4, "num_layers": 2, "num_single_layers": 3, "attention_head_dim": 8, "num_attention_heads": 2,
+         "joint_attention_dim": 16, "timestep_guidance_channels": 16, "axes_dims_rope": [2, 2, 2, 2]},
+        {"image_tokens": 16, "text_tokens": 6},
+    ),
+    "qwenimage": (
+        {"in_channels": 8, "out_channels": 2, "num_layers": 3, "attention_head_dim": 8, "num_attention_heads": 2,
+         "joint_attention_dim": 16, "axes_dims_rope": [2, 2, 4]},
+        {"image_tokens": 16, "text_tokens": 6},
+    ),
     "wan": (
         {"num_attention_heads": 2, "attention_head_dim": 8, "in_channels": 4, "out_channels": 4, "text_dim": 16,
          "freq_dim": 16, "ffn_dim": 32, "num_layers": 3, "rope_max_seq_len": 32},
