@@ -35,15 +35,12 @@ conformance kit runs that nesting (``-ffn`` backends with attention offload) and
 Attention side: ``attn`` in both classes (in the single blocks it also holds the fused MLP
 projections, which cannot be separated from it).
 
-KV-cache mode (``kv_cache`` / ``kv_cache_mode``, the Klein KV pipeline) is for sampling, under
-``torch.no_grad()``, where no region runs at all and the model is untouched. Under autograd it is
-not exact with any whole-block recompute, gradseam's or diffusers' own flag alike: the model
-rewrites ``kv_attn_kwargs["kv_cache"]`` *in place* before every block, so when backward recomputes
-block ``i`` it reads (cached mode) or overwrites (extract mode) the cache of the *last* block of the
-list, not its own; input gradients come out wrong. gradseam cannot see that from a declaration (the
-dict is the same object; it changes after the block returned). The ``-ffn`` backends never
-recompute attention and stay exact there. A chunk also notices the in-place edit and computes per
-block. tests/test_family_image2.py pins this as an expected failure.
+KV-cache mode (``kv_cache`` / ``kv_cache_mode``, the Klein KV pipeline) rewrites
+``kv_attn_kwargs["kv_cache"]`` *in place* before every block. A block recomputed in backward with
+the live dict would read (cached mode) or overwrite (extract mode) the last block's cache, as with
+diffusers' own flag; gradseam's regions recompute with the containers as they were at the block's
+forward, so this is exact (tests/test_family_image2.py). A chunk also notices the in-place edit
+between blocks and computes per block.
 """
 
 from __future__ import annotations
