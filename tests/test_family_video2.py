@@ -1,0 +1,235 @@
+"""HunyuanVideo 1.5, LTX-Video 0.9 and Wan VACE through the conformance kit, plus their presets.
+
+Each family gets a plain tiny case with the kit's whole matrix (exact outputs and every parameter
+and input gradient for ``torch`` / ``torch-ffn`` x interval x stride, kept attention, the offload
+backends through the engine's CPU test mode, ``no_grad``, refusals) and a case with its optional
+inputs (padded prompts, image conditioning, per-token timesteps, VACE control scales) on a reduced
+matrix. The presets must build on the meta device and plan every block at full size.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradseam
+from gradseam.patcher import family_for, plan
+from gradseam.testing import Case, ConformanceSuite, check_strategy, cpu_configs, offload_configs, run_step
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Tiny models gain nothing from intra-op threads; on a busy 2-core machine their waits made
+    # steps several times slower. Reference and patched runs share the setting.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _randn(g: torch.Generator, *shape: int, grad: bool = False) -> torch.Tensor:
+    return torch.randn(*shape, generator=g).requires_grad_(grad)
+
+
+def _reduced(configs: list[dict], picks: list[int]) -> list[dict]:
+    return [configs[i] for i in picks]
+
+
+# A reduced matrix for the optional-input cases: whole blocks in chunks, the FFN seams, kept
+# attention (cpu_configs: torch+interval2, torch-ffn, keep-attention+interval2), and offload of
+# whole chunks, of the FFN seams and of attention (offload_configs: unsloth+interval2+stride4,
+# unsloth-ffn, offload-attention alone).
+REDUCED_CPU = _reduced(cpu_configs(), [2, 4, 8])
+REDUCED_OFFLOAD = _reduced(offload_configs(), [1, 2, 5])
+
+
+def test_reduced_matrices_are_what_they_say():
+    describe = [gradseam.CheckpointConfig.coerce(c).describe() for c in REDUCED_CPU + REDUCED_OFFLOAD]
+    assert [c.get("gradient_checkpointing_backend") for c in REDUCED_CPU] == ["torch", "torch-ffn", None]
+    assert REDUCED_CPU[0]["gradient_checkpointing_interval"] == 2
+    assert REDUCED_CPU[2]["gradient_checkpointing_keep_attention"]
+    assert [c.get("gradient_checkpointing_backend") for c in REDUCED_OFFLOAD] == ["unsloth", "unsloth-ffn", None]
+    assert REDUCED_OFFLOAD[2] == {"gradient_checkpointing_offload_attention": True}
+    assert len(set(describe)) == len(describe)
+
+
+# -- HunyuanVideo 1.5 ---------------------------------------------------------------------------
+# Head width 8 split 2 + 2 + 4 over (frame, row, column) for RoPE. The ByT5 projection's hidden
+# width is fixed at 2048 upstream, which makes this the largest tiny model here (4.3M parameters).
+_HV15_TINY = {
+    "in_channels": 4, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 8, "num_layers": 5,
+    "num_refiner_layers": 3, "text_embed_dim": 12, "text_embed_2_dim": 10, "image_embed_dim": 8,
+    "rope_axes_dim": (2, 2, 4),
+}
+
+
+def _hv15_model(**overrides):
+    def build():
+        from diffusers import HunyuanVideo15Transformer3DModel
+
+        return HunyuanVideo15Transformer3DModel(**{**_HV15_TINY, **overrides})
+
+    return build
+
+
+def hv15_inputs(g: torch.Generator, batch: int = 1) -> dict:
+    # 2 latent frames x 2 x 2 video tokens, 6 MLLM + 4 ByT5 + 3 vision tokens; T2V: image_embeds all zero
+    return {
+        "hidden_states": _randn(g, batch, 4, 2, 2, 2, grad=True),
+        "timestep": torch.full((batch,), 500.0),
+        "encoder_hidden_states": _randn(g, batch, 6, 12, grad=True),
+        "encoder_attention_mask": torch.ones(batch, 6, dtype=torch.int64),
+        "encoder_hidden_states_2": _randn(g, batch, 4, 10, grad=True),
+        "encoder_attention_mask_2": torch.ones(batch, 4, dtype=torch.int64),
+        "image_embeds": torch.zeros(batch, 3, 8),
+    }
+
+
+def hv15_i2v_inputs(g: torch.Generator) -> dict:
+    # I2V with SigLIP states, two padded prompts, a timestep each and the MeanFlow reference timestep
+    x = hv15_inputs(g, batch=2)
+    x["encoder_attention_mask"][1, 4:] = 0
+    x["encoder_attention_mask_2"][0, 3:] = 0
+    x["image_embeds"] = _randn(g, 2, 3, 8, grad=True)
+    x["timestep"] = torch.tensor([500.0, 200.0])
+    x["timestep_r"] = torch.tensor([300.0, 100.0])
+    return x
+
+
+HV15 = Case("hunyuanvideo15", _hv15_model(), hv15_inputs)
+HV15_I2V = Case("hunyuanvideo15-i2v", _hv15_model(use_meanflow=True), hv15_i2v_inputs)
+
+
+class TestHunyuanVideo15(ConformanceSuite):
+    case = HV15
+
+
+class TestHunyuanVideo15I2V(ConformanceSuite):
+    case = HV15_I2V
+    configs = REDUCED_CPU
+    offload = REDUCED_OFFLOAD
+
+
+# -- what the suites cannot see ------------------------------------------------------------------
+
+CHUNKED = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
+
+
+def _chunks(case: Case) -> dict[str, bool]:
+    """Each chunk of an interval-2 step, and whether it fell back."""
+    torch.manual_seed(case.seed)
+    model = case.build()
+    with gradseam.patch(model, CHUNKED) as handle:
+        run_step(model, case)
+        return {f"{r.list_path}{list(r.blocks)}": bool(r.fallbacks) for r in handle.regions() if r.kind == "chunk"}
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        (
+            HV15_I2V,
+            {
+                "context_embedder.token_refiner.refiner_blocks[0, 1]": False,
+                "transformer_blocks[0, 1]": False,
+                "transformer_blocks[2, 3]": False,
+            },
+        ),
+    ],
+    ids=lambda v: v.name if isinstance(v, Case) else "",
+)
+def test_chunks_run_whole_with_optional_inputs(case, expected):
+    # A wrong Carry would still be exact (the chunk falls back), so parity alone cannot tell.
+    assert _chunks(case) == expected
+
+
+def test_hv15_optional_inputs_reach_the_blocks():
+    # The I2V case's extras must matter: the vision states get a gradient through the chunked
+    # trunk, and dropping padding, image and MeanFlow inputs changes the output.
+    report = check_strategy(HV15_I2V, CHUNKED)
+    assert report.patched.input_grads["image_embeds"].abs().sum() > 0
+    plain = Case("hv15-plain", HV15_I2V.build, lambda g: {**hv15_i2v_inputs(g), **_hv15_plain_extras()})
+    torch.manual_seed(HV15_I2V.seed)
+    assert not torch.equal(run_step(plain.build(), plain).outputs[0], report.reference.outputs[0])
+
+
+def _hv15_plain_extras() -> dict:
+    return {
+        "encoder_attention_mask": torch.ones(2, 6, dtype=torch.int64),
+        "encoder_attention_mask_2": torch.ones(2, 4, dtype=torch.int64),
+        "image_embeds": torch.zeros(2, 3, 8),
+        "timestep_r": None,
+    }
+
+
+def test_hv15_regions():
+    torch.manual_seed(0)
+    model = HV15.build()
+    family = family_for(model)
+    assert family.name == "hunyuanvideo15"
+    ffn = plan(model, family, gradseam.CheckpointConfig.coerce(
+        gradient_checkpointing=True, gradient_checkpointing_backend="torch-ffn"))
+    assert [r.seam for r in ffn.regions if r.blocks == (0,)] == [("norm2", "ff"), ("ff",), ("ff_context",)]
+    chunks = plan(model, family, gradseam.CheckpointConfig.coerce(CHUNKED))
+    assert [(r.list_path.rsplit(".", 1)[-1], r.blocks) for r in chunks.regions] == [
+        ("refiner_blocks", (0, 1)), ("refiner_blocks", (2,)),
+        ("transformer_blocks", (0, 1)), ("transformer_blocks", (2, 3)), ("transformer_blocks", (4,)),
+    ]
+
+
+# -- presets at full size ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("model_name", "expected"),
+    [
+        (
+            "HunyuanVideo15Transformer3DModel",
+            {"context_embedder.token_refiner.refiner_blocks": 2, "transformer_blocks": 54},
+        ),
+    ],
+)
+def test_presets_plan_at_full_size(model_name: str, expected: dict[str, int]) -> None:
+    import diffusers
+
+    cls = getattr(diffusers, model_name)
+    with torch.device("meta"):
+        probe = cls()
+    family = family_for(probe)
+    assert family.presets
+    for preset in family.presets.values():
+        with torch.device("meta"):
+            model = cls(**preset.config)
+        the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(gradient_checkpointing=True))
+        counts: dict[str, int] = {}
+        for region in the_plan.regions:
+            counts[region.list_path] = counts.get(region.list_path, 0) + len(region.blocks)
+        assert counts == expected
+
+
+def test_hv15_preset_inputs_have_the_published_sizes():
+    preset = gradseam.registry.REGISTRY.get("hunyuanvideo15").presets["8.3b-720p"]
+    from diffusers import HunyuanVideo15Transformer3DModel
+
+    with torch.device("meta"):
+        model = HunyuanVideo15Transformer3DModel(**preset.config)
+    block = model.transformer_blocks[0]
+    assert (block.attn.heads, block.ff.net[0].proj.out_features) == (16, 4 * 2048)
+    x = preset.make_inputs(model, torch.device("meta"), torch.bfloat16, **preset.inputs)
+    assert x["hidden_states"].shape == (1, 65, 31, 45, 80) and x["hidden_states"].requires_grad
+    assert x["encoder_hidden_states"].shape == (1, 1000, 3584)
+    assert x["encoder_hidden_states_2"].shape == (1, 256, 1472)
+    assert x["image_embeds"].shape == (1, 729, 1152)
+    more = preset.make_inputs(model, torch.device("meta"), torch.bfloat16, 3600 * 2, **preset.inputs)
+    assert more["hidden_states"].shape[2] == 2  # tokens: 2 latent frames of 45 x 80
+
+
+@pytest.mark.parametrize("name", ["hunyuanvideo15"])
+def test_families_lists_them(name):
+    from typer.testing import CliRunner
+
+    from gradseam.cli import app
+
+    result = CliRunner().invoke(app, ["families"], env={"COLUMNS": "200", "NO_COLOR": "1"}, prog_name="gradseam")
+    assert result.exit_code == 0, result.output
+    assert name in result.output
