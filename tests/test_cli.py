@@ -15,7 +15,7 @@ import gradseam
 from gradseam.cli import app
 
 runner = CliRunner()
-BUILTIN = ["chroma", "flux", "hunyuanvideo15", "krea2", "ltx2", "mageflow", "wan", "zimage"]
+BUILTIN = ["chroma", "flux", "hunyuanvideo15", "krea2", "ltx2", "ltxvideo", "mageflow", "wan", "zimage"]
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 
 
@@ -204,7 +204,7 @@ def test_real_rows_cover_references_and_strategies():
 
 # -- every option is checked before work starts: one line on stderr, exit code 2 --------------------
 
-INSTALLED = "installed: chroma, flux, hunyuanvideo15, krea2, ltx2, mageflow, "  # (the synthetic stack too, once bench ran)
+INSTALLED = "installed: chroma, flux, hunyuanvideo15, krea2, ltx2, ltxvideo, mageflow, "  # (the synthetic stack too, once bench ran)
 OPTION_ERRORS = [
     (["demo", "--steps", "0"], "Invalid value for '--steps'"),
     (["demo", "--tokens", "0"], "Invalid value for '--tokens': image tokens must be a square number >= 1 (side x "

@@ -110,6 +110,64 @@ class TestHunyuanVideo15I2V(ConformanceSuite):
     offload = REDUCED_OFFLOAD
 
 
+# -- LTX-Video 0.9 ------------------------------------------------------------------------------
+_LTXV_TINY = {
+    "in_channels": 4, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 8,
+    "cross_attention_dim": 16, "num_layers": 5, "caption_channels": 12,
+}
+
+
+def _ltxv_model():
+    from diffusers import LTXVideoTransformer3DModel
+
+    return LTXVideoTransformer3DModel(**_LTXV_TINY)
+
+
+def ltxv_inputs(g: torch.Generator) -> dict:
+    # 2 latent frames x 2 x 2 packed video tokens, 6 text tokens, RoPE grid from the sizes
+    return {
+        "hidden_states": _randn(g, 1, 8, 4, grad=True),
+        "encoder_hidden_states": _randn(g, 1, 6, 12, grad=True),
+        "timestep": torch.tensor([500.0]),
+        "encoder_attention_mask": torch.ones(1, 6, dtype=torch.int64),
+        "num_frames": 2,
+        "height": 2,
+        "width": 2,
+        "rope_interpolation_scale": (8 / 25, 32, 32),
+    }
+
+
+def ltxv_conditioned_inputs(g: torch.Generator) -> dict:
+    # The condition pipeline's way: a timestep per token (the clean conditioning frame at 0), explicit
+    # video_coords instead of sizes, and a padded second prompt.
+    coords = torch.stack(torch.meshgrid(*(torch.arange(2.0),) * 3, indexing="ij")).reshape(1, 3, 8)
+    mask = torch.ones(2, 6, dtype=torch.int64)
+    mask[1, 4:] = 0
+    timestep = torch.full((2, 8), 700.0)
+    timestep[:, :4] = 0.0  # first latent frame: the conditioning image, not noised
+    return {
+        "hidden_states": _randn(g, 2, 8, 4, grad=True),
+        "encoder_hidden_states": _randn(g, 2, 6, 12, grad=True),
+        "timestep": timestep,
+        "encoder_attention_mask": mask,
+        "video_coords": coords.repeat(2, 1, 1) * torch.tensor([1 / 25, 32.0, 32.0])[None, :, None],
+    }
+
+
+LTXV = Case("ltxvideo", _ltxv_model, ltxv_inputs)
+LTXV_CONDITIONED = Case("ltxvideo-conditioned", _ltxv_model, ltxv_conditioned_inputs)
+
+
+class TestLTXVideo(ConformanceSuite):
+    case = LTXV
+
+
+class TestLTXVideoConditioned(ConformanceSuite):
+    case = LTXV_CONDITIONED
+    configs = REDUCED_CPU
+    offload = REDUCED_OFFLOAD
+
+
 # -- what the suites cannot see ------------------------------------------------------------------
 
 CHUNKED = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
@@ -135,6 +193,7 @@ def _chunks(case: Case) -> dict[str, bool]:
                 "transformer_blocks[2, 3]": False,
             },
         ),
+        (LTXV_CONDITIONED, {"transformer_blocks[0, 1]": False, "transformer_blocks[2, 3]": False}),
     ],
     ids=lambda v: v.name if isinstance(v, Case) else "",
 )
@@ -187,6 +246,7 @@ def test_hv15_regions():
             "HunyuanVideo15Transformer3DModel",
             {"context_embedder.token_refiner.refiner_blocks": 2, "transformer_blocks": 54},
         ),
+        ("LTXVideoTransformer3DModel", {"transformer_blocks": 28}),
     ],
 )
 def test_presets_plan_at_full_size(model_name: str, expected: dict[str, int]) -> None:
@@ -224,7 +284,37 @@ def test_hv15_preset_inputs_have_the_published_sizes():
     assert more["hidden_states"].shape[2] == 2  # tokens: 2 latent frames of 45 x 80
 
 
-@pytest.mark.parametrize("name", ["hunyuanvideo15"])
+def test_ltxv_conditioning_reaches_the_blocks():
+    # Per-token timesteps give each token its own modulation inside every block: dropping them for
+    # one shared timestep (and the padding) must change the output, or the case would test nothing.
+    report = check_strategy(LTXV_CONDITIONED, CHUNKED)
+    shared = Case("ltxv-shared", _ltxv_model, lambda g: {**ltxv_conditioned_inputs(g),
+                                                          "timestep": torch.tensor([700.0, 700.0]),
+                                                          "encoder_attention_mask": torch.ones(2, 6)})
+    torch.manual_seed(LTXV_CONDITIONED.seed)
+    assert not torch.equal(run_step(shared.build(), shared).outputs[0], report.reference.outputs[0])
+
+
+def test_ltxv_preset_inputs_have_the_published_sizes():
+    from diffusers import LTXVideoTransformer3DModel
+
+    preset = gradseam.registry.REGISTRY.get("ltxvideo").presets["2b-704x512"]
+    with torch.device("meta"):
+        model = LTXVideoTransformer3DModel(**preset.config)
+    block = model.transformer_blocks[0]
+    assert (block.attn1.heads, block.ff.net[0].proj.out_features, len(model.transformer_blocks)) == (32, 8192, 28)
+    x = preset.make_inputs(model, torch.device("meta"), torch.bfloat16, **preset.inputs)
+    assert x["hidden_states"].shape == (1, 21 * 16 * 22, 128) and x["hidden_states"].requires_grad
+    assert (x["num_frames"], x["height"], x["width"]) == (21, 16, 22)
+    assert x["encoder_hidden_states"].shape == (1, 128, 4096)
+    torch.manual_seed(0)
+    tiny = _ltxv_model()
+    small = preset.make_inputs(tiny, torch.device("cpu"), torch.float32, 8, height=64, width=64)
+    assert small["hidden_states"].shape == (1, 2 * 2 * 2, 4)
+    assert tiny(**{**small, "encoder_hidden_states": torch.randn(1, 128, 12)}).sample.shape == (1, 8, 4)
+
+
+@pytest.mark.parametrize("name", ["hunyuanvideo15", "ltxvideo"])
 def test_families_lists_them(name):
     from typer.testing import CliRunner
 
