@@ -15,7 +15,7 @@ import gradseam
 from gradseam.cli import app
 
 runner = CliRunner()
-BUILTIN = ["chroma", "flux", "hunyuanvideo15", "krea2", "ltx2", "ltxvideo", "mageflow", "wan", "zimage"]
+BUILTIN = ["chroma", "flux", "hunyuanvideo15", "krea2", "ltx2", "ltxvideo", "mageflow", "wan", "wan-vace", "zimage"]
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 
 

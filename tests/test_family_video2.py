@@ -168,6 +168,58 @@ class TestLTXVideoConditioned(ConformanceSuite):
     offload = REDUCED_OFFLOAD
 
 
+# -- Wan VACE -----------------------------------------------------------------------------------
+# Six trunk blocks, control hints after blocks 0, 2 and 4 (the 1.3B layout: every second block),
+# so three control blocks: an interval of 2 gives the control list one chunk and one single block.
+_VACE_TINY = {
+    "patch_size": (1, 2, 2), "num_attention_heads": 2, "attention_head_dim": 8, "in_channels": 4, "out_channels": 4,
+    "text_dim": 16, "freq_dim": 16, "ffn_dim": 32, "num_layers": 6, "rope_max_seq_len": 32,
+    "vace_layers": [0, 2, 4], "vace_in_channels": 6,
+}
+
+
+def _vace_model():
+    from diffusers import WanVACETransformer3DModel
+
+    return WanVACETransformer3DModel(**_VACE_TINY)
+
+
+def vace_inputs(g: torch.Generator) -> dict:
+    # 2 latent frames x 2 x 2 patches = 8 video tokens, the control video just as long
+    return {
+        "hidden_states": _randn(g, 1, 4, 2, 4, 4, grad=True),
+        "timestep": torch.tensor([500]),
+        "encoder_hidden_states": _randn(g, 1, 6, 16, grad=True),
+        "control_hidden_states": _randn(g, 1, 6, 2, 4, 4, grad=True),
+    }
+
+
+def vace_scaled_inputs(g: torch.Generator) -> dict:
+    # Two samples, a control video one latent frame short (the model pads its tokens with zeros),
+    # and a per-layer context scale that itself receives a gradient
+    return {
+        "hidden_states": _randn(g, 2, 4, 2, 4, 4, grad=True),
+        "timestep": torch.tensor([500, 200]),
+        "encoder_hidden_states": _randn(g, 2, 6, 16, grad=True),
+        "control_hidden_states": _randn(g, 2, 6, 1, 4, 4, grad=True),
+        "control_hidden_states_scale": torch.tensor([1.0, 0.5, 0.8]).requires_grad_(),
+    }
+
+
+VACE = Case("wan-vace", _vace_model, vace_inputs)
+VACE_SCALED = Case("wan-vace-scaled", _vace_model, vace_scaled_inputs)
+
+
+class TestWanVACE(ConformanceSuite):
+    case = VACE
+
+
+class TestWanVACEScaled(ConformanceSuite):
+    case = VACE_SCALED
+    configs = REDUCED_CPU
+    offload = REDUCED_OFFLOAD
+
+
 # -- what the suites cannot see ------------------------------------------------------------------
 
 CHUNKED = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
@@ -194,6 +246,7 @@ def _chunks(case: Case) -> dict[str, bool]:
             },
         ),
         (LTXV_CONDITIONED, {"transformer_blocks[0, 1]": False, "transformer_blocks[2, 3]": False}),
+        (VACE_SCALED, {"vace_blocks[0, 1]": False}),  # the trunk has no carry: no chunks there
     ],
     ids=lambda v: v.name if isinstance(v, Case) else "",
 )
@@ -240,31 +293,39 @@ def test_hv15_regions():
 
 
 @pytest.mark.parametrize(
-    ("model_name", "expected"),
+    ("family_name", "preset_name", "expected"),
     [
-        (
-            "HunyuanVideo15Transformer3DModel",
-            {"context_embedder.token_refiner.refiner_blocks": 2, "transformer_blocks": 54},
-        ),
-        ("LTXVideoTransformer3DModel", {"transformer_blocks": 28}),
+        ("hunyuanvideo15", "8.3b-480p", {"context_embedder.token_refiner.refiner_blocks": 2, "transformer_blocks": 54}),
+        ("hunyuanvideo15", "8.3b-720p", {"context_embedder.token_refiner.refiner_blocks": 2, "transformer_blocks": 54}),
+        ("ltxvideo", "2b-704x512", {"transformer_blocks": 28}),
+        ("wan-vace", "14b-480p", {"vace_blocks": 8, "blocks": 40}),
+        ("wan-vace", "1.3b-480p", {"vace_blocks": 15, "blocks": 30}),
     ],
 )
-def test_presets_plan_at_full_size(model_name: str, expected: dict[str, int]) -> None:
-    import diffusers
+def test_presets_plan_at_full_size(family_name: str, preset_name: str, expected: dict[str, int]) -> None:
+    from gradseam.workloads import find_family, model_class
 
-    cls = getattr(diffusers, model_name)
+    family = find_family(family_name)
+    preset = family.presets[preset_name]
     with torch.device("meta"):
-        probe = cls()
-    family = family_for(probe)
-    assert family.presets
-    for preset in family.presets.values():
-        with torch.device("meta"):
-            model = cls(**preset.config)
-        the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(gradient_checkpointing=True))
+        model = model_class(family)(**preset.config)
+    assert family_for(model) is family
+    for interval, regions in ((None, sum(expected.values())), (2, None)):
+        config = gradseam.CheckpointConfig.coerce(gradient_checkpointing=True, gradient_checkpointing_interval=interval)
+        the_plan = plan(model, family, config)
         counts: dict[str, int] = {}
         for region in the_plan.regions:
             counts[region.list_path] = counts.get(region.list_path, 0) + len(region.blocks)
         assert counts == expected
+        if regions is not None:
+            assert len(the_plan.regions) == regions  # one region per block without an interval
+
+
+def test_all_presets_are_covered():
+    covered = {(f, p) for f, p, _ in test_presets_plan_at_full_size.pytestmark[0].args[1]}
+    for name in ("hunyuanvideo15", "ltxvideo", "wan-vace"):
+        family = gradseam.registry.REGISTRY.get(name)
+        assert {(name, p) for p in family.presets} <= covered
 
 
 def test_hv15_preset_inputs_have_the_published_sizes():
@@ -314,7 +375,74 @@ def test_ltxv_preset_inputs_have_the_published_sizes():
     assert tiny(**{**small, "encoder_hidden_states": torch.randn(1, 128, 12)}).sample.shape == (1, 8, 4)
 
 
-@pytest.mark.parametrize("name", ["hunyuanvideo15", "ltxvideo"])
+def test_vace_and_wan_stay_apart():
+    # The VACE model is not a Wan subclass: each family claims its own model class, and both
+    # declare the same trunk block class.
+    torch.manual_seed(0)
+    vace = family_for(VACE.build())
+    from cases import WAN
+
+    assert (vace.name, family_for(WAN.build()).name) == ("wan-vace", "wan")
+    wan_block = "diffusers.models.transformers.transformer_wan.WanTransformerBlock"
+    assert wan_block in {bc.name for bc in vace.block_classes}
+    assert wan_block in {bc.name for bc in gradseam.registry.REGISTRY.get("wan").block_classes}
+
+
+@pytest.mark.filterwarnings("ignore:gradseam. a checkpoint chunk")
+def test_vace_trunk_is_not_chunked_and_why(monkeypatch):
+    # The trunk declares no carry. Had it one, the chunks meeting a control hint would fall back
+    # (exact, but recomputing in forward): here after blocks 0, 2, 4 every interval-2 chunk does.
+    from dataclasses import replace
+
+    import gradseam.patcher as patcher
+    from gradseam.family import BlockList, Carry
+
+    torch.manual_seed(0)
+    model = VACE.build()
+    family = family_for(model)
+    chunks = plan(model, family, gradseam.CheckpointConfig.coerce(CHUNKED))
+    assert [(r.list_path, r.blocks) for r in chunks.regions] == [
+        ("vace_blocks", (0, 1)), ("vace_blocks", (2,)), *(("blocks", (i,)) for i in range(6))
+    ]
+    carried = replace(family, block_lists=(family.block_lists[0], BlockList("blocks", Carry({"hidden_states": None}))))
+    monkeypatch.setattr(patcher, "family_for", lambda m: carried)
+    assert _chunks(VACE) == {"vace_blocks[0, 1]": False, "blocks[0, 1]": True, "blocks[2, 3]": True,
+                             "blocks[4, 5]": True}
+
+
+def test_vace_control_inputs_reach_the_blocks():
+    # The control video and each layer's scale get gradients through the chunked control blocks,
+    # and the scale changes the output.
+    report = check_strategy(VACE_SCALED, CHUNKED)
+    for name in ("control_hidden_states", "control_hidden_states_scale"):
+        assert report.patched.input_grads[name].abs().sum() > 0, name
+    assert (report.patched.input_grads["control_hidden_states_scale"] != 0).all()
+    unscaled = Case("vace-unscaled", _vace_model,
+                    lambda g: {k: v for k, v in vace_scaled_inputs(g).items() if k != "control_hidden_states_scale"})
+    torch.manual_seed(VACE_SCALED.seed)
+    assert not torch.equal(run_step(unscaled.build(), unscaled).outputs[0], report.reference.outputs[0])
+
+
+def test_vace_preset_inputs_have_the_published_sizes():
+    from diffusers import WanVACETransformer3DModel
+
+    preset = gradseam.registry.REGISTRY.get("wan-vace").presets["1.3b-480p"]
+    with torch.device("meta"):
+        model = WanVACETransformer3DModel(**preset.config)
+    assert (model.blocks[0].attn1.heads, model.blocks[0].ffn.net[0].proj.out_features) == (12, 8960)
+    assert model.vace_blocks[0].proj_in is not None and model.vace_blocks[1].proj_in is None
+    x = preset.make_inputs(model, torch.device("meta"), torch.bfloat16, **preset.inputs)
+    assert x["hidden_states"].shape == (1, 16, 21, 60, 104) and x["hidden_states"].requires_grad
+    assert x["control_hidden_states"].shape == (1, 96, 21, 60, 104)
+    assert x["encoder_hidden_states"].shape == (1, 512, 4096)
+    torch.manual_seed(0)
+    tiny = _vace_model()
+    small = preset.make_inputs(tiny, torch.device("cpu"), torch.float32, 8, height=32, width=32, text_tokens=6)
+    assert small["hidden_states"].shape == (1, 4, 2, 4, 4)
+    assert tiny(**small).sample.shape == (1, 4, 2, 4, 4)
+
+
+@pytest.mark.parametrize("name", ["hunyuanvideo15", "ltxvideo", "wan-vace"])
 def test_families_lists_them(name):
     from typer.testing import CliRunner
 

@@ -672,7 +672,7 @@ def family_module(name: str, model: str = "", extra: str = "") -> str:
         """
 
 
-BUILTINS = ["chroma", "flux", "hunyuanvideo15", "krea2", "ltx2", "ltxvideo", "mageflow", "wan", "zimage"]
+BUILTINS = ["chroma", "flux", "hunyuanvideo15", "krea2", "ltx2", "ltxvideo", "mageflow", "wan", "wan-vace", "zimage"]
 EMPTY = ([], [], [], [], False)
 
 
