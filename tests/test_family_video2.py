@@ -9,11 +9,14 @@ matrix. The presets must build on the meta device and plan every block at full s
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 import gradseam
 from gradseam.patcher import family_for, plan
+from gradseam.planning import GradseamWarning
 from gradseam.testing import Case, ConformanceSuite, check_strategy, cpu_configs, offload_configs, run_step
 
 
@@ -54,8 +57,7 @@ def test_reduced_matrices_are_what_they_say():
 
 
 # -- HunyuanVideo 1.5 ---------------------------------------------------------------------------
-# Head width 8 split 2 + 2 + 4 over (frame, row, column) for RoPE. The ByT5 projection's hidden
-# width is fixed at 2048 upstream, which makes this the largest tiny model here (4.3M parameters).
+# Head width 8 split 2 + 2 + 4 over (frame, row, column) for RoPE.
 _HV15_TINY = {
     "in_channels": 4, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 8, "num_layers": 5,
     "num_refiner_layers": 3, "text_embed_dim": 12, "text_embed_2_dim": 10, "image_embed_dim": 8,
@@ -66,8 +68,13 @@ _HV15_TINY = {
 def _hv15_model(**overrides):
     def build():
         from diffusers import HunyuanVideo15Transformer3DModel
+        from diffusers.models.transformers.transformer_hunyuan_video15 import HunyuanVideo15ByT5TextProjection
 
-        return HunyuanVideo15Transformer3DModel(**{**_HV15_TINY, **overrides})
+        model = HunyuanVideo15Transformer3DModel(**{**_HV15_TINY, **overrides})
+        # upstream fixes the ByT5 projection's hidden width at 2048 (4M of the 4.3M parameters);
+        # the same class 16 wide keeps every step fast. It runs before the blocks, outside any region.
+        model.context_embedder_2 = HunyuanVideo15ByT5TextProjection(10, 16, 16)
+        return model
 
     return build
 
@@ -388,7 +395,6 @@ def test_vace_and_wan_stay_apart():
     assert wan_block in {bc.name for bc in gradseam.registry.REGISTRY.get("wan").block_classes}
 
 
-@pytest.mark.filterwarnings("ignore:gradseam. a checkpoint chunk")
 def test_vace_trunk_is_not_chunked_and_why(monkeypatch):
     # The trunk declares no carry. Had it one, the chunks meeting a control hint would fall back
     # (exact, but recomputing in forward): here after blocks 0, 2, 4 every interval-2 chunk does.
@@ -406,7 +412,10 @@ def test_vace_trunk_is_not_chunked_and_why(monkeypatch):
     ]
     carried = replace(family, block_lists=(family.block_lists[0], BlockList("blocks", Carry({"hidden_states": None}))))
     monkeypatch.setattr(patcher, "family_for", lambda m: carried)
-    assert _chunks(VACE) == {"vace_blocks[0, 1]": False, "blocks[0, 1]": True, "blocks[2, 3]": True,
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", GradseamWarning)  # the fallbacks this test is about
+        found = _chunks(VACE)
+    assert found == {"vace_blocks[0, 1]": False, "blocks[0, 1]": True, "blocks[2, 3]": True,
                              "blocks[4, 5]": True}
 
 
