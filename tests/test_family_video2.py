@@ -451,6 +451,46 @@ def test_vace_preset_inputs_have_the_published_sizes():
     assert tiny(**small).sample.shape == (1, 4, 2, 4, 4)
 
 
+WORKLOADS = {
+    "hunyuanvideo15": (
+        _HV15_TINY, {"frames": 5, "height": 32, "width": 32, "text_tokens": 6, "byt5_tokens": 4, "image_tokens": 3},
+    ),
+    "ltxvideo": (_LTXV_TINY, {"frames": 9, "height": 64, "width": 64, "text_tokens": 6}),
+    "wan-vace": (_VACE_TINY, {"frames": 5, "height": 32, "width": 32, "text_tokens": 6}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_bench_workload_truncates_steps_and_patches_exactly(name):
+    """What `gradseam bench --family NAME --layers 2` does, on a tiny preset with the real input builder:
+    build, truncate every list, build inputs, step; the same step patched in chunks is bit-identical."""
+    from dataclasses import replace
+
+    from gradseam import Preset
+    from gradseam.workloads import build, find_family, grad_leaves, make_step, sequence_length
+
+    family = find_family(name)
+    real = next(iter(family.presets.values()))
+    config, inputs = WORKLOADS[name]
+    tiny = replace(family, presets={"tiny": Preset("tiny", config, inputs, real.make_inputs)})
+    torch.manual_seed(0)
+    workload = build(tiny, "tiny", layers=2, device="cpu", dtype=torch.float32)
+    assert workload.truncated and all(kept == 2 for kept, _ in workload.truncated.values())
+    x = workload.inputs()
+    assert sequence_length(workload.model, workload.family, x) > 0
+    leaves = grad_leaves(x)
+    assert leaves and x["hidden_states"].requires_grad
+    make_step(workload.model, x)()
+    reference = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    with gradseam.patch(workload.model, CHUNKED) as handle:
+        assert handle.family.name == name
+        make_step(workload.model, x)()
+    assert all(torch.equal(t.grad, r) for t, r in zip(leaves, reference))
+    assert workload.inputs(tokens=64) is not None
+
+
 @pytest.mark.parametrize("name", ["hunyuanvideo15", "ltxvideo", "wan-vace"])
 def test_families_lists_them(name):
     from typer.testing import CliRunner
