@@ -15,7 +15,7 @@ import gradseam
 from gradseam.cli import app
 
 runner = CliRunner()
-BUILTIN = ["chroma", "flux", "flux2", "krea2", "ltx2", "mageflow", "qwenimage", "sana", "sana-video", "sd3", "wan", "zimage"]
+BUILTIN = ["chroma", "flux", "flux2", "hunyuanvideo15", "krea2", "ltx2", "ltxvideo", "mageflow", "qwenimage", "sana", "sana-video", "sd3", "wan", "wan-vace", "zimage"]
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 
 
@@ -204,7 +204,7 @@ def test_real_rows_cover_references_and_strategies():
 
 # -- every option is checked before work starts: one line on stderr, exit code 2 --------------------
 
-INSTALLED = "installed: chroma, flux, flux2, krea2, ltx2, mageflow, qwenimage, "  # (the synthetic stack too, once bench ran)
+INSTALLED = "installed: chroma, flux, flux2, hunyuanvideo15, krea2, ltx2, ltxvideo, mageflow, "  # (the synthetic stack too, once bench ran)
 OPTION_ERRORS = [
     (["demo", "--steps", "0"], "Invalid value for '--steps'"),
     (["demo", "--tokens", "0"], "Invalid value for '--tokens': image tokens must be a square number >= 1 (side x "
