@@ -99,7 +99,10 @@ class Runner:
         # the model edits in place between blocks (Flux 2 swaps each block's KV cache into one
         # kwargs dict) would hand the recompute another block's entries. So the recompute gets
         # fresh shallow copies of the containers as they were when the region ran forward.
-        entry = None if torch.compiler.is_compiling() else tuple(_shallow(v) for v in flat)
+        # Only containers are copied: holding a tensor argument here would keep it on the GPU until
+        # backward, which is exactly what the unsloth backends free.
+        entry = None if torch.compiler.is_compiling() else tuple(
+            _shallow(v) if isinstance(v, (dict, list)) else None for v in flat)
         runs = [0]
 
         def region(*flat: Any) -> Any:

@@ -61,6 +61,20 @@ def _deterministic():
 MATRIX = [(case, cfg) for case in ALL for cfg in GPU_CONFIGS]
 
 
+def _new_families() -> list[Case]:
+    from test_family_image2 import FLUX2, QWEN
+    from test_family_sd3_sana import SANA, SANA_VIDEO, SD3
+    from test_family_video2 import HV15, LTXV, VACE
+
+    return [FLUX2, QWEN, SD3, SANA, SANA_VIDEO, HV15, LTXV, VACE]
+
+
+# The families added later: every offload mechanism once (region inputs with kept kernels, FFN inputs
+# with attention seams, attention seams alone, kept kernels with whole blocks)
+NEW_GPU_CONFIGS = [GPU_CONFIGS[i] for i in (1, 3, 4, 6)]
+MATRIX += [(case, cfg) for case in _new_families() for cfg in NEW_GPU_CONFIGS]
+
+
 @pytest.mark.parametrize(("case", "config"), MATRIX, ids=[f"{c.name}-{config_id(k)}" for c, k in MATRIX])
 def test_gpu_parity_fp32(case, config):
     """Tiny fp32 models on the GPU: offload through pinned buffers and side streams changes nothing."""

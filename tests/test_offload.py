@@ -263,3 +263,28 @@ def test_patched_model_lists_its_state_once_per_forward(monkeypatch):
     assert handle.engine.copies > 0
     assert len(walks) == 2  # 7 attention groups per forward, one listing per forward
     handle.remove()
+
+
+def test_unsloth_lets_go_of_block_inputs_after_copying_them():
+    """What the unsloth backends free is the block inputs: after the forward, nothing of gradseam's may
+    still hold one on the device (only the newest region keeps its source, for backward to start on)."""
+    import weakref
+
+    from cases import WAN
+
+    torch.manual_seed(0)
+    model = WAN.build()
+    seen: list[weakref.ref] = []
+    def record(module, args, kwargs):
+        seen.append(weakref.ref(args[0] if args else kwargs["hidden_states"]))
+
+    hooks = [b.register_forward_pre_hook(record, with_kwargs=True) for b in model.blocks]
+    with cpu_test_mode(), gradseam.patch(model, gradient_checkpointing=True, gradient_checkpointing_backend="unsloth"):
+        out = model(**WAN.inputs(torch.Generator().manual_seed(1)))[0]
+        gc.collect()
+        alive = [i for i, ref in enumerate(seen) if ref() is not None]
+        out.sum().backward()
+    for h in hooks:
+        h.remove()
+    assert len(seen) == len(model.blocks)
+    assert alive in ([], [len(seen) - 1]), f"block inputs still held after the forward: {alive}"
