@@ -101,16 +101,24 @@ class Runner:
         # fresh shallow copies of the containers as they were when the region ran forward.
         # Only containers are copied: holding a tensor argument here would keep it on the GPU until
         # backward, which is exactly what the unsloth backends free.
+        # Under torch.compile the region is traced into a graph (no Python state may change inside it),
+        # so it stays the plain call there.
         entry = None if torch.compiler.is_compiling() else tuple(
             _shallow(v) if isinstance(v, (dict, list)) else None for v in flat)
-        runs = [0]
 
         def region(*flat: Any) -> Any:
-            runs[0] += 1
-            if runs[0] > 1 and entry is not None:
-                flat = tuple(_shallow(e) if isinstance(e, (dict, list)) else f for e, f in zip(entry, flat))
             with _RegionScope():
                 return fn(*flat[:n], **dict(zip(names, flat[n:])))
+
+        if entry is not None and any(e is not None for e in entry):
+            forward = region
+            runs = [0]
+
+            def region(*flat: Any) -> Any:  # the first call is the forward, later ones recompute
+                runs[0] += 1
+                if runs[0] > 1:
+                    flat = tuple(_shallow(e) if e is not None else f for e, f in zip(entry, flat))
+                return forward(*flat)
 
         if self.scope is None:
             return checkpoint(region, *flat, use_reentrant=False)
