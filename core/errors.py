@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 PLUGIN_GUIDE = "the plugin guide (docs/plugins.md in the gradseam repository)"
 
 
@@ -48,3 +50,17 @@ class PluginWarning(RuntimeWarning):
 
     Turn it into an error with ``-W error::gradseam.errors.PluginWarning``.
     """
+
+
+class GradseamWarning(UserWarning):
+    """A setting was accepted but cannot take effect as written; the message says what runs instead."""
+
+
+warned: set[str] = set()  # messages already given in this process (tests clear it)
+
+
+def warn_once(message: str) -> None:
+    """Warn once per message and process: the same cause on every step would drown a training log."""
+    if message not in warned:
+        warned.add(message)
+        warnings.warn(message, GradseamWarning, stacklevel=3)

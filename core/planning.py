@@ -8,29 +8,14 @@ that tools (the summary, the conformance kit, the advisor) can inspect a plan wi
 from __future__ import annotations
 
 import inspect
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
 
 from .config import CheckpointConfig
-from .errors import UnsupportedModelError, UnsupportedStrategyError
+from .errors import GradseamWarning, UnsupportedModelError, UnsupportedStrategyError, warn_once, warned  # noqa: F401 - GradseamWarning and warned are re-exported
 from .family import BlockClass, BlockList, Family
-
-
-class GradseamWarning(UserWarning):
-    """A setting was accepted but cannot take effect as written; the message says what runs instead."""
-
-
-warned: set[str] = set()
-
-
-def warn_once(message: str) -> None:
-    if message not in warned:
-        warned.add(message)
-        warnings.warn(message, GradseamWarning, stacklevel=3)
-
 
 # -- planning ---------------------------------------------------------------------------------
 

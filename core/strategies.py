@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .errors import warn_once
 from .links import (
     ORDER,
     PRE_HOOKS,
@@ -47,7 +48,6 @@ from .links import (
     signature_of,
     snapshot,
 )
-from .planning import warn_once
 from .seams import Original
 
 Call = Callable[..., Any]
