@@ -12,16 +12,6 @@ from gradseam.patcher import family_for, plan
 from gradseam.testing import Case, ConformanceSuite, assert_same_step, run_step
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models gain nothing from intra-op threads; on a busy 2-core machine their waits made
-    # steps several times slower. Reference and patched runs share the setting.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _randn(g: torch.Generator, *shape: int, grad: bool = False) -> torch.Tensor:
     return torch.randn(*shape, generator=g).requires_grad_(grad)
 

@@ -20,16 +20,6 @@ from gradseam.planning import GradseamWarning
 from gradseam.testing import Case, ConformanceSuite, check_strategy, cpu_configs, offload_configs, run_step
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # Tiny models gain nothing from intra-op threads; on a busy 2-core machine their waits made
-    # steps several times slower. Reference and patched runs share the setting.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _randn(g: torch.Generator, *shape: int, grad: bool = False) -> torch.Tensor:
     return torch.randn(*shape, generator=g).requires_grad_(grad)
 
