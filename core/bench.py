@@ -75,7 +75,8 @@ REFERENCE_ROWS = [
     "ref: naive unsloth",
     "ref: save_on_cpu",
 ]
-# Rows that copy activations to pinned host memory: reported as "needs CUDA" on the CPU.
+# Rows the CPU mode cannot measure, reported as "needs CUDA" there: offload copies GPU memory, and
+# kept attention kernel outputs escape the CPU mode's saved-tensor count.
 CUDA_ONLY_ROWS = frozenset({label for label, _ in GRADSEAM_ROWS if needs_cuda(label)}
                            | {"ref: naive unsloth", "ref: save_on_cpu"})
 

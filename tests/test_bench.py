@@ -16,7 +16,7 @@ from gradseam.testing import count_saved_bytes
 MiB = 1 << 20
 TINY = [(2, 64, 128)]  # blocks, tokens, dim
 MEASURED = ["none", "ref: torch.utils.checkpoint", "ref: torch.utils.checkpoint (FFN)", "torch", "torch-ffn",
-            "torch + attention kept", "torch, interval 2"]
+            "torch, interval 2"]
 ROW_KEYS = {"workload", "tokens", "strategy", "peak_gib", "step_ms", "status", "pinned_allocations_after_warmup",
             "vs_none", "vs_torch"}
 

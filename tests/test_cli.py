@@ -129,7 +129,7 @@ def test_bench_oom_cell_is_reported_and_the_sweep_continues(tmp_path, monkeypatc
     by = {r["strategy"]: r for r in doc["rows"]}
     assert by["torch"]["status"] == "OOM" and by["torch"]["peak_gib"] is None
     assert by["torch-ffn"]["status"] == by["torch, interval 2"]["status"] == "ok"  # rows after it still ran
-    assert len(calls) == 7  # every row the CPU can measure: references, torch, torch-ffn, attention kept, interval 2
+    assert len(calls) == 6  # every row the CPU can measure: references, torch, torch-ffn, interval 2
     assert "torch: OOM" in result.output and "| torch | OOM |" in result.output
 
 
@@ -278,7 +278,7 @@ def test_demo_runs_the_size_its_title_says():
     from gradseam.demo import strategies
 
     # every row's gradient equals the unpatched one ("none" included: its difference to itself)
-    assert result.output.count("0.0e+00") == len(strategies(cuda=False)) == 6
+    assert result.output.count("0.0e+00") == len(strategies(cuda=False)) == 5
 
 
 def test_bench_creates_the_output_directory_before_running(tmp_path):
