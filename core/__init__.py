@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from .advise import advise  # eager: a lazy wrapper would be shadowed by the submodule on first import
 from .config import BACKENDS, CheckpointConfig
 from .errors import GradseamError, PluginConflictError, UnsupportedModelError, UnsupportedStrategyError
 from .family import BlockClass, BlockList, Carry, Family, Preset
@@ -18,6 +17,7 @@ if TYPE_CHECKING:
 
     from .patcher import PatchHandle, PipelineHandle
     from .registry import Installed
+    from .tools.advise import Advice
 
 __version__ = "0.1.0"
 
@@ -59,6 +59,16 @@ def patch(target: Any, config: Any = None, **kwargs: Any) -> PatchHandle | Pipel
     from .patcher import patch as _patch
 
     return _patch(target, config, **kwargs)
+
+
+def advise(model: Any, example_inputs: Any, budget: str | float, *args: Any, **kwargs: Any) -> Advice:
+    """The fastest strategy that fits ``budget`` at the model's real depth (see :mod:`gradseam.tools.advise`).
+
+    Loaded on first use: the runtime never imports the tools that measure and advise.
+    """
+    from .tools.advise import advise as _advise
+
+    return _advise(model, example_inputs, budget, *args, **kwargs)
 
 
 def handle_of(model: Any) -> PatchHandle | None:

@@ -1,3 +1,3 @@
-from gradseam.cli import main
+from gradseam.tools.cli import main
 
 main()

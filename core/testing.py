@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from .config import CheckpointConfig
+from .tools.measure import count_saved_bytes
 
 Inputs = dict[str, Any]
 
@@ -55,33 +56,6 @@ class Step:
 
 def _as_tuple(value: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     return value if isinstance(value, tuple) else (value,)
-
-
-@contextmanager
-def count_saved_bytes(params: set[int]) -> Iterator[list[int]]:
-    """Bytes of distinct storages autograd keeps from forward to backward (parameters excluded).
-
-    Around a non-reentrant checkpoint these hooks see only what the checkpoint keeps (its
-    inputs), so the count is exactly what a strategy leaves in memory between the two passes.
-    """
-    seen: set[tuple[int, int]] = set()
-    total = [0]
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        # Linear layers save ``weight.t()``: a view that owns no memory beyond the parameter's.
-        base = t._base
-        if id(t) not in params and not isinstance(t, nn.Parameter) and not (base is not None and id(base) in params):
-            storage = t.untyped_storage()
-            key = (storage.data_ptr(), storage.nbytes())
-            if key not in seen and storage.nbytes() > 0:
-                seen.add(key)
-                total[0] += storage.nbytes()
-        # Not ``t`` itself: a saved output holding itself would form a cycle through autograd's C++
-        # graph that Python's GC cannot see, leaking every graph that backward never frees.
-        return t.detach()
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield total
 
 
 def run_step(model: nn.Module, case: Case, *, seed: int = 1, count_bytes: bool = True) -> Step:

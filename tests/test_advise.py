@@ -1,4 +1,4 @@
-"""gradseam.advise: budget parsing, the ladder logic (with a fake measurer) and the real-size workloads."""
+"""gradseam.tools.advise: budget parsing, the ladder logic (with a fake measurer) and the real-size workloads."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from gradseam import UnsupportedStrategyError
-from gradseam.advise import LADDER, GiB, NoFitError, advise, parse_budget, run_ladder
 from gradseam.errors import GradseamError
+from gradseam.tools.advise import LADDER, GiB, NoFitError, advise, parse_budget, run_ladder
 
 # -- budgets ------------------------------------------------------------------------------------
 
@@ -254,7 +254,8 @@ TINY = {
 
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_workload_builds_truncates_and_steps(name):
-    from gradseam.workloads import build, find_family, grad_leaves, make_step, sequence_length
+    from gradseam.tools.measure import forward_backward, grad_leaves
+    from gradseam.tools.workloads import build, find_family, sequence_length
 
     family = _tiny(find_family(name), *TINY[name])
     workload = build(family, "tiny", layers=1, device="cpu", dtype=torch.float32)
@@ -265,7 +266,7 @@ def test_workload_builds_truncates_and_steps(name):
     leaves = grad_leaves(inputs)
     assert leaves and all(t.dtype == torch.float32 for t in leaves)
     assert sequence_length(workload.model, workload.family, inputs) > 0
-    make_step(workload.model, inputs)()
+    forward_backward(workload.model, inputs)()
     assert all(t.grad is not None for t in leaves)
     assert workload.inputs(tokens=64) is not None
 
@@ -279,7 +280,7 @@ def test_every_builtin_preset_has_an_input_builder():
 
 
 def test_unknown_family_and_preset():
-    from gradseam.workloads import build, find_family, find_preset
+    from gradseam.tools.workloads import build, find_family, find_preset
 
     with pytest.raises(GradseamError, match="no installed family 'nope'"):
         find_family("nope")

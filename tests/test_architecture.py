@@ -1,53 +1,81 @@
 """The layout is the architecture: the runtime that patches models stands alone.
 
-The runtime (what ``gradseam.patch`` needs) must not import the tools that measure and advise, nor
-the conformance kit, so that patching a model pulls in none of them and a tool can change without
-touching what runs inside a training step. And no module reaches into another's private names:
-what one module offers another is public, named, and documented where it is defined.
+The runtime (what ``gradseam.patch`` needs, the modules directly in ``core/``) must not import the
+tools that measure and advise (``core/tools/``, ``gradseam.tools``) nor the conformance kit
+(``gradseam.testing``), so that patching a model pulls in none of them and a tool can change
+without touching what runs inside a training step. And no module reaches into another's private
+names: what one module offers another is public, named, and documented where it is defined.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RUNTIME = {"backends", "config", "errors", "family", "hookspecs", "kernels", "links", "loading", "offload",
-           "patcher", "pinned", "planning", "registry", "scopes", "seams", "strategies", "summary"}
-TOOLS_AND_KIT = {"advise", "bench", "cli", "cli_support", "demo", "launch", "launch_report", "named_strategies",
-                 "synthetic", "testing", "workloads"}
+KIT = "testing"
+FACADE = {"__init__", "__main__"}  # the package's entry points may name a tool (gradseam.advise, the CLI)
+RUNTIME = {p.stem for p in (ROOT / "core").glob("*.py")} - FACADE - {KIT}
+TOOLS = {p.stem for p in (ROOT / "core" / "tools").glob("*.py")} - {"__init__"}
 
 
-def _imports(path: Path) -> list[tuple[str, list[str]]]:
-    """(module imported relative to gradseam, names) for every import in the file, nested ones included."""
+def _imports(path: Path, package: str) -> list[str]:
+    """Every gradseam module ``path`` imports (dotted, relative to gradseam), nested imports included.
+
+    ``package`` is the file's package relative to gradseam ("" for core/, "tools" for core/tools/),
+    to resolve relative imports; ``from x import name`` yields ``x.name`` too, since ``name`` may be
+    a submodule.
+    """
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            module = node.module or ""
-            if node.level == 1:
-                found.append((module, [a.name for a in node.names]))
-            elif module == "gradseam" or module.startswith("gradseam."):
-                found.append((module.removeprefix("gradseam").lstrip("."), [a.name for a in node.names]))
+            if node.level:
+                parts = package.split(".") if package else []
+                base = parts[: len(parts) - (node.level - 1)]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            elif node.module == "gradseam" or (node.module or "").startswith("gradseam."):
+                module = node.module.removeprefix("gradseam").lstrip(".")
+            else:
+                continue
+            found.append(module)
+            found += [f"{module}.{a.name}".lstrip(".") for a in node.names]
         elif isinstance(node, ast.Import):
-            found += [(a.name.removeprefix("gradseam").lstrip("."), []) for a in node.names
+            found += [a.name.removeprefix("gradseam").lstrip(".") for a in node.names
                       if a.name == "gradseam" or a.name.startswith("gradseam.")]
     return found
 
 
-def test_every_core_module_is_classified():
-    modules = {p.stem for p in (ROOT / "core").glob("*.py")} - {"__init__", "__main__"}
-    assert modules == RUNTIME | TOOLS_AND_KIT, sorted(modules ^ (RUNTIME | TOOLS_AND_KIT))
+def test_runtime_and_tools_are_apart_on_disk():
+    assert RUNTIME and TOOLS
+    assert not RUNTIME & TOOLS, sorted(RUNTIME & TOOLS)
+    assert {"bench", "advise", "demo", "cli", "workloads", "synthetic", "measure"} <= TOOLS
 
 
 def test_the_runtime_imports_no_tool_and_not_the_kit():
     for name in sorted(RUNTIME):
-        for module, names in _imports(ROOT / "core" / f"{name}.py"):
-            targets = {module.split(".")[0]} if module else set(names)
-            assert not targets & TOOLS_AND_KIT, f"core/{name}.py imports {module or names} (a tool or the kit)"
+        for module in _imports(ROOT / "core" / f"{name}.py", ""):
+            head = module.split(".")[0]
+            assert head not in ("tools", KIT), f"core/{name}.py imports gradseam.{module} (a tool or the kit)"
+
+
+def test_patching_a_model_loads_no_tool():
+    code = (
+        "import sys, gradseam\n"
+        "from gradseam import patcher, offload, strategies, planning, registry, loading, summary\n"
+        "print(sorted(m for m in sys.modules if m.startswith('gradseam.tools') or m == 'gradseam.testing'))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
 
 
 def test_no_module_imports_private_names_of_another():
-    for path in sorted([*(ROOT / "core").glob("*.py"), *(ROOT / "adapters").glob("*.py")]):
-        for module, names in _imports(path):
-            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
-            assert not private, f"{path.relative_to(ROOT)} imports private {private} from {module or '.'}"
+    paths = [(p, "") for p in (ROOT / "core").glob("*.py")] + [(p, "tools") for p in (ROOT / "core" / "tools").glob("*.py")]
+    paths += [(p, "adapters") for p in (ROOT / "adapters").glob("*.py")]
+    for path, package in sorted(paths):
+        for module in _imports(path, package):
+            name = module.rsplit(".", 1)[-1]
+            assert not (name.startswith("_") and not name.startswith("__")), (
+                f"{path.relative_to(ROOT)} imports private {module}"
+            )

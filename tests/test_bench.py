@@ -1,4 +1,4 @@
-"""gradseam.bench on the CPU: the synthetic sweep, failing cells, the JSON payload, and advise's ladder
+"""gradseam.tools.bench on the CPU: the synthetic sweep, failing cells, the JSON payload, and advise's ladder
 driven by real CPU measurements (bytes kept for backward) of a tiny synthetic stack."""
 
 from __future__ import annotations
@@ -9,16 +9,17 @@ import pytest
 import torch
 
 import gradseam
-from gradseam import bench as b
-from gradseam.advise import GiB, advise
-from gradseam.testing import count_saved_bytes
+from gradseam.tools import bench as b
+from gradseam.tools import bench_report as report
+from gradseam.tools.advise import GiB, advise
+from gradseam.tools.measure import count_saved_bytes
 
 MiB = 1 << 20
 TINY = [(2, 64, 128)]  # blocks, tokens, dim
 MEASURED = ["none", "ref: torch.utils.checkpoint", "ref: torch.utils.checkpoint (FFN)", "torch", "torch-ffn",
             "torch, interval 2"]
 ROW_KEYS = {"workload", "tokens", "strategy", "peak_gib", "step_ms", "status", "pinned_allocations_after_warmup",
-            "vs_none", "vs_torch"}
+            "pinned_gib", "depth", "blocks", "vs_none", "vs_torch"}
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,8 @@ def test_cpu_sweep_measures_torch_rows_and_marks_offload_rows(results):
     for name in MEASURED:
         assert by[name].status == "ok", by[name]
         assert by[name].peak_gib > 0 and by[name].step_ms > 0
-    for name in b.CUDA_ONLY_ROWS:
+    assert b.CUDA_ONLY_ROWS & set(by)
+    for name in b.CUDA_ONLY_ROWS & set(by):
         assert by[name].status == b.NEEDS_CUDA and by[name].peak_gib is None
     # the memory column is bytes kept for backward: exact counts, so these compare exactly
     assert by["torch"].peak_gib == by["ref: torch.utils.checkpoint"].peak_gib < by["torch-ffn"].peak_gib
@@ -47,18 +49,18 @@ def test_cpu_defaults_are_small():
 
 
 def _fail_on(monkeypatch, strategy: str, exc: BaseException) -> list[int]:
-    """Replace measure_cpu so that the cell of ``strategy`` raises ``exc``; the others really measure."""
-    real = b.measure_cpu
+    """Replace the measuring loop so that the cell of ``strategy`` raises ``exc``; the others really measure."""
+    real = b.measuring.measure
     calls = [0]
     target = MEASURED.index(strategy)
 
-    def fake(step, steps):
+    def fake(step, **kwargs):
         calls[0] += 1
         if calls[0] - 1 == target:
             raise exc
-        return real(step, steps)
+        return real(step, **kwargs)
 
-    monkeypatch.setattr(b, "measure_cpu", fake)
+    monkeypatch.setattr(b.measuring, "measure", fake)
     return calls
 
 
@@ -71,9 +73,9 @@ def test_oom_in_one_cell_is_a_row_and_the_sweep_continues(monkeypatch):
     by = {r.strategy: r for r in results}
     assert by["torch"].status == "OOM" and by["torch"].peak_gib is None and by["torch"].step_ms is None
     assert all(by[n].status == "ok" for n in MEASURED if n != "torch")
-    rows = b.with_ratios(results)
+    rows = report.with_ratios(results)
     assert all(r["vs_torch"] is None for r in rows)  # no torch time to compare with
-    assert "| torch | OOM |" in b.to_markdown(rows, cpu=True)
+    assert "| torch | OOM |" in report.to_markdown(rows, cpu=True)
 
 
 def test_other_errors_in_a_cell_are_recorded(monkeypatch):
@@ -84,18 +86,18 @@ def test_other_errors_in_a_cell_are_recorded(monkeypatch):
 
 
 def test_payload_and_cpu_table_and_chart(results, tmp_path):
-    rows = b.with_ratios(results)
-    doc = json.loads(json.dumps(b.payload(rows, b.synthetic_title("cpu"), device="cpu", steps=1)))
-    assert set(doc) == {"title", "device", "memory", "family", "preset", "layers", "steps", "rows"}
-    assert doc["device"] == "cpu" and doc["memory"] == b.MEMORY_CPU and "CPU" in doc["title"]
+    rows = report.with_ratios(results)
+    doc = json.loads(json.dumps(report.payload(rows, b.synthetic_title("cpu"), device="cpu", steps=1)))
+    assert set(doc) == {"title", "device", "memory", "family", "preset", "steps", "depth", "full_depth", "rows"}
+    assert doc["device"] == "cpu" and doc["memory"] == report.MEMORY_CPU and "CPU" in doc["title"]
     assert all(set(r) == ROW_KEYS for r in doc["rows"])
-    text = b.to_markdown(rows, cpu=True)
+    text = report.to_markdown(rows, cpu=True)
     assert "kept for backward MiB (CPU)" in text and "act. peak GiB" not in text
     none = next(r for r in rows if r["strategy"] == "none")
     assert f"| none | {none['peak_gib'] * GiB / MiB:.2f} |" in text
-    assert "act. peak GiB" in b.to_markdown(rows)
+    assert "act. peak GiB" in report.to_markdown(rows)
     pytest.importorskip("matplotlib")
-    assert b.chart(rows, tmp_path / "cpu.png", "cpu", cpu=True)
+    assert report.chart(rows, tmp_path / "cpu.png", "cpu", cpu=True)
     assert (tmp_path / "cpu.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -109,7 +111,7 @@ def _cpu_measure(blocks: int = 4, tokens: int = 64, dim: int = 128):
 
     advise rounds peaks to 0.001 GiB, too coarse for a tiny stack, so the peak is reported in MiB
     (budgets in this test are then "GiB" numbers that mean MiB)."""
-    from gradseam.synthetic import SyntheticStack, ensure_registered
+    from gradseam.tools.synthetic import SyntheticStack, ensure_registered
 
     ensure_registered()
     torch.manual_seed(0)
@@ -123,6 +125,8 @@ def _cpu_measure(blocks: int = 4, tokens: int = 64, dim: int = 128):
 
     def measure(config):
         backend = config.get("gradient_checkpointing_backend", "")
+        if config.get("compile_blocks"):
+            raise gradseam.UnsupportedStrategyError("inductor's memory budget is measured on the GPU")
         if backend.startswith("unsloth") or config.get("gradient_checkpointing_offload_attention"):
             raise gradseam.UnsupportedStrategyError("pinned-memory offload needs CUDA")
         handle = gradseam.patch(model, config) if config.get("gradient_checkpointing") else None
@@ -165,3 +169,21 @@ def test_advise_with_a_real_cpu_measurement_picks_a_partial_stride():
                              "gradient_checkpointing_interval": 3, "gradient_checkpointing_segment_stride": 4}
     # 4 blocks x (attention + FFN), plus recomputing the three checkpointed blocks
     assert advice.chosen.step_ms == 14.0
+
+
+def test_a_pinned_host_allocation_failure_is_an_oom_row_not_an_error(monkeypatch) -> None:
+    # torch raises AcceleratorError, not OutOfMemoryError, when pinned host memory runs out
+    # (HunyuanVideo 1.5's save_on_cpu row on the H200): the row must read OOM like any other.
+    from gradseam.tools.measure import is_oom
+
+    class AcceleratorError(RuntimeError):
+        pass
+
+    assert is_oom(AcceleratorError("CUDA error: out of memory"))
+    assert is_oom(torch.OutOfMemoryError("CUDA out of memory"))
+    assert not is_oom(AcceleratorError("CUDA error: an illegal memory access was encountered"))
+    assert not is_oom(RuntimeError("out of memory"))
+    _fail_on(monkeypatch, "torch", AcceleratorError("CUDA error: out of memory"))
+    by = {r.strategy: r for r in b.synthetic(TINY, steps=1, device="cpu")}
+    assert by["torch"].status == "OOM"
+    assert by["torch-ffn"].status == "ok"

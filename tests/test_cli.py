@@ -12,7 +12,7 @@ import torch
 from typer.testing import CliRunner
 
 import gradseam
-from gradseam.cli import app
+from gradseam.tools.cli import app
 
 runner = CliRunner()
 BUILTIN = ["chroma", "flux", "flux2", "hunyuanvideo15", "krea2", "ltx2", "ltxvideo", "mageflow", "qwenimage", "sana", "sana-video", "sd3", "wan", "wan-vace", "zimage"]
@@ -52,20 +52,20 @@ def test_families_keeps_names_when_piped():
 
 def test_bench_help_mentions_the_real_workload_options():
     out = _invoke("bench", "--help").output
-    for option in ("--family", "--preset", "--layers", "--tokens", "--synthetic", "--json", "--png", "--blocks",
+    for option in ("--family", "--preset", "--depths", "--full", "--depth", "--row", "--full-row", "--tokens", "--synthetic", "--json", "--png", "--blocks",
                    "--dim", "--device", "--steps"):
         assert option in out
 
 
 @no_cuda
 def test_bench_family_without_cuda_exits_2():
-    result = _invoke("bench", "--family", "flux", "--layers", "2")
+    result = _invoke("bench", "--family", "flux", "--depths", "2,4")
     assert result.exit_code == 2
     assert "needs a CUDA GPU" in result.output and "real-size" in result.output
 
 
 def test_bench_option_errors():
-    result = _invoke("bench", "--layers", "2")
+    result = _invoke("bench", "--depths", "2,4")
     assert result.exit_code == 2 and "need --family" in result.output
     result = _invoke("bench", "--synthetic", "--family", "flux")
     assert result.exit_code == 2 and "exclude each other" in result.output
@@ -77,7 +77,7 @@ def test_bench_option_errors():
 
 TINY_BENCH = ["bench", "--device", "cpu", "--blocks", "2", "--tokens", "64", "--dim", "128", "--steps", "1"]
 ROW_KEYS = {"workload", "tokens", "strategy", "peak_gib", "step_ms", "status", "pinned_allocations_after_warmup",
-            "vs_none", "vs_torch"}
+            "pinned_gib", "depth", "blocks", "vs_none", "vs_torch"}
 
 
 def _bench_json(tmp_path, *extra: str, path=None):
@@ -88,11 +88,12 @@ def _bench_json(tmp_path, *extra: str, path=None):
 
 
 def test_bench_synthetic_on_cpu_writes_json_and_png(tmp_path):
-    from gradseam.bench import CUDA_ONLY_ROWS, MEMORY_CPU, NEEDS_CUDA
+    from gradseam.tools.bench import CUDA_ONLY_ROWS, NEEDS_CUDA
+    from gradseam.tools.bench_report import MEMORY_CPU
 
     result, doc, path = _bench_json(tmp_path)
-    # the documented schema (gradseam.bench's module docstring)
-    assert set(doc) == {"title", "device", "memory", "family", "preset", "layers", "steps", "rows"}
+    # the documented schema (gradseam.tools.bench's module docstring)
+    assert set(doc) == {"title", "device", "memory", "family", "preset", "steps", "depth", "full_depth", "rows"}
     assert doc["device"] == "cpu" and "CPU" in doc["title"] and doc["memory"] == MEMORY_CPU
     assert doc["family"] is None and doc["steps"] == 1
     assert all(set(r) == ROW_KEYS for r in doc["rows"])
@@ -101,30 +102,30 @@ def test_bench_synthetic_on_cpu_writes_json_and_png(tmp_path):
     assert by["none"]["status"] == "ok" and by["none"]["vs_none"] == 1.0
     assert by["torch"]["status"] == "ok" and by["torch"]["vs_torch"] == 1.0
     assert 0 < by["torch"]["peak_gib"] < by["none"]["peak_gib"]
-    assert {n for n, r in by.items() if r["status"] == NEEDS_CUDA} == CUDA_ONLY_ROWS
+    assert {n for n, r in by.items() if r["status"] == NEEDS_CUDA} == CUDA_ONLY_ROWS & set(by)
     assert all(r["status"] == "ok" for n, r in by.items() if n not in CUDA_ONLY_ROWS)
     out = result.output
     assert "CPU" in out and "kept for backward" in out and "| torch |" in out
     assert "error" not in out
     # pasteable markdown even at COLUMNS=60 into a pipe: every row whole, on its own line
     table = [line for line in out.splitlines() if line.startswith("|")]
-    assert len(table) == 2 + len(doc["rows"]) and all(line.endswith("|") and line.count("|") == 7 for line in table)
+    assert len(table) == 2 + len(doc["rows"]) and all(line.endswith("|") and line.count("|") == 8 for line in table)
     if importlib.util.find_spec("matplotlib"):
         assert path.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_bench_oom_cell_is_reported_and_the_sweep_continues(tmp_path, monkeypatch):
-    from gradseam import bench
+    from gradseam.tools import bench
 
-    real, calls = bench.measure_cpu, []
+    real, calls = bench.measuring.measure, []
 
-    def measure_cpu(step, steps):  # the 4th measured row is gradseam's "torch"
+    def measure(step, **kwargs):  # the 4th measured row is gradseam's "torch"
         calls.append(1)
         if len(calls) == 4:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(step, steps)
+        return real(step, **kwargs)
 
-    monkeypatch.setattr(bench, "measure_cpu", measure_cpu)
+    monkeypatch.setattr(bench.measuring, "measure", measure)
     result, doc, _ = _bench_json(tmp_path, "--png", str(tmp_path / "oom.png"))
     by = {r["strategy"]: r for r in doc["rows"]}
     assert by["torch"]["status"] == "OOM" and by["torch"]["peak_gib"] is None
@@ -133,9 +134,29 @@ def test_bench_oom_cell_is_reported_and_the_sweep_continues(tmp_path, monkeypatc
     assert "torch: OOM" in result.output and "| torch | OOM |" in result.output
 
 
+def test_an_interrupted_bench_keeps_the_rows_it_measured(tmp_path, monkeypatch):
+    from gradseam.tools import bench
+
+    real, calls = bench.measuring.measure, []
+
+    def measure(step, **kwargs):  # a time limit kills the sweep at its 3rd measured row
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(step, **kwargs)
+
+    monkeypatch.setattr(bench.measuring, "measure", measure)
+    path = tmp_path / "cut.json"
+    _invoke("bench", "--json", str(path), "--steps", "1")
+    doc = json.loads(path.read_text())
+    assert "partial" in doc["title"]
+    assert [r["status"] for r in doc["rows"]] == ["ok", "ok"]  # the two rows measured before the cut
+    assert all(r["peak_gib"] > 0 for r in doc["rows"])
+
+
 @no_cuda
 def test_advise_without_cuda_errors_clearly():
-    result = _invoke("advise", "--family", "flux", "--budget", "40GiB", "--layers", "1")
+    result = _invoke("advise", "--family", "flux", "--budget", "40GiB", "--depths", "1,2")
     assert result.exit_code == 2
     assert "needs a CUDA GPU" in result.output
 
@@ -161,7 +182,8 @@ def test_python_m_gradseam_help():
 
 
 def _rows():
-    from gradseam.bench import Result, with_ratios
+    from gradseam.tools.bench import Result
+    from gradseam.tools.bench_report import with_ratios
 
     results = [
         Result("w 4096", 4096, "none", 20.0, 100.0),
@@ -175,16 +197,16 @@ def _rows():
 
 
 def test_markdown_handles_failed_cells_and_missing_ratios():
-    from gradseam.bench import to_markdown
+    from gradseam.tools.bench_report import to_markdown
 
     text = to_markdown(_rows())
     assert "| OOM |" in text and "unsupported: no attention" in text
-    assert "| w 1024 | torch | 1.00 | 30.0 |  | 1.000 |" in text
+    assert "| w 1024 | torch | 1.00 |  | 30.0 |  | 1.000 |" in text
 
 
 def test_chart_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from gradseam.bench import chart
+    from gradseam.tools.bench_report import chart
 
     path = tmp_path / "bench.png"
     assert chart(_rows(), path, "test")
@@ -193,7 +215,7 @@ def test_chart_writes_a_png(tmp_path):
 
 
 def test_real_rows_cover_references_and_strategies():
-    from gradseam.bench import DIFFUSERS_ROW, real_rows
+    from gradseam.tools.bench import DIFFUSERS_ROW, real_rows
 
     names = [n for n, _ in real_rows()]
     assert names[:3] == ["none", DIFFUSERS_ROW, "ref: save_on_cpu"]
@@ -218,7 +240,9 @@ OPTION_ERRORS = [
     (["bench", "--family", "nosuch"], f"Invalid value for '--family': no installed family 'nosuch'; {INSTALLED}"),
     (["bench", "--family", "flux", "--preset", "nope"], "Invalid value for '--preset': family 'flux' has no preset "
                                                         "'nope'; presets: dev-1024."),
-    (["bench", "--family", "flux", "--layers", "0"], "Invalid value for '--layers'"),
+    (["bench", "--family", "flux", "--depths", "0,2"], "Invalid value for '--depths': expected two different depths "
+                                                        ">= 1 like '2,4', got '0,2'."),
+    (["bench", "--family", "flux", "--depth", "0"], "Invalid value for '--depth'"),
     (["bench", "--steps", "0"], "Invalid value for '--steps'"),
     (["bench", "--tokens", "0"], "Invalid value for '--tokens'"),
     (["bench", "--blocks", "-1"], "Invalid value for '--blocks'"),
@@ -236,7 +260,8 @@ OPTION_ERRORS = [
     (["advise", "--family", "flux", "--budget", "0"], "memory budget: must be a positive finite size, got '0'."),
     (["advise", "--family", "flux", "--budget", "40GiB", "--preset", "x"], "family 'flux' has no preset 'x'"),
     (["advise", "--family", "flux", "--budget", "40GiB", "--tokens", "0"], "Invalid value for '--tokens'"),
-    (["advise", "--family", "flux", "--budget", "40GiB", "--layers", "-2"], "Invalid value for '--layers'"),
+    (["advise", "--family", "flux", "--budget", "40GiB", "--depth", "-2"], "Invalid value for '--depth'"),
+    (["advise", "--family", "flux", "--budget", "40GiB", "--depths", "4"], "Invalid value for '--depths'"),
     (["advise", "--family", "flux", "--budget", "40GiB", "--json", "{dir}"], "Invalid value for '--json'"),
     (["advise", "--budget", "40GiB"], "Missing option '--family'"),
     (["families", "extra"], "Got unexpected extra argument(s) (extra)"),
@@ -275,7 +300,7 @@ def test_demo_runs_the_size_its_title_says():
     assert result.exit_code == 0, result.output
     assert torch.get_num_threads() == threads  # the demo's thread count does not outlive it
     assert "small Flux (cpu, 16 image tokens)" in result.output
-    from gradseam.demo import strategies
+    from gradseam.tools.demo import strategies
 
     # every row's gradient equals the unpatched one ("none" included: its difference to itself)
     assert result.output.count("0.0e+00") == len(strategies(cuda=False)) == 5

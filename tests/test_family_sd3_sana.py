@@ -286,7 +286,8 @@ def test_preset_inputs_drive_the_model_and_patch_exactly(family_name, config, si
     from dataclasses import replace
 
     from gradseam import Preset
-    from gradseam.workloads import build, find_family, grad_leaves, make_step, sequence_length
+    from gradseam.tools.measure import forward_backward, grad_leaves
+    from gradseam.tools.workloads import build, find_family, sequence_length
 
     family = find_family(family_name)
     real = next(iter(family.presets.values()))
@@ -296,12 +297,12 @@ def test_preset_inputs_drive_the_model_and_patch_exactly(family_name, config, si
     inputs = workload.inputs()
     assert sequence_length(workload.model, workload.family, inputs) > 0
     leaves = grad_leaves(inputs)
-    make_step(workload.model, inputs)()
+    forward_backward(workload.model, inputs)()
     reference = [t.grad.clone() for t in leaves]
     for t in leaves:
         t.grad = None
     with gradseam.patch(workload.model, CHUNKS) as handle:
         assert handle.family.name == family_name
-        make_step(workload.model, inputs)()
+        forward_backward(workload.model, inputs)()
     assert all(torch.equal(t.grad, r) for t, r in zip(leaves, reference))
     assert workload.inputs(tokens=64) is not None

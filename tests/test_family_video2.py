@@ -300,7 +300,7 @@ def test_hv15_regions():
     ],
 )
 def test_presets_plan_at_full_size(family_name: str, preset_name: str, expected: dict[str, int]) -> None:
-    from gradseam.workloads import find_family, model_class
+    from gradseam.tools.workloads import find_family, model_class
 
     family = find_family(family_name)
     preset = family.presets[preset_name]
@@ -457,7 +457,8 @@ def test_bench_workload_truncates_steps_and_patches_exactly(name):
     from dataclasses import replace
 
     from gradseam import Preset
-    from gradseam.workloads import build, find_family, grad_leaves, make_step, sequence_length
+    from gradseam.tools.measure import forward_backward, grad_leaves
+    from gradseam.tools.workloads import build, find_family, sequence_length
 
     family = find_family(name)
     real = next(iter(family.presets.values()))
@@ -470,13 +471,13 @@ def test_bench_workload_truncates_steps_and_patches_exactly(name):
     assert sequence_length(workload.model, workload.family, x) > 0
     leaves = grad_leaves(x)
     assert leaves and x["hidden_states"].requires_grad
-    make_step(workload.model, x)()
+    forward_backward(workload.model, x)()
     reference = [t.grad.clone() for t in leaves]
     for t in leaves:
         t.grad = None
     with gradseam.patch(workload.model, CHUNKED) as handle:
         assert handle.family.name == name
-        make_step(workload.model, x)()
+        forward_backward(workload.model, x)()
     assert all(torch.equal(t.grad, r) for t, r in zip(leaves, reference))
     assert workload.inputs(tokens=64) is not None
 
@@ -485,7 +486,7 @@ def test_bench_workload_truncates_steps_and_patches_exactly(name):
 def test_families_lists_them(name):
     from typer.testing import CliRunner
 
-    from gradseam.cli import app
+    from gradseam.tools.cli import app
 
     result = CliRunner().invoke(app, ["families"], env={"COLUMNS": "200", "NO_COLOR": "1"}, prog_name="gradseam")
     assert result.exit_code == 0, result.output

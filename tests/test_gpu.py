@@ -103,7 +103,7 @@ def _synthetic(blocks=4, tokens=2048, dim=1024, dtype=torch.bfloat16):
     """The benchmark stack; fp32 runs use the deterministic math attention so results compare exactly."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from gradseam.synthetic import SyntheticStack, ensure_registered
+    from gradseam.tools.synthetic import SyntheticStack, ensure_registered
 
     ensure_registered()
     torch.manual_seed(0)

@@ -22,8 +22,8 @@ import torch
 from typer.testing import CliRunner
 
 from gradseam import CheckpointConfig
-from gradseam.cli import app
-from gradseam.launch import LaunchError, build_config, report_path
+from gradseam.tools.cli import app
+from gradseam.tools.launch import LaunchError, build_config, report_path
 
 TRAINER = Path(__file__).parent / "scripts" / "train_lora_flux.py"
 runner = CliRunner()
@@ -202,7 +202,7 @@ def test_config_precedence_file_then_flags(tmp_path):
 
 
 def test_every_config_key_has_a_run_flag():
-    from gradseam.launch import FLAG_KEYS
+    from gradseam.tools.launch import FLAG_KEYS
 
     assert sorted(FLAG_KEYS.values()) == sorted(CheckpointConfig.keys())
     assert all(flag == "--" + key.removeprefix("gradient_checkpointing_").replace("_", "-")

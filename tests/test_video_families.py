@@ -127,7 +127,7 @@ def test_mageflow_builtin_flag_is_owned_by_gradseam():
 def test_presets_build_the_published_sizes(monkeypatch):
     from diffusers import LTX2VideoTransformer3DModel
 
-    from gradseam.workloads import build
+    from gradseam.tools.workloads import build
 
     ltx2 = REGISTRY.get("ltx2").presets["19b-768x512"]
     with torch.device("meta"):
@@ -210,7 +210,8 @@ def test_mageflow_bench_workload_runs_and_patches_exactly(monkeypatch):
     from dataclasses import replace
 
     from gradseam import Preset
-    from gradseam.workloads import build, find_family, grad_leaves, make_step, sequence_length
+    from gradseam.tools.measure import forward_backward, grad_leaves
+    from gradseam.tools.workloads import build, find_family, sequence_length
 
     _ship_mageflow(monkeypatch)
     family = find_family("mageflow")
@@ -222,11 +223,11 @@ def test_mageflow_bench_workload_runs_and_patches_exactly(monkeypatch):
     inputs = workload.inputs()
     assert sequence_length(workload.model, workload.family, inputs) == 16
     leaves = grad_leaves(inputs)
-    make_step(workload.model, inputs)()
+    forward_backward(workload.model, inputs)()
     reference = [t.grad.clone() for t in leaves]
     with gradseam.patch(workload.model, CHUNKED) as handle:
         assert handle.family.name == "mageflow"
-        make_step(workload.model, inputs)()
+        forward_backward(workload.model, inputs)()
     assert all(torch.equal(t.grad, r) for t, r in zip(leaves, reference))
     assert workload.inputs(tokens=64)["img_ids"].shape == (64, 3)
 

@@ -24,17 +24,15 @@ import argparse
 import contextlib
 import gc
 import json
-import statistics
 import sys
-import time
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 import gradseam
-from gradseam import workloads
 from gradseam.offload import cpu_test_mode
+from gradseam.tools import measure, workloads
+from gradseam.tools.compiled import compiled_blocks
 
 GiB = 2**30
 ON = {"gradient_checkpointing": True}
@@ -60,7 +58,7 @@ def build(args: argparse.Namespace, layers: int | None) -> tuple[torch.nn.Module
     device = "cpu" if args.cpu else "cuda"
     dtype = torch.float32 if args.cpu else torch.bfloat16
     if args.family == "synthetic":
-        from gradseam.synthetic import SyntheticStack, ensure_registered
+        from gradseam.tools.synthetic import SyntheticStack, ensure_registered
 
         ensure_registered()
         dim = 64 if args.tiny else 3072
@@ -81,48 +79,11 @@ def build(args: argparse.Namespace, layers: int | None) -> tuple[torch.nn.Module
     return work.model, inputs, workloads.blocks(work.model, work.family)
 
 
-def measure(step: Callable[[], None], steps: int, cuda: bool, warmup: int) -> tuple[float, float]:
-    for _ in range(warmup):
-        step()
-    if cuda:
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) * 1000)
-    peak = (torch.cuda.max_memory_allocated() - base) / GiB if cuda else float("nan")
-    return peak, statistics.median(times)
-
-
-@contextlib.contextmanager
-def compiled(blocks: list[torch.nn.Module], budget: float | None) -> Iterator[None]:
-    import torch._functorch.config as functorch_config
-
-    torch._dynamo.reset()
-    old = functorch_config.activation_memory_budget
-    if budget is not None:
-        functorch_config.activation_memory_budget = budget
-    for block in blocks:
-        block.compile(backend="aot_eager" if not torch.cuda.is_available() else "inductor")
-    try:
-        yield
-    finally:
-        for block in blocks:
-            block._compiled_call_impl = None
-        functorch_config.activation_memory_budget = old
-        torch._dynamo.reset()
-
-
 def run_row(name: str, model: torch.nn.Module, inputs: dict[str, Any], blocks: list[torch.nn.Module],
             args: argparse.Namespace) -> dict[str, Any]:
     compile_it = name.startswith("compiled:") or name in BUDGETS
     config = CONFIGS.get(name.removeprefix("compiled:")) if name not in BUDGETS else None
-    step = workloads.make_step(model, inputs)
+    step = measure.forward_backward(model, inputs)
     handle = None
     with contextlib.ExitStack() as stack:
         if args.cpu:
@@ -131,19 +92,14 @@ def run_row(name: str, model: torch.nn.Module, inputs: dict[str, Any], blocks: l
             handle = gradseam.patch(model, config)
             stack.callback(handle.remove)
         if compile_it:
-            stack.enter_context(compiled(blocks, BUDGETS.get(name)))
+            stack.enter_context(compiled_blocks(blocks, BUDGETS.get(name)))
         engine = handle.engine if handle is not None else None
-        allocations = [0]
-
-        def counted() -> None:  # pinned allocations made during the timed steps (the pool must not grow)
-            before = engine.pool.pinned_allocations if engine is not None else 0
-            step()
-            allocations[0] += (engine.pool.pinned_allocations if engine is not None else 0) - before
 
         try:
-            for _ in range(2 if compile_it else 1):
-                step()
-            peak, ms = measure(counted, args.steps, not args.cpu, warmup=0)
+            got = measure.measure(step, steps=args.steps, warmup=2 if compile_it else 1,
+                                  device="cpu" if args.cpu else "cuda", engine=engine)
+            peak = got.peak_gib if not args.cpu else float("nan")
+            ms, allocations = got.step_ms, got.pinned_allocations_after_warmup or 0
         except torch.OutOfMemoryError:
             return {"row": name, "status": "OOM"}
         pinned = engine.pool.pinned_bytes / GiB if engine is not None else 0.0
@@ -154,7 +110,7 @@ def run_row(name: str, model: torch.nn.Module, inputs: dict[str, Any], blocks: l
     if not args.cpu:
         torch.cuda.empty_cache()
     return {"row": name, "status": "ok", "peak_gib": peak, "step_ms": ms, "pinned_gib": pinned,
-            "offloaded_gib_per_step": moved, "pinned_allocations_after_warmup": allocations[0]}
+            "offloaded_gib_per_step": moved, "pinned_allocations_after_warmup": allocations}
 
 
 def main() -> int:
@@ -178,7 +134,7 @@ def main() -> int:
                               "device": "cpu" if args.cpu else torch.cuda.get_device_name(), "depths": {}}
     for depth in depths:
         model, inputs, blocks = build(args, depth)
-        seq = max((t.shape[-2] for t in workloads.tensors(inputs) if t.dim() >= 3), default=0)
+        seq = max((t.shape[-2] for t in measure.tensors(inputs) if t.dim() >= 3), default=0)
         results = []
         for name in rows:
             result = run_row(name, model, inputs, blocks, args)

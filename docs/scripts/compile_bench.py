@@ -4,13 +4,11 @@ Run on a CUDA machine: ``python docs/scripts/compile_bench.py``. Each block is c
 ``nn.Module.compile()`` (inductor) and patched by gradseam; rows of one table share one process.
 """
 
-import statistics
-import time
-
 import torch
 
 import gradseam
-from gradseam.synthetic import SyntheticStack, ensure_registered
+from gradseam.tools import measure
+from gradseam.tools.synthetic import SyntheticStack, ensure_registered
 
 ensure_registered()
 B, T, D = 8, 4096, 3072
@@ -20,31 +18,19 @@ with torch.device("cuda"):
 x = torch.randn(1, T, D, device="cuda", dtype=torch.bfloat16)
 
 
-def step():
-    inp = x.detach().requires_grad_(True)
-    model(inp).float().square().mean().backward()
+step = measure.forward_backward(model, {"hidden_states": x.requires_grad_(True)})
 
 
-def measure(n=3):
-    step()
-    step()
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        ts.append((time.perf_counter() - t0) * 1e3)
-    return (torch.cuda.max_memory_allocated() - base) / 2**30, statistics.median(ts)
+def measured() -> tuple[float, float]:
+    got = measure.measure(step, steps=3, warmup=2)  # two warm-ups: the first compiles
+    return got.peak_gib, got.step_ms
 
 
 rows = []
 for compiled in (False, True):
     if compiled:
         for b in model.blocks:
-            b.compile()
+            b.compile()  # kept for the rest of the run, so not gradseam.tools.compiled's context
     for name, cfg in [
         ("none", None),
         ("torch", {"gradient_checkpointing": True}),
@@ -54,7 +40,7 @@ for compiled in (False, True):
     ]:
         h = gradseam.patch(model, cfg) if cfg else None
         try:
-            peak, ms = measure()
+            peak, ms = measured()
             rows.append((("inductor" if compiled else "eager"), name, f"{peak:.2f}", f"{ms:.1f}"))
             print(rows[-1], flush=True)
         except Exception as e:

@@ -7,14 +7,12 @@ It separates what FSDP2 costs from what training the weights costs (docs/benchma
 ``unsloth`` row.
 """
 
-import statistics
 import sys
-import time
 
 import torch
 
 import gradseam
-from gradseam import workloads
+from gradseam.tools import measure, workloads
 
 torch.backends.cuda.matmul.allow_tf32 = True
 work = workloads.build("flux", layers=8, device="cuda")
@@ -28,19 +26,15 @@ CONFIGS = {
 }
 
 
+step = measure.forward_backward(model, inputs)
+
+
 def run(n: int = 5) -> float:
-    times = []
-    for i in range(n + 1):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        workloads.default_loss(model(**inputs)).backward()
-        torch.cuda.synchronize()
-        if i:
-            times.append((time.perf_counter() - t0) * 1e3)
+    def one() -> int:
         model.zero_grad(set_to_none=True)
-        for t in workloads.grad_leaves(inputs):
-            t.grad = None
-    return statistics.median(times)
+        return step()
+
+    return measure.measure(one, steps=n).step_ms
 
 
 for trainable in (False, True):

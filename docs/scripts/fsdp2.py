@@ -34,8 +34,6 @@ import dataclasses
 import gc
 import json
 import os
-import statistics
-import time
 import warnings
 from contextlib import nullcontext
 from typing import Any
@@ -47,11 +45,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import gradseam
-from gradseam import workloads
 from gradseam.family import Preset
-from gradseam.named_strategies import rows
 from gradseam.offload import cpu_test_mode
 from gradseam.planning import GradseamWarning
+from gradseam.tools import measure, workloads
+from gradseam.tools.named_strategies import rows
 
 OWN_AC = "fsdp-ac"
 # (label, gradseam config | None | OWN_AC)
@@ -126,7 +124,7 @@ def shard(model: nn.Module, work: workloads.Workload, mesh: Any, config: Any) ->
 
 
 def loss_of(model: nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
-    return workloads.default_loss(model(**inputs))
+    return measure.default_loss(model(**inputs))
 
 
 def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -223,32 +221,25 @@ def timed(model: nn.Module, inputs: dict[str, Any], steps: int, device: torch.de
     foreach temporaries (several times the shard) would otherwise hide every difference."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=True)
     cuda = device.type == "cuda"
-    times, activation, peak = [], 0, 0
+    calls, fwd_bwd = [0], [0]
+
+    def step() -> int:
+        calls[0] += 1
+        dist.barrier()
+        loss_of(model, inputs).backward()
+        if cuda and calls[0] > 1:  # the first call is the warm-up (optimizer states, pinned pool, allocator)
+            fwd_bwd[0] = max(fwd_bwd[0], torch.cuda.max_memory_allocated())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return 0
+
     try:
-        for i in range(steps + 1):  # step 0 warms up optimizer states, the pinned pool, the allocator
-            dist.barrier()
-            if cuda:
-                torch.cuda.synchronize()
-                base = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-            t0 = time.perf_counter()
-            loss_of(model, inputs).backward()
-            if cuda:
-                fwd_bwd = torch.cuda.max_memory_allocated()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if cuda:
-                torch.cuda.synchronize()
-            if i:
-                times.append((time.perf_counter() - t0) * 1e3)
-                if cuda:
-                    activation = max(activation, fwd_bwd - base)
-                    peak = max(peak, torch.cuda.max_memory_allocated())
+        got = measure.measure(step, steps=steps, warmup=1, device=device.type)
     except torch.OutOfMemoryError:
         return Timing("OOM")
     if not cuda:
-        return Timing(step_ms=statistics.median(times))
-    return Timing("ok", statistics.median(times), activation / 2**30, peak / 2**30)
+        return Timing(step_ms=got.step_ms)
+    return Timing("ok", got.step_ms, fwd_bwd[0] / 2**30 - got.base_gib, got.peak_gib + got.base_gib)
 
 
 def worst(per_rank: list[dict[str, Any]], key: str) -> float | None:
@@ -330,7 +321,7 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
 
 def chart(payloads: list[dict[str, Any]], path: str) -> None:
     """bench's chart (memory vs step time), one panel per world size; FSDP2's own rows in grey."""
-    from gradseam.bench import chart as draw
+    from gradseam.tools.bench import chart as draw
 
     rows = []
     for p in payloads:

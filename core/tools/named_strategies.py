@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .config import CheckpointConfig
+from ..config import CheckpointConfig
 
 ON: dict[str, Any] = {"gradient_checkpointing": True}
 

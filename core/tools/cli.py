@@ -24,7 +24,7 @@ from .cli_support import Command, Group, bad, console, fail, output_path
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from .family import Family
+    from ..family import Family
 
 app = typer.Typer(
     cls=Group,
@@ -195,12 +195,27 @@ def _chart_path(json_path: Path, png_path: Path | None) -> Path:
     return output_path(chart, "--png")
 
 
+def _check_depths(depths: str | None) -> None:
+    """The form of --depths, before a model is built (its bound, the model's depth, is checked after)."""
+    if depths is not None:
+        from .depth import parse_depths
+
+        try:
+            parse_depths(depths, full=1 << 30)
+        except ValueError as exc:
+            bad("--depths", str(exc).removeprefix("--depths: "))
+
+
 @command()
 def bench(
     family: Annotated[str | None, typer.Option(metavar="NAME", help="benchmark this family's real-size preset model (random weights; needs CUDA)")] = None,
     preset: Annotated[str | None, typer.Option(metavar="NAME", help="the family's preset (default: its first)")] = None,
-    layers: Annotated[int | None, typer.Option(min=1, metavar="K", help="keep only the first K blocks of every block list")] = None,
+    depths: Annotated[str | None, typer.Option(metavar="D1,D2", help="the two depths every row is measured at, in units of depth (default 2,4); the full-depth figures are fitted from them")] = None,
+    full: Annotated[bool, typer.Option("--full", help="also measure at the full depth (needs the full model to fit the GPU); rows predicted not to fit the GPU or the host's pinnable memory are ruled out")] = False,
+    depth: Annotated[int | None, typer.Option(min=1, metavar="N", help="predict for this depth instead of the preset's real one (units of depth)")] = None,
+    full_rows: Annotated[list[str] | None, typer.Option("--full-row", metavar="LABEL", help="with --full: measure only this row at the full depth (repeat for several; compiling a full model per row is slow); the rest are predicted")] = None,
     tokens: Annotated[list[int] | None, typer.Option(min=1, metavar="N", help="tokens per workload (repeat for several; default: the preset's, or the synthetic shapes)")] = None,
+    rows: Annotated[list[str] | None, typer.Option("--row", metavar="LABEL", help="only this row, by label (repeat for several; default: every row)")] = None,
     synthetic: Annotated[bool, typer.Option("--synthetic", help="the synthetic block stack (the default without --family)")] = False,
     blocks: Annotated[int | None, typer.Option(min=1, metavar="N", help="synthetic stack: number of blocks (default 8 on GPU, 2 on CPU)")] = None,
     dim: Annotated[int | None, typer.Option(min=1, metavar="D", help="synthetic stack: model width, divisible by its head count max(dim // 128, 1) (default 3072 on GPU, 256 on CPU)")] = None,
@@ -209,23 +224,27 @@ def bench(
     png_path: Annotated[Path | None, typer.Option("--png", metavar="FILE", help="chart path (default: the JSON path with .png)")] = None,
     steps: Annotated[int | None, typer.Option(min=1, metavar="N", help="timed steps per strategy, median reported (default 5 on GPU, 2 on CPU)")] = None,
 ) -> None:
-    """Benchmark every strategy: memory and step time, side by side with the hand-written references.
+    """Benchmark every strategy: memory, host memory and step time, side by side with the references.
 
     Without --family: the synthetic block stack; on a CUDA GPU in bf16 at four sizes (activation
     peak), elsewhere on the CPU in float32 at 2 blocks x 256 tokens x 256 wide (the memory column
     is then the bytes autograd keeps between forward and backward; offload rows need CUDA).
     --blocks, --tokens and --dim pick one synthetic size. With --family NAME [--preset P]: the
-    family's real-size model with random bf16 weights built on the GPU (needs CUDA).
+    family's real-size model with random bf16 weights built on the GPU (needs CUDA), measured at
+    two depths; the table shows the figures at the model's real depth first (~ = predicted).
     """
     if synthetic and family:
         fail("--synthetic and --family exclude each other.")
-    if family is None and (preset or layers):
-        fail("--preset and --layers need --family.")
+    if family is None and (preset or depths or full or depth or rows or full_rows):
+        fail("--preset, --depths, --full, --full-row, --depth and --row need --family.")
+    if full_rows and not full:
+        fail("--full-row names a row measured at the full depth; it needs --full.")
     if family is not None and (blocks or dim or device):
         fail("--blocks, --dim and --device are for the synthetic stack; they exclude --family.")
     device = _device(device)
     if family is not None:
         fam, preset = _family(family, preset)
+    _check_depths(depths)
     if dim is not None:
         from .synthetic import HEAD_DIM
 
@@ -244,50 +263,78 @@ def bench(
             "`gradseam bench` runs the small synthetic stack on the CPU."
         )
     from . import bench as b
+    from . import bench_report as report
 
     dev = "cuda" if family is not None else (device or b.default_device())
     cpu = dev == "cpu"
     if steps is None:
         steps = b.CPU_STEPS if cpu else 5
+    chosen = list(rows) if rows else None
+    at_full = list(full_rows) if full_rows else None
     shapes = None
+    run = None
+    out = console()
     if family is not None:
         _quiet_diffusers()
-        total = len(tokens or [None]) * len(b.real_rows())
-        title = f"gradseam bench: {fam.name} {preset}" + (f", first {layers} blocks of each list" if layers else "")
+        title = f"gradseam bench: {fam.name} {preset}"
     else:
         if blocks or dim or tokens:
             default_blocks, default_tokens, default_dim = (b.CPU_SHAPES if cpu else b.SYNTHETIC_SHAPES)[0]
             shapes = [(blocks or default_blocks, t, dim or default_dim) for t in (tokens or [default_tokens])]
-        total = len(shapes or (b.CPU_SHAPES if cpu else b.SYNTHETIC_SHAPES)) * len(b.synthetic_rows())
         title = b.synthetic_title(dev)
-    out = console()
     with _progress(out) as progress:
-        task = progress.add_task("building" if family else "bench", total=total)
+        task = progress.add_task("building", total=None)
+
+        done: list = []
 
         def on_row(result):
+            # a sweep of a real model runs for many minutes: keep what it measured so far on disk,
+            # so an interrupted run (Ctrl-C, a time limit) loses only the row in flight
+            done.append(result)
+            partial = report.payload(report.with_ratios(done), f"{title} (partial: interrupted runs keep this)",
+                                     device=dev, family=family, preset=preset, steps=steps)
+            json_path.write_text(json.dumps(partial, indent=1))
             progress.advance(task)
-            progress.update(task, description=f"{result.workload}: {result.strategy}")
+            where = f" at depth {result.depth}" if result.depth is not None else ""
+            progress.update(task, description=f"{result.workload}{where}: {result.strategy}")
             if result.status not in ("ok", b.NEEDS_CUDA):
-                progress.console.print(f"{result.strategy}: {result.status}", markup=False, highlight=False)
+                progress.console.print(f"{result.strategy}{where}: {result.status}", markup=False, highlight=False)
+
+        def on_build(built):
+            per_depth = len(b.real_rows(chosen)) * len(tokens or [None])
+            last = len(b.real_rows(at_full)) * len(tokens or [None]) if at_full else per_depth
+            progress.update(task, total=per_depth * len(built.fit_depths) + (last if full else 0))
 
         if family is not None:
             try:
-                results = b.real(fam.name, preset, layers=layers, tokens=list(tokens) if tokens else None,
-                                 steps=steps, on_row=on_row)
-            except gradseam.GradseamError as exc:
+                run = b.real(fam.name, preset, depths=depths, full=full, full_depth=depth, full_rows=at_full,
+                             tokens=list(tokens) if tokens else None, rows=chosen, steps=steps, on_row=on_row,
+                             on_build=on_build)
+            except (gradseam.GradseamError, ValueError) as exc:
                 fail(str(exc))
+            results = run.results
         else:
+            progress.update(task, total=len(shapes or (b.CPU_SHAPES if cpu else b.SYNTHETIC_SHAPES))
+                            * len(b.synthetic_rows()), description="bench")
             results = b.synthetic(shapes, steps=steps, on_row=on_row, device=dev)
-    rows = b.with_ratios(results)
-    payload = b.payload(rows, title, device=dev, family=family, preset=preset, layers=layers, steps=steps)
+    measured = report.with_ratios(results)
+    deep = depth_info = None
+    if run is not None:
+        deep = report.full_depth_rows(run)
+        depth_info = report.depth_info(run, measured_full=full)
+    payload = report.payload(measured, title, device=dev, family=family, preset=preset, steps=steps,
+                             depth=depth_info, full_depth=deep)
     json_path.write_text(json.dumps(payload, indent=1))
     out.print(title, markup=False)
-    out.print(b.to_markdown(rows, cpu=cpu), markup=False, highlight=False, soft_wrap=True)  # pasteable as is
+    if deep is not None:
+        out.print(report.full_depth_markdown(deep, depth_info), markup=False, highlight=False, soft_wrap=True)
+        out.print("\nMeasured:", markup=False)
+    out.print(report.to_markdown(measured, cpu=cpu), markup=False, highlight=False, soft_wrap=True)  # pasteable
     if cpu:
-        out.print(f"memory: {b.MEMORY_CPU}; rows marked '{b.NEEDS_CUDA}' copy to pinned memory and need a GPU.",
+        out.print(f"memory: {report.MEMORY_CPU}; rows marked '{b.NEEDS_CUDA}' copy to pinned memory and need a GPU.",
                   markup=False)
     out.print(f"wrote {json_path}", markup=False)
-    if b.chart(rows, png_path, title, cpu=cpu):
+    if report.chart(deep if deep is not None else measured, png_path, title, cpu=cpu):
         out.print(f"wrote {png_path}", markup=False)
     else:
         out.print("matplotlib is not installed, so no chart was written (pip install 'gradseam[bench]').", markup=False)
@@ -301,11 +348,17 @@ def advise(
     family: Annotated[str, typer.Option(metavar="NAME", help="the family whose real-size preset model is measured")],
     budget: Annotated[str, typer.Option(metavar="SIZE", help="GPU memory budget: '40GiB', '40 GB', '40960MiB' or GiB as a number")],
     preset: Annotated[str | None, typer.Option(metavar="NAME", help="the family's preset (default: its first)")] = None,
-    layers: Annotated[int | None, typer.Option(min=1, metavar="K", help="keep only the first K blocks of every block list")] = None,
+    depths: Annotated[str | None, typer.Option(metavar="D1,D2", help="the two depths each candidate is measured at, in units of depth (default 2,4)")] = None,
+    depth: Annotated[int | None, typer.Option(min=1, metavar="N", help="plan for this depth instead of the preset's real one (units of depth)")] = None,
     tokens: Annotated[int | None, typer.Option(min=1, metavar="N", help="image/video tokens (default: the preset's)")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", metavar="FILE", help="also write every measurement here (its directory is created)")] = None,
 ) -> None:
-    """Measure the strategy ladder on a preset model and recommend the fastest config that fits the budget."""
+    """Measure the strategy ladder at two depths and recommend the fastest config that fits at the real depth.
+
+    Every candidate's activation peak, step time and pinned host memory are predicted for the
+    preset's full depth from two shallow measurements; a candidate fits when its peak plus the full
+    model's static memory is within the budget and its pinned memory within what this machine can pin.
+    """
     from .advise import NoFitError, parse_budget
 
     try:
@@ -313,10 +366,13 @@ def advise(
     except ValueError as exc:
         bad("--budget", str(exc))
     fam, preset = _family(family, preset)
+    _check_depths(depths)
     if json_path is not None:
         json_path = output_path(json_path, "--json")
     _need_cuda("gradseam advise measures GPU memory and time on the family's real-size model and needs a "
                "CUDA GPU; none is available.")
+    import torch
+
     from .advise import advise as run_advise
     from .workloads import build
 
@@ -324,23 +380,29 @@ def advise(
     out = console()
     try:
         with out.status("building the model"):
-            workload = build(fam, preset, layers=layers, device="cuda")
+            workload = build(fam, preset, depth="fit", depths=depths, device="cuda")
             inputs = workload.inputs(tokens)
-        with out.status("measuring the ladder (one warm-up + one timed step per candidate)"):
-            result = run_advise(workload.model, inputs, budget_gib)
+            torch.cuda.synchronize()
+            static = torch.cuda.memory_allocated() / (1 << 30) + workload.dropped_gib
+        with out.status("measuring the ladder at two depths (one warm-up + one timed step per candidate and depth)"):
+            result = run_advise(workload.model, inputs, budget_gib, static_gib=static, depths=workload.fit_depths,
+                                depth=depth, plan=workload.plan)
         code = 0
     except NoFitError as exc:
         result, code = exc.advice, 1
-    except gradseam.GradseamError as exc:
+    except (gradseam.GradseamError, ValueError) as exc:
         fail(str(exc))
-    out.print(f"{workload.family.name} {workload.preset_name} ({workload.layers_note})", markup=False)
-    table = Table(title=f"strategies within {budget_gib:.2f} GiB (static {result.static_gib:.2f} GiB)")
-    for column in ("", "candidate", "act. peak GiB", "step ms", "verdict"):
+    out.print(f"{workload.family.name} {workload.preset_name}: planned for {result.depth_note}", markup=False)
+    pinnable = f", pinnable host memory {result.pinnable_gib:.1f} GiB" if result.pinnable_gib is not None else ""
+    table = Table(title=f"strategies within {budget_gib:.2f} GiB (static {result.static_gib:.2f} GiB at full depth{pinnable})")
+    for column in ("", "candidate", "act. peak GiB", "GiB per unit", "pinned GiB", "step ms", "verdict"):
         table.add_column(column, justify="right" if "GiB" in column or "ms" in column else "left", overflow="fold")
     for t in result.trials:
         table.add_row(
             "->" if t is result.chosen else "", t.label,
             f"{t.peak_gib:.2f}" if t.peak_gib is not None else "-",
+            f"{t.growth_gib:.3f}" if t.growth_gib is not None else "-",
+            f"{t.pinned_gib:.1f}" if t.pinned_gib is not None else "-",
             f"{t.step_ms:.1f}" if t.step_ms is not None else "-",
             t.reason or t.status,  # the reason already says the status in words
         )
@@ -353,6 +415,8 @@ def advise(
         raise typer.Exit(code)
     out.print(f"recommended ({result.chosen.label}); paste into your trainer config:", markup=False)
     out.print_json(result.to_json())
+    if result.compile:
+        out.print(f"and {result.compile}.", markup=False)
 
 
 # -- run ------------------------------------------------------------------------------------------

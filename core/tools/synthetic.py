@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .family import BlockClass, BlockList, Carry, Family
-from .hookspecs import hookimpl
+from ..family import BlockClass, BlockList, Carry, Family
+from ..hookspecs import hookimpl
 
 HEAD_DIM = 128
 

@@ -42,11 +42,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from .config import CheckpointConfig
+from ..config import CheckpointConfig
 from .launch_report import Patched
 
 if TYPE_CHECKING:
-    from .patcher import PatchHandle
+    from ..patcher import PatchHandle
 
 # command-line flag -> config key; every flag is its key without the "gradient_checkpointing_" prefix
 FLAG_KEYS: dict[str, str] = {

@@ -8,8 +8,6 @@ saved-tensor hooks); on a GPU it is the measured activation peak.
 from __future__ import annotations
 
 import math
-import statistics
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,8 +15,9 @@ from typing import Any
 import torch
 
 import gradseam
-from gradseam.named_strategies import needs_cuda, rows
-from gradseam.testing import count_saved_bytes
+
+from . import measure as measuring
+from .named_strategies import needs_cuda, rows
 
 DEMO_CONFIG = dict(
     patch_size=1, in_channels=16, num_layers=2, num_single_layers=6, attention_head_dim=64,
@@ -124,22 +123,13 @@ def _run(
         model = FluxTransformer2DModel(**DEMO_CONFIG)
     if dtype != torch.float32:
         model.to(dtype)  # a random model: no module needs to be kept in float32
-    params = {id(p) for p in model.parameters()}
+    inputs = _inputs(dev, dtype, image_tokens, text_tokens)
+    inner = measuring.forward_backward(model, inputs, lambda out: out.sample.float().square().mean(),
+                                       count_saved=dev.type == "cpu")
 
-    def step() -> tuple[int, torch.Tensor]:
-        model.zero_grad(set_to_none=True)
-        x = _inputs(dev, dtype, image_tokens, text_tokens)
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            model(**x).sample.float().square().mean().backward()
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() - base, x["hidden_states"].grad
-        with count_saved_bytes(params) as saved:
-            out = model(**x).sample
-        out.float().square().mean().backward()
-        return saved[0], x["hidden_states"].grad
+    def step() -> int:
+        model.zero_grad(set_to_none=True)  # every step allocates the parameter grads, as a training step does
+        return inner()
 
     rows = []
     reference: torch.Tensor | None = None
@@ -148,18 +138,14 @@ def _run(
     for name, config in iterator:
         handle = gradseam.patch(model, config) if config else None
         try:
-            step()  # warm-up
-            times, kept = [], []
-            for _ in range(steps):
-                start = time.perf_counter()
-                k, grad = step()
-                times.append((time.perf_counter() - start) * 1000)
-                kept.append(k)
+            got = measuring.measure(step, steps=steps, device=dev.type, engine=getattr(handle, "engine", None))
         finally:
             if handle is not None:
                 handle.remove()
+        grad = inputs["hidden_states"].grad
         if reference is None:
-            reference = grad
+            reference = grad.clone()
         diff = (grad.float() - reference.float()).abs().max().item()
-        rows.append(DemoRow(name, max(kept) / 2**20, statistics.median(times), diff, dev.type, image_tokens))
+        rows.append(DemoRow(name, got.peak_gib * measuring.GiB / measuring.MiB, got.step_ms, diff, dev.type,
+                            image_tokens))
     return rows

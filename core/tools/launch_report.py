@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .patcher import PatchHandle, RegionView
+    from ..patcher import PatchHandle, RegionView
 
 
 def block_counts(handle: PatchHandle) -> dict[str, tuple[int, int]]:

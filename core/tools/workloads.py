@@ -5,23 +5,25 @@ constructor config and the input builder from its :class:`~gradseam.family.Prese
 random (nothing is downloaded), bf16 and frozen; the inputs' latents require grad, as in a LoRA
 or full fine-tune step where the loss flows back through the whole stack.
 
-``layers=K`` keeps the first K blocks of every declared block list, so a large model fits a
-quick run; the per-block numbers stay real, the totals shrink. The protocol's loss is
-``sum(out.float().square().mean())`` over every floating output tensor.
+``depth=d`` keeps the blocks of ``d`` units of depth (every list in its real proportion, see
+:mod:`gradseam.tools.depth`), so a large model fits a quick run and two depths give each block's
+growth; ``layers=K`` keeps the first K blocks of every list (the older, cruder cut). The step and
+its loss live in :mod:`gradseam.tools.measure`.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
-from .errors import GradseamError
-from .family import Family, Preset, class_name
+from ..errors import GradseamError
+from ..family import Family, Preset, class_name
+from .depth import DepthPlan, parse_depths, plan_for, resolve
 
 
 def find_family(name: str) -> Family:
@@ -65,14 +67,6 @@ def model_class(family: Family) -> type:
     )
 
 
-def resolve(root: Any, path: str) -> Any:
-    for part in path.split("."):
-        root = getattr(root, part, None)
-        if root is None:
-            return None
-    return root
-
-
 def blocks(model: nn.Module, family: Family) -> list[nn.Module]:
     """Every block of every declared block list the model has, in declaration order (for sharding)."""
     found = []
@@ -98,44 +92,6 @@ def truncate(model: nn.Module, family: Family, layers: int) -> dict[str, tuple[i
     return done
 
 
-def tensors(obj: Any) -> list[torch.Tensor]:
-    """Every tensor in a model output (tensors, tuples/lists, dicts and diffusers ``BaseOutput``)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, Mapping):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in tensors(item)]
-    return []
-
-
-def default_loss(out: Any) -> torch.Tensor:
-    """``sum(t.float().square().mean())`` over the floating output tensors."""
-    found = [t for t in tensors(out) if t.is_floating_point()]
-    if not found:
-        raise GradseamError(f"the model output ({type(out).__name__}) holds no floating tensor to build a loss from.")
-    return sum(t.float().square().mean() for t in found)
-
-
-def grad_leaves(inputs: Any) -> list[torch.Tensor]:
-    return [t for t in tensors(inputs) if t.requires_grad and t.is_leaf]
-
-
-def make_step(
-    model: nn.Module, inputs: Mapping[str, Any], loss_fn: Callable[[Any], torch.Tensor] | None = None
-) -> Callable[[], None]:
-    """One forward + backward; input grads are dropped first so every step allocates the same."""
-    loss_fn = loss_fn or default_loss
-    leaves = grad_leaves(inputs)
-
-    def step() -> None:
-        for t in leaves:
-            t.grad = None
-        loss_fn(model(**inputs)).backward()
-
-    return step
-
-
 @dataclass
 class Workload:
     family: Family
@@ -145,6 +101,10 @@ class Workload:
     truncated: dict[str, tuple[int, int]] = field(default_factory=dict)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dtype: torch.dtype = torch.bfloat16
+    plan: DepthPlan = field(default_factory=lambda: DepthPlan({}))  # of the preset's full model
+    depth: int | None = None  # the depth kept (None: every block, or ``layers``)
+    fit_depths: tuple[int, int] | None = None  # with ``depths=``: the two depths to fit from
+    dropped_gib: float = 0.0  # weights of the blocks truncation dropped, in ``dtype`` (static memory at full depth)
 
     def inputs(self, tokens: int | None = None) -> dict[str, Any]:
         if self.preset.make_inputs is None:
@@ -171,11 +131,20 @@ def build(
     preset: str | None = None,
     *,
     layers: int | None = None,
+    depth: int | str | None = None,
+    depths: str | tuple[int, int] | None = None,
     device: str | torch.device = "cuda",
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
 ) -> Workload:
-    """The preset's model with random weights directly on ``device``, truncated, in ``dtype``, frozen."""
+    """The preset's model with random weights directly on ``device``, truncated, in ``dtype``, frozen.
+
+    ``depth``: keep that many units of depth; ``"fit"`` keeps the deeper of the two fit depths
+    (``depths``, as ``"2,4"`` or a pair; default two small ones), recorded in ``fit_depths``.
+    """
+    if layers is not None and depth is not None:
+        raise ValueError("layers= and depth= exclude each other: layers keeps the first K of every list, "
+                         "depth keeps every list in its real proportion.")
     fam = find_family(family) if isinstance(family, str) else family
     preset_name, the_preset = find_preset(fam, preset)
     cls = model_class(fam)
@@ -186,13 +155,47 @@ def build(
         # illegal memory accesses); the flash kernel serves every family, so the workloads use it.
         torch.backends.cuda.enable_cudnn_sdp(False)
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = cls(**the_preset.config)
-    truncated = truncate(model, fam, layers) if layers else {}
+    default = torch.get_default_dtype()
+    if device.type == "cuda":
+        # built directly in the benchmark dtype: FLUX.2 dev (32B) would need 128 GB in float32 first
+        torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = cls(**the_preset.config)
+    finally:
+        torch.set_default_dtype(default)
+    plan = plan_for(model, fam)
+    fit_depths = None
+    if depth == "fit" or depths is not None:
+        fit_depths = depths if isinstance(depths, tuple) else parse_depths(depths, plan.full)
+        if depth == "fit":
+            depth = fit_depths[1]
+    if isinstance(depth, str):
+        raise ValueError(f"depth must be a number of units or 'fit', got {depth!r}.")
+    before = sum(p.numel() for p in model.parameters())
+    if depth is not None:
+        truncated = truncate_to(model, plan, depth)
+    else:
+        truncated = truncate(model, fam, layers) if layers else {}
+    dropped_gib = (before - sum(p.numel() for p in model.parameters())) * dtype.itemsize / (1 << 30)
     model = model.to(dtype).requires_grad_(False)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the dropped blocks and the fp32 copies
-    return Workload(fam, preset_name, the_preset, model, truncated, device, dtype)
+    return Workload(fam, preset_name, the_preset, model, truncated, device, dtype, plan, depth, fit_depths,
+                    dropped_gib)
+
+
+def truncate_to(model: nn.Module, plan: DepthPlan, depth: int) -> dict[str, tuple[int, int]]:
+    """Keep the blocks of ``depth`` units for good (dropping the rest frees their weights)."""
+    done = {}
+    for path, n in plan.counts(depth).items():
+        parent_path, _, attr = path.rpartition(".")
+        parent = resolve(model, parent_path) if parent_path else model
+        blocks = list(getattr(parent, attr))
+        if n < len(blocks):
+            setattr(parent, attr, nn.ModuleList(blocks[:n]))
+            done[path] = (n, len(blocks))
+    return done
 
 
 def sequence_length(model: nn.Module, family: Family, inputs: Mapping[str, Any]) -> int:

@@ -1,0 +1,404 @@
+"""Pick the fastest strategy that fits a GPU memory budget, by measuring the real model at two depths.
+
+``advise(model, example_inputs, budget)`` walks the practical ladder: no checkpointing, torch-ffn,
+torch, unsloth-ffn, unsloth, the attention-offload combinations, the compiler's activation memory
+budgets (blocks compiled one by one) and gradseam on compiled blocks. Each candidate runs one
+warm-up and one timed forward + backward at two shallow depths of the model (the blocks stay
+allocated; see :mod:`gradseam.tools.depth`), and its activation peak, step time and pinned host
+memory are predicted at the model's real depth from the fit: a peak measured on a truncated model
+alone would hide what each block adds, and recommend what cannot fit the real model.
+
+A candidate fits when its predicted peak plus the model's static memory (weights, inputs) is within
+the budget and its pinned host memory within what the machine can pin (:mod:`gradseam.tools.host`);
+the fastest fitting one wins. Once something fits, sparser checkpointing on the chosen backend
+(interval 2, then a stride that checkpoints fewer blocks) is tried to win speed back.
+
+The measuring function is injectable (``measure=``), so the ladder logic runs anywhere; the
+default one needs a CUDA model, since it reads the GPU allocator. This module imports torch only
+inside the functions that need it, so ``import gradseam`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import GradseamError, UnsupportedStrategyError
+from .named_strategies import rows
+
+GiB = 1 << 30
+_UNITS = {
+    "": GiB, "g": GiB, "gb": 10**9, "gib": GiB, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+    "t": 1 << 40, "tb": 10**12, "tib": 1 << 40, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10,
+}
+
+
+def parse_budget(value: str | float | int) -> float:
+    """A memory budget in GiB: ``42.5`` (GiB), ``"40GiB"``, ``"40 GB"`` (10^9 bytes), ``"40960MiB"``."""
+    if isinstance(value, bool):
+        raise ValueError(f"memory budget: expected a size like '40GiB' or a number of GiB, got {value!r}.")
+    if isinstance(value, (int, float)):
+        gib = float(value)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+        unit = match.group(2).lower() if match else ""
+        if not match or unit not in _UNITS:
+            raise ValueError(
+                f"memory budget: cannot read {value!r}; write a number with a unit, e.g. '40GiB', '40 GB', "
+                "'40960MiB', or a plain number of GiB like 42.5."
+            )
+        gib = float(match.group(1)) * _UNITS[unit] / GiB
+    if not gib > 0 or gib == float("inf"):
+        raise ValueError(f"memory budget: must be a positive finite size, got {value!r}.")
+    return gib
+
+
+# -- the ladder ---------------------------------------------------------------------------------
+
+# From the least to the most aggressive, out of the one table of named strategies; every rung is
+# measured and the fastest that fits is chosen.
+# Keys of a candidate that are not gradseam config keys: they ask for compiled blocks.
+COMPILE_KEYS = ("compile_blocks", "compile_memory_budget")
+LADDER: list[tuple[str, dict[str, Any]]] = [("off", {"gradient_checkpointing": False})] + rows(
+    "torch-ffn", "torch", "torch + attention kept", "unsloth-ffn", "unsloth", "attention offload",
+    "torch-ffn + attention offload", "unsloth-ffn + attention offload", "torch + attention offload",
+    "unsloth + attention offload",
+) + [
+    (f"compile, memory budget {b:g}", {"gradient_checkpointing": False, "compile_blocks": True,
+                                       "compile_memory_budget": b})
+    for b in (0.3, 0.1, 0.05)
+] + [
+    (f"compiled blocks + {label}", {**config, "compile_blocks": True})
+    for label, config in rows("torch + attention kept", "unsloth + attention offload")
+]
+
+# Win-back steps on the chosen backend, from the least extra memory to the most.
+INTERVAL_STEP = ("interval 2", {"gradient_checkpointing_interval": 2})
+STRIDE_STEPS: list[tuple[str, dict[str, Any]]] = [
+    ("3 of every 4 blocks", {"gradient_checkpointing_interval": 3, "gradient_checkpointing_segment_stride": 4}),
+    ("every other block", {"gradient_checkpointing_interval": 1, "gradient_checkpointing_segment_stride": 2}),
+    ("1 of every 4 blocks", {"gradient_checkpointing_interval": 1, "gradient_checkpointing_segment_stride": 4}),
+]
+
+@dataclass
+class Estimate:
+    """One candidate at the depth planned for: predicted from two depths, or measured."""
+
+    peak_gib: float
+    step_ms: float
+    pinned_gib: float = 0.0
+    growth_gib: float | None = None  # activation peak added per unit of depth
+    source: str = "measured"
+
+
+# measure(candidate) -> Estimate, or (activation peak GiB, step ms); raises torch.OutOfMemoryError
+# (or another out-of-memory error, see measure.is_oom) or UnsupportedStrategyError.
+Measure = Callable[[Mapping[str, Any]], "Estimate | tuple[float, float]"]
+
+
+@dataclass
+class Trial:
+    label: str
+    config: dict[str, Any]
+    peak_gib: float | None = None
+    step_ms: float | None = None
+    status: str = "not tried"  # fits | over budget | over host memory | OOM | unsupported | not tried
+    reason: str = ""
+    pinned_gib: float | None = None
+    growth_gib: float | None = None
+    source: str = ""
+
+
+@dataclass
+class Advice:
+    budget_gib: float
+    static_gib: float
+    trials: list[Trial] = field(default_factory=list)
+    chosen: Trial | None = None
+    depth_note: str = ""  # the depth the advice was planned for, and how
+    pinnable_gib: float | None = None  # pinned host memory the plan allowed
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The recommended gradseam config keys, ready to paste into a trainer config."""
+        if self.chosen is None:
+            raise GradseamError(self.no_fit_message())
+        return {k: v for k, v in self.chosen.config.items() if k not in COMPILE_KEYS}
+
+    @property
+    def compile(self) -> str | None:
+        """How to compile the blocks, when the recommendation includes compiling them; else None."""
+        if self.chosen is None or not self.chosen.config.get("compile_blocks"):
+            return None
+        budget = self.chosen.config.get("compile_memory_budget")
+        how = "compile each transformer block with torch.compile (block.compile())"
+        if budget is not None:
+            how += f", with torch._functorch.config.activation_memory_budget = {budget:g}"
+        return how
+
+    def to_json(self) -> str:
+        return json.dumps(self.config, indent=2)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "budget_gib": round(self.budget_gib, 3),
+            "static_gib": round(self.static_gib, 3),
+            "recommended": self.config if self.chosen else None,
+            "compile": self.compile,
+            "chosen": self.chosen.label if self.chosen else None,
+            "depth": self.depth_note,
+            "pinnable_gib": round(self.pinnable_gib, 1) if self.pinnable_gib is not None else None,
+            "trials": [asdict(t) for t in self.trials],
+        }
+
+    def no_fit_message(self) -> str:
+        measured = [t for t in self.trials if t.peak_gib is not None]
+        if not measured:
+            return (
+                f"no strategy could be measured within the {self.budget_gib:.2f} GiB budget (every candidate "
+                "ran out of memory or was unsupported); shorten the sequence, truncate the model or use a "
+                "bigger GPU."
+            )
+        best = min(measured, key=lambda t: t.peak_gib or 0.0)
+        total = self.static_gib + (best.peak_gib or 0.0)
+        return (
+            f"nothing fits in {self.budget_gib:.2f} GiB: the smallest activation peak seen was "
+            f"{best.peak_gib:.2f} GiB ({best.label}), which with {self.static_gib:.2f} GiB of static memory "
+            f"needs {total:.2f} GiB, {total - self.budget_gib:.2f} GiB over budget. Raise the budget by at "
+            "least that much, or shorten the sequence / lower the batch size."
+        )
+
+    def report(self) -> str:
+        lines = [f"budget {self.budget_gib:.2f} GiB, static memory (weights + inputs) {self.static_gib:.2f} GiB"]
+        if self.depth_note:
+            lines.append(f"planned for {self.depth_note}")
+        for t in self.trials:
+            peak = f"{t.peak_gib:7.2f} GiB" if t.peak_gib is not None else "        -  "
+            ms = f"{t.step_ms:9.1f} ms" if t.step_ms is not None else "        -   "
+            mark = "->" if t is self.chosen else "  "
+            lines.append(f"{mark} {t.label:<42} {peak} {ms}  {t.status}{': ' + t.reason if t.reason else ''}")
+        if self.chosen is None:
+            lines.append(self.no_fit_message())
+        else:
+            lines.append(f"recommended ({self.chosen.label}):")
+            lines.append(self.to_json())
+            if self.compile:
+                lines.append(f"and {self.compile}")
+        return "\n".join(lines)
+
+
+class NoFitError(GradseamError):
+    """No candidate fits the budget; ``.advice`` holds every measurement."""
+
+    def __init__(self, advice: Advice) -> None:
+        super().__init__(advice.no_fit_message())
+        self.advice = advice
+
+
+def _try(trial: Trial, measure: Measure, budget_gib: float, static_gib: float,
+         pinnable_gib: float | None = None) -> Trial:
+    try:
+        got = measure(dict(trial.config))
+    except UnsupportedStrategyError as exc:
+        trial.status, trial.reason = "unsupported", f"unsupported by family: {exc}"
+        return trial
+    except Exception as exc:
+        from .measure import is_oom
+
+        if not is_oom(exc):
+            raise
+        trial.status, trial.reason = "OOM", "out of memory while measuring"
+        return trial
+    if not isinstance(got, Estimate):
+        got = Estimate(*got)
+    trial.peak_gib, trial.step_ms = round(float(got.peak_gib), 3), round(float(got.step_ms), 1)
+    trial.pinned_gib, trial.source = round(max(float(got.pinned_gib), 0.0), 2), got.source
+    trial.growth_gib = round(got.growth_gib, 3) if got.growth_gib is not None else None
+    over = static_gib + trial.peak_gib - budget_gib
+    if over > 0:
+        trial.status, trial.reason = "over budget", f"over budget by {over:.2f} GiB"
+    elif pinnable_gib is not None and trial.pinned_gib > pinnable_gib:
+        trial.status = "over host memory"
+        trial.reason = (f"needs {trial.pinned_gib:.1f} GiB of pinned host memory, more than the "
+                        f"{pinnable_gib:.1f} GiB this machine can pin")
+    else:
+        trial.status = "fits"
+    return trial
+
+
+def run_ladder(
+    measure: Measure, budget_gib: float, static_gib: float = 0.0, *, supports_interval: bool = True,
+    pinnable_gib: float | None = None, ladder: list[tuple[str, dict[str, Any]]] | None = None,
+) -> Advice:
+    """Walk the ladder with ``measure`` and return the advice (``chosen`` is None when nothing fits)."""
+    advice = Advice(budget_gib, static_gib, pinnable_gib=pinnable_gib)
+    fits: list[Trial] = []
+    ladder = LADDER if ladder is None else ladder
+    for i, (label, config) in enumerate(ladder):
+        trial = _try(Trial(label, dict(config)), measure, budget_gib, static_gib, pinnable_gib)
+        advice.trials.append(trial)
+        if trial.status == "fits":
+            fits.append(trial)
+        if i == 0 and trial.status == "fits":
+            for rest_label, rest in ladder[1:]:
+                advice.trials.append(Trial(rest_label, dict(rest), reason="no checkpointing fits; nothing is faster"))
+            break
+    if not fits:
+        return advice
+    base = min(fits, key=lambda t: t.step_ms or 0.0)
+
+    if base.config.get("gradient_checkpointing") and not base.config.get("compile_blocks"):
+        backend = base.config["gradient_checkpointing_backend"]
+        steps = list(STRIDE_STEPS)
+        if supports_interval and not backend.endswith("-ffn"):
+            steps.insert(0, INTERVAL_STEP)
+        stopped = False
+        for label, extra in steps:
+            trial = Trial(f"{base.label}, {label}", {**base.config, **extra})
+            if stopped:
+                trial.reason = "a denser setting already missed the budget"
+                advice.trials.append(trial)
+                continue
+            _try(trial, measure, budget_gib, static_gib, pinnable_gib)
+            advice.trials.append(trial)
+            if trial.status == "fits":
+                fits.append(trial)
+            elif extra is not INTERVAL_STEP[1]:
+                stopped = True  # sparser strides only keep more
+
+    chosen = min(fits, key=lambda t: t.step_ms or 0.0)
+    advice.chosen = chosen
+    for t in fits:
+        if t is not chosen:
+            t.reason = f"fits, but slower than chosen ({t.step_ms:.1f} ms vs {chosen.step_ms:.1f} ms)"
+    return advice
+
+
+
+# -- measuring on the GPU, at two depths ----------------------------------------------------------
+
+
+def depth_measure(
+    model: Any,
+    inputs: Mapping[str, Any],
+    loss_fn: Callable[[Any], Any] | None = None,
+    *,
+    family: Any = None,
+    depths: tuple[int, int] | None = None,
+    target: int | None = None,
+    device: str = "cuda",
+    plan: Any = None,
+) -> tuple[Measure, str]:
+    """A :data:`Measure` that runs each candidate at two depths of ``model`` and predicts it at ``target``.
+
+    Returns the measure and a sentence saying which depth it plans for and how. A model with too
+    few units of depth to fit from is measured as it is.
+    """
+    from contextlib import ExitStack
+
+    import gradseam
+
+    from ..patcher import family_for
+    from . import measure as measuring
+    from .compiled import compiled_blocks
+    from .depth import at_depth, fit, parse_depths, plan_for
+    from .workloads import blocks as list_blocks
+
+    family = family or family_for(model)
+    plan = plan or plan_for(model, family)  # a truncated workload passes its full model's plan
+    target = target or plan.full
+    if depths is None and plan.full < 2:
+        depths = None
+        note = f"the model as given ({plan.describe(plan.full)}), measured directly"
+    else:
+        depths = depths or parse_depths(None, plan.full)
+        note = (f"depth {target} ({plan.describe(min(target, plan.full))}; {plan.unit_note()}), predicted from "
+                f"measurements at depths {depths[0]} and {depths[1]}")
+
+    def once(config: Mapping[str, Any], depth: int) -> measuring.Measurement:
+        keys = {k: v for k, v in config.items() if k not in COMPILE_KEYS}
+        with ExitStack() as stack:
+            stack.enter_context(at_depth(model, plan, depth))
+            if keys.get("gradient_checkpointing") or keys.get("gradient_checkpointing_offload_attention"):
+                handle = gradseam.patch(model, keys)
+                stack.callback(handle.remove)
+            if config.get("compile_blocks"):
+                stack.enter_context(compiled_blocks(list_blocks(model, family), config.get("compile_memory_budget")))
+            step = measuring.forward_backward(model, inputs, loss_fn, count_saved=device == "cpu")
+            handle_now = gradseam.handle_of(model)
+            try:
+                return measuring.measure(step, steps=1, warmup=2 if config.get("compile_blocks") else 1,
+                                         device=device, engine=getattr(handle_now, "engine", None))
+            finally:
+                step = None
+                measuring.release(device)
+
+    def measure(config: Mapping[str, Any]) -> Estimate:
+        if depths is None:
+            got = once(config, plan.full)
+            return Estimate(got.peak_gib, got.step_ms, got.pinned_gib)
+        a, b = once(config, depths[0]), once(config, depths[1])
+        peak = fit(depths, (a.peak_gib, b.peak_gib))
+        ms = fit(depths, (a.step_ms, b.step_ms))
+        pinned = fit(depths, (a.pinned_gib, b.pinned_gib))
+        return Estimate(peak.at(target), ms.at(target), pinned.at(target), peak.growth, f"predicted at depth {target}")
+
+    return measure, note
+
+
+def advise(
+    model: Any,
+    example_inputs: Mapping[str, Any],
+    budget: str | float,
+    loss_fn: Callable[[Any], Any] | None = None,
+    *,
+    measure: Measure | None = None,
+    static_gib: float | None = None,
+    depths: tuple[int, int] | None = None,
+    depth: int | None = None,
+    pinnable_gib: float | None = None,
+    plan: Any = None,
+) -> Advice:
+    """The fastest strategy whose predicted peak plus the model's static memory fits ``budget``.
+
+    ``example_inputs`` are ``model``'s forward keyword arguments (one real batch, latents with
+    ``requires_grad`` for a full backward); ``loss_fn(output)`` defaults to the mean square of every
+    floating output. Each candidate is measured at two shallow ``depths`` of ``model`` (default 2
+    and 4 units) and predicted at ``depth`` (default: the model's own). Raises :class:`NoFitError`
+    (with the smallest peak seen and the shortfall) when nothing fits. ``measure`` replaces the GPU
+    measurement (``config -> Estimate or (peak GiB, ms)``); ``pinnable_gib`` overrides the host's
+    pinnable memory (default: what :mod:`gradseam.tools.host` reads, less its margin).
+    """
+    from .host import pinnable_gib as host_pinnable
+
+    budget_gib = parse_budget(budget)
+    supports_interval = True
+    note = ""
+    if measure is None:
+        import torch
+
+        device = next((p.device for p in model.parameters()), None)
+        if not torch.cuda.is_available() or device is None or device.type != "cuda":
+            raise GradseamError(
+                "gradseam.advise measures GPU memory and needs the model on a CUDA GPU "
+                f"(model is on {device}, CUDA available: {torch.cuda.is_available()}). Move the model and "
+                "inputs to the GPU, or pass measure= to supply your own measurements."
+            )
+        from ..patcher import family_for
+
+        supports_interval = family_for(model).supports_interval
+        torch.cuda.synchronize()
+        if static_gib is None:
+            static_gib = torch.cuda.memory_allocated() / GiB
+        measure, note = depth_measure(model, example_inputs, loss_fn, depths=depths, target=depth, plan=plan)
+        if pinnable_gib is None:
+            pinnable_gib = host_pinnable()
+    advice = run_ladder(measure, budget_gib, static_gib or 0.0, supports_interval=supports_interval,
+                        pinnable_gib=pinnable_gib)
+    advice.depth_note = note
+    if advice.chosen is None:
+        raise NoFitError(advice)
+    return advice

@@ -1,0 +1,470 @@
+"""Side-by-side measurements of strategies: activation peak, step time and host memory, on the real GPU.
+
+The reference rows run in the same process as gradseam's rows, so every comparison shares one
+machine state: no checkpointing, what users write by hand (``torch.utils.checkpoint``, a naive
+unsloth-style checkpoint, ``save_on_cpu``), diffusers' own flag, and ``torch.compile`` with the
+compiler's activation memory budget (:mod:`gradseam.tools.compiled`). The protocol is the one in
+:mod:`gradseam.tools.measure`.
+
+A family's real-size model (:func:`real`) is measured at two depths and its peaks, pinned host
+memory and step times are fitted per unit of depth (:mod:`gradseam.tools.depth`), so the figure a
+user reads first is the one at the model's real depth: measured with ``full=True`` where the full
+model fits, predicted and marked otherwise. The synthetic stack (:func:`synthetic`) has no real
+depth beyond its own: its rows are measured at the depth asked for.
+
+Without CUDA (or with ``device="cpu"``) the workloads run on the CPU in float32 at a small size
+(:data:`CPU_SHAPES`): the rows that only use torch are measured, and the memory column is the bytes
+autograd keeps between forward and backward (see :func:`gradseam.tools.measure.count_saved_bytes`),
+not an allocator peak. Rows in :data:`CUDA_ONLY_ROWS` are reported with the status ``"needs CUDA"``.
+The JSON it writes is described in :mod:`gradseam.tools.bench_report`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import gradseam
+
+from ..family import Family
+from . import measure as measuring
+from .compiled import BUDGETS, budget_label, compiled_blocks
+from .depth import DepthPlan, at_depth, parse_depths
+from .named_strategies import needs_cuda, rows
+
+GiB = measuring.GiB
+NEEDS_CUDA = "needs CUDA"
+COMPILED = "compiled: "  # prefix of a gradseam row whose blocks are compiled too
+
+# gradseam's rows, from the one table of named strategies (gradseam.tools.named_strategies)
+GRADSEAM_ROWS: list[tuple[str, dict[str, Any]]] = rows(
+    "torch", "torch-ffn", "unsloth", "unsloth-ffn", "attention offload", "torch-ffn + attention offload",
+    "unsloth-ffn + attention offload", "torch + attention kept", "torch + attention offload",
+    "unsloth + attention offload", "torch, interval 2",
+)
+# gradseam's rows that are also measured with compiled blocks on a real model
+COMPILED_ROWS: list[tuple[str, dict[str, Any]]] = [
+    (COMPILED + label, config) for label, config in rows("torch + attention kept", "unsloth + attention offload")
+]
+# Rows of a real-model workload (``gradseam bench --family``): the references a user has today
+# (no checkpointing, diffusers' own flag, ``save_on_cpu``, the compiler's memory budgets), then
+# gradseam's strategies, eager and compiled.
+DIFFUSERS_ROW = "ref: diffusers enable_gradient_checkpointing()"
+COMPILE_ROWS = [budget_label(b) for b in BUDGETS]
+REAL_REFERENCE_ROWS = ["none", DIFFUSERS_ROW, "ref: save_on_cpu", *COMPILE_ROWS]
+REFERENCE_ROWS = [
+    "none",
+    "ref: torch.utils.checkpoint",
+    "ref: torch.utils.checkpoint (FFN)",
+    "ref: naive unsloth",
+    "ref: save_on_cpu",
+]
+# Rows the CPU mode cannot measure, reported as "needs CUDA" there: offload copies GPU memory,
+# kept attention kernel outputs escape the CPU mode's saved-tensor count, and inductor's memory
+# budget is a GPU allocator matter.
+CUDA_ONLY_ROWS = frozenset({label for label, _ in GRADSEAM_ROWS if needs_cuda(label)}
+                           | {"ref: naive unsloth", "ref: save_on_cpu", *COMPILE_ROWS}
+                           | {label for label, _ in COMPILED_ROWS})
+
+
+@dataclass
+class Result:
+    workload: str
+    tokens: int
+    strategy: str
+    peak_gib: float | None
+    step_ms: float | None
+    status: str = "ok"  # "ok", "OOM", "needs CUDA", "ruled out: ...", "unsupported: ...", "error: ..."
+    pinned_allocations_after_warmup: int | None = None
+    pinned_gib: float | None = None  # pinned host memory in use at its peak (GPU rows)
+    depth: int | None = None  # real models: the depth measured (units of gradseam.tools.depth)
+    blocks: str | None = None  # real models: the blocks kept per list at that depth, e.g. "2 + 4 blocks"
+
+
+# -- reference strategies (hand-written, as users write them today) ----------------------------
+
+
+class _NaiveUnsloth(torch.autograd.Function):
+    """Checkpoint a block, keeping its input in a pinned buffer copied on the compute stream."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, block: nn.Module, buffers: dict[int, torch.Tensor]) -> torch.Tensor:
+        buf = buffers.get(id(block))
+        if buf is None or buf.shape != x.shape:
+            buf = buffers[id(block)] = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        buf.copy_(x, non_blocking=True)
+        ctx.block, ctx.buf, ctx.device = block, buf, x.device
+        with torch.no_grad():
+            return block(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
+        x = ctx.buf.to(ctx.device, non_blocking=True).requires_grad_(True)
+        with torch.enable_grad():
+            out = ctx.block(x)
+        torch.autograd.backward(out, grad)
+        return x.grad, None, None
+
+
+class _ReferenceWrap(nn.Module):
+    """Wraps each block of a list with a hand-written reference strategy (for comparison rows)."""
+
+    def __init__(self, block: nn.Module, mode: str, buffers: dict[int, torch.Tensor]) -> None:
+        super().__init__()
+        self.block, self.mode, self.buffers = block, mode, buffers
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.mode == "checkpoint":
+            return checkpoint(self.block, *args, use_reentrant=False, **kwargs)
+        (x,) = args  # the naive unsloth row is only defined for single-input blocks
+        return _NaiveUnsloth.apply(x, self.block, self.buffers)
+
+
+@contextmanager
+def reference(model: nn.Module, blocks_attr: str, mode: str, submodule: str | None = None) -> Iterator[None]:
+    """Wrap every block (or its ``submodule``, e.g. the FFN) with a hand-written reference strategy."""
+    blocks = getattr(model, blocks_attr)
+    owners = [b._modules for b in blocks] if submodule else [blocks._modules] * len(blocks)
+    keys = [submodule] * len(owners) if submodule else list(blocks._modules)
+    original = [owner[key] for owner, key in zip(owners, keys)]
+    buffers: dict[int, torch.Tensor] = {}
+    for owner, key, module in zip(owners, keys, original):
+        owner[key] = _ReferenceWrap(module, mode, buffers)
+    try:
+        yield
+    finally:
+        for owner, key, module in zip(owners, keys, original):
+            owner[key] = module
+
+
+def _strategy_context(
+    model: nn.Module, name: str, config: dict[str, Any] | None, blocks_attr: str,
+    compile_blocks: list[nn.Module] | None,
+) -> Any:
+    if name.startswith(COMPILED):
+        stack = ExitStack()
+        if config is not None:
+            stack.enter_context(_Patched(model, config))
+        stack.enter_context(compiled_blocks(_need_blocks(name, compile_blocks)))
+        return stack
+    if config is not None:
+        return _Patched(model, config)
+    if name == "none":
+        return nullcontext()
+    if name in COMPILE_ROWS:
+        return compiled_blocks(_need_blocks(name, compile_blocks), BUDGETS[COMPILE_ROWS.index(name)])
+    if name == "ref: torch.utils.checkpoint":
+        return reference(model, blocks_attr, "checkpoint")
+    if name == "ref: torch.utils.checkpoint (FFN)":
+        return reference(model, blocks_attr, "checkpoint", submodule="ffn")
+    if name == "ref: naive unsloth":
+        return reference(model, blocks_attr, "naive-unsloth")
+    if name == "ref: save_on_cpu":
+        return torch.autograd.graph.save_on_cpu(pin_memory=True)
+    if name == DIFFUSERS_ROW:
+        return _diffusers_checkpointing(model)
+    raise ValueError(f"unknown strategy {name!r}")
+
+
+def _need_blocks(name: str, blocks: list[nn.Module] | None) -> list[nn.Module]:
+    if not blocks:
+        raise gradseam.UnsupportedStrategyError(f"{name}: the workload did not name its blocks to compile")
+    return blocks
+
+
+@contextmanager
+def _diffusers_checkpointing(model: nn.Module) -> Iterator[None]:
+    enable = getattr(model, "enable_gradient_checkpointing", None)
+    if enable is None or not getattr(model, "_supports_gradient_checkpointing", False):
+        raise gradseam.UnsupportedStrategyError(f"{type(model).__name__} has no diffusers gradient checkpointing")
+    enable()
+    try:
+        yield
+    finally:
+        model.disable_gradient_checkpointing()
+
+
+class _Patched(AbstractContextManager):
+    def __init__(self, model: nn.Module, config: dict[str, Any]) -> None:
+        self.model, self.config, self.handle = model, config, None
+
+    def __enter__(self) -> _Patched:
+        self.handle = gradseam.patch(self.model, self.config)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+
+
+def run_rows(
+    workload: str,
+    tokens: int,
+    model: nn.Module,
+    make_step: Callable[[], Callable[[], Any]],
+    rows: list[tuple[str, dict[str, Any] | None]],
+    *,
+    steps: int = 5,
+    blocks_attr: str = "blocks",
+    on_row: Callable[[Result], None] | None = None,
+    device: str = "cuda",
+    compile_blocks: list[nn.Module] | None = None,
+    rule_out: Callable[[str], str | None] | None = None,
+    depth: int | None = None,
+    blocks: str | None = None,
+) -> list[Result]:
+    """Measure every row on ``model``; a failing cell becomes a row with a status, never an exception.
+
+    On ``device="cpu"`` the steps made by ``make_step`` return their saved bytes and the rows in
+    :data:`CUDA_ONLY_ROWS` are reported as "needs CUDA". ``rule_out(name)`` may return why a row
+    must not run (say, it would need more pinned host memory than the machine has); the row is
+    then reported with that reason instead of being tried.
+    """
+    cpu = device == "cpu"
+    results = []
+    for name, config in rows:
+        reason = NEEDS_CUDA if cpu and name in CUDA_ONLY_ROWS else (rule_out(name) if rule_out else None)
+        if reason is not None:
+            result = Result(workload, tokens, name, None, None, reason, depth=depth, blocks=blocks)
+            results.append(result)
+            if on_row is not None:
+                on_row(result)
+            continue
+        measuring.release(device)
+        step = None
+        try:
+            ctx = _strategy_context(model, name, config, blocks_attr, compile_blocks)
+            with ctx:
+                step = make_step()
+                handle = getattr(ctx, "handle", None) or gradseam.handle_of(model)
+                compiled = name.startswith(COMPILED) or name in COMPILE_ROWS
+                # looked up per call, so tests can replace measuring.measure
+                got = measuring.measure(step, steps=steps, warmup=2 if compiled else 1, device=device,
+                                        engine=getattr(handle, "engine", None))
+            # CPU counts are small (KiB to MiB): keep them to the byte
+            result = Result(workload, tokens, name, round(got.peak_gib, 9 if cpu else 3), round(got.step_ms, 1),
+                            pinned_allocations_after_warmup=got.pinned_allocations_after_warmup,
+                            pinned_gib=None if cpu or name == "ref: save_on_cpu" else round(got.pinned_gib, 3),
+                            depth=depth, blocks=blocks)
+        except gradseam.UnsupportedStrategyError as exc:
+            result = Result(workload, tokens, name, None, None, f"unsupported: {exc}", depth=depth, blocks=blocks)
+        except Exception as exc:  # one broken cell must not lose the sweep; the row says what broke
+            oom = measuring.is_oom(exc)
+            reason = "OOM" if oom else f"error: {type(exc).__name__}: {exc}"[:300]
+            result = Result(workload, tokens, name, None, None, reason, depth=depth, blocks=blocks)
+        finally:
+            step = None
+        results.append(result)
+        if on_row is not None:
+            on_row(result)
+    return results
+
+
+# -- the synthetic workload ---------------------------------------------------------------------
+
+SYNTHETIC_SHAPES = [(8, 1024, 3072), (8, 4096, 3072), (8, 16384, 3072), (32, 3072, 4096)]
+# (blocks, tokens, dim) on the CPU: seconds, not minutes, for the whole sweep
+CPU_SHAPES = [(2, 256, 256)]
+CPU_STEPS = 2
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def synthetic_rows(rows: list[str] | None = None) -> list[tuple[str, dict[str, Any] | None]]:
+    chosen: list[tuple[str, dict[str, Any] | None]] = [(n, None) for n in REFERENCE_ROWS]
+    chosen += [(n, c) for n, c in GRADSEAM_ROWS]
+    if rows is not None:
+        chosen = [r for r in chosen if r[0] in rows]
+    return chosen
+
+
+def synthetic(
+    shapes: list[tuple[int, int, int]] | None = None,
+    rows: list[str] | None = None,
+    steps: int | None = None,
+    on_row: Callable[[Result], None] | None = None,
+    device: str | None = None,
+) -> list[Result]:
+    """Every row on the synthetic stack: bf16 on the GPU, or float32 at :data:`CPU_SHAPES` on the CPU."""
+    from .synthetic import SyntheticStack, ensure_registered
+
+    device = device or default_device()
+    cpu = device == "cpu"
+    if shapes is None:
+        shapes = CPU_SHAPES if cpu else SYNTHETIC_SHAPES
+    if steps is None:
+        steps = CPU_STEPS if cpu else 5
+    dtype = torch.float32 if cpu else torch.bfloat16
+    ensure_registered()
+    chosen = synthetic_rows(rows)
+    results = []
+    for blocks, tokens, dim in shapes:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = SyntheticStack(blocks, dim).to(dtype).requires_grad_(False)
+        x = torch.randn(1, tokens, dim, device=device, dtype=dtype)
+        inputs = {"hidden_states": x.requires_grad_(True)}
+
+        def make_step(model: nn.Module = model, inputs: dict[str, Any] = inputs) -> Callable[[], int]:
+            return measuring.forward_backward(model, inputs, count_saved=cpu)
+
+        workload = f"synthetic {blocks}x{tokens}x{dim}"
+        results += run_rows(workload, tokens, model, make_step, chosen, steps=steps, on_row=on_row, device=device)
+        del model, x
+    return results
+
+
+def synthetic_title(device: str) -> str:
+    if device == "cpu":
+        return "gradseam bench (CPU, float32): synthetic block stack"
+    return "gradseam bench: synthetic block stack"
+
+
+# -- a family's real-size model, at two depths (and the full one where it fits) ------------------
+
+
+def real_rows(rows: list[str] | None = None) -> list[tuple[str, dict[str, Any] | None]]:
+    chosen: list[tuple[str, dict[str, Any] | None]] = [(n, None) for n in REAL_REFERENCE_ROWS]
+    chosen += [(n, c) for n, c in GRADSEAM_ROWS]
+    chosen += [(n, c) for n, c in COMPILED_ROWS]
+    if rows is not None:
+        unknown = sorted(set(rows) - {n for n, _ in chosen})
+        if unknown:
+            raise gradseam.GradseamError(
+                f"unknown bench rows {unknown}; known: {', '.join(n for n, _ in chosen)}."
+            )
+        chosen = [r for r in chosen if r[0] in rows]
+    return chosen
+
+
+@dataclass
+class RealRun:
+    """What :func:`real` measured, and what it needs to speak for the full depth."""
+
+    plan: DepthPlan
+    fit_depths: tuple[int, int]
+    full_depth: int  # the depth predictions are made for (the preset's, or the one asked for)
+    results: list[Result] = field(default_factory=list)
+    static_gib: float = 0.0  # weights + inputs at the deepest depth built
+    host_available_gib: float | None = None
+
+
+def real(
+    family: str | Family,
+    preset: str | None = None,
+    *,
+    depths: str | tuple[int, int] | None = None,
+    full: bool = False,
+    full_depth: int | None = None,
+    full_rows: list[str] | None = None,
+    tokens: list[int | None] | None = None,
+    rows: list[str] | None = None,
+    steps: int = 3,
+    on_row: Callable[[Result], None] | None = None,
+    device: str = "cuda",
+    dtype: torch.dtype | None = None,
+    on_build: Callable[[RealRun], None] | None = None,
+) -> RealRun:
+    """Every row on a family preset's real-size model (random weights, built on ``device``).
+
+    Each row is measured at the two fit ``depths`` (default: 2 and 4 units, see
+    :mod:`gradseam.tools.depth`), and with ``full=True`` also at the full depth. Rows whose
+    pinned host memory, predicted from the fit, would exceed what the machine can pin are ruled
+    out at the full depth rather than tried; ``full_rows`` limits the rows measured at the full
+    depth (compiling a full model per row is slow), the others are predicted there.
+    """
+    from .host import available_gib
+    from .workloads import blocks as list_blocks
+    from .workloads import build, sequence_length
+
+    chosen = real_rows(rows)
+    at_full = real_rows(full_rows) if full_rows is not None else chosen
+    dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
+    workload = build(family, preset, device=device, dtype=dtype, depth=None if full else "fit", depths=depths)
+    plan = workload.plan
+    fit_depths = workload.fit_depths or (depths if isinstance(depths, tuple) else parse_depths(depths, plan.full))
+    target = full_depth or plan.full
+    run = RealRun(plan, fit_depths, target, host_available_gib=available_gib())
+    if on_build is not None:
+        on_build(run)
+    measured_depths = [*fit_depths, *([plan.full] if full and plan.full not in fit_depths else [])]
+    cpu = device == "cpu"
+    for count in tokens or [None]:
+        inputs = workload.inputs(count)
+        seq = sequence_length(workload.model, workload.family, inputs)
+        label = f"{workload.family.name} {workload.preset_name} ({seq} seq)"
+        if not cpu:
+            torch.cuda.synchronize()
+            run.static_gib = torch.cuda.memory_allocated() / GiB
+        for depth in measured_depths:
+            rule_out = None
+            if depth not in fit_depths:
+                rule_out = ruled_out_at(run, label, depth, device)
+            with at_depth(workload.model, plan, depth):
+
+                def step_factory(inputs: dict[str, Any] = inputs) -> Callable[[], int]:
+                    return measuring.forward_backward(workload.model, inputs, count_saved=cpu)
+
+                run.results += run_rows(
+                    label, seq, workload.model, step_factory, chosen if depth in fit_depths else at_full, steps=steps, on_row=on_row, device=device,
+                    compile_blocks=list_blocks(workload.model, workload.family), rule_out=rule_out,
+                    depth=depth, blocks=plan.describe(depth),
+                )
+        del inputs
+    return run
+
+
+def ruled_out_at(run: RealRun, workload: str, depth: int, device: str) -> Callable[[str], str | None]:
+    """Why a row must not be tried at ``depth``, from its fit: too much pinned host memory or GPU memory.
+
+    A row that would pin more host memory than the machine can spare is not run at all (pinning
+    past the limit can take the machine down); one whose predicted peak is beyond the GPU by more
+    than the fit's error margin would only run out of memory after minutes, so it is skipped too.
+    """
+    from .depth import predict
+    from .host import pinnable_gib
+
+    pinnable = pinnable_gib(run.host_available_gib)
+    gpu_free = None
+    if device != "cpu" and torch.cuda.is_available():
+        gpu_free = torch.cuda.get_device_properties(0).total_memory / GiB - run.static_gib
+
+    def rule_out(name: str) -> str | None:
+        # save_on_cpu moves to the host everything no checkpointing keeps on the GPU
+        pinned = predict(run.results, workload, "none" if name == "ref: save_on_cpu" else name, run.fit_depths,
+                         depth, "peak_gib" if name == "ref: save_on_cpu" else "pinned_gib")
+        if pinned is not None and pinnable is not None and pinned[0] > pinnable:
+            return (f"ruled out: needs ~{pinned[0]:.1f} GiB of pinned host memory at depth {depth}, more than "
+                    f"the {pinnable:.1f} GiB this machine can pin")
+        peak = predict(run.results, workload, name, run.fit_depths, depth, "peak_gib")
+        if peak is not None and gpu_free is not None and peak[0] > 1.1 * gpu_free:
+            return f"ruled out: predicted peak {peak[0]:.1f} GiB at depth {depth}, {gpu_free:.1f} GiB free on the GPU"
+        return None
+
+    return rule_out
+
+
+def main() -> None:  # python -m gradseam.tools.bench [json-path]
+    import json
+    import sys
+
+    from .bench_report import to_markdown, with_ratios
+
+    results = synthetic(on_row=lambda r: print(r, flush=True))
+    table = with_ratios(results)
+    print(to_markdown(table, cpu=default_device() == "cpu"))
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump(table, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""How bench's results are shown: the full-depth table first, then every measured row; JSON and chart.
+
+The JSON written by ``gradseam bench`` (see :func:`payload`)::
+
+    {
+      "title": str,            # also the table/chart title; says "CPU" on the CPU
+      "device": "cuda" | "cpu",
+      "memory": str,           # what peak_gib measures (MEMORY_GPU or MEMORY_CPU)
+      "family": str | null, "preset": str | null, "steps": int,
+      "depth": null | {        # real models only
+        "full": int,           # the depth the full_depth rows speak for (units, see gradseam.tools.depth)
+        "blocks": str,         # what that depth is in blocks, e.g. "19 + 38 blocks"
+        "fit": [int, int],     # the two depths every row was measured at
+        "unit": str,           # what one unit of depth is
+        "exact": bool,         # every depth keeps each list in its real proportion
+        "measured_full": bool  # the full depth was measured too (--full)
+      },
+      "full_depth": [          # real models only: one per (workload, strategy), the figures to read first
+        {"workload": str, "strategy": str, "status": str,   # "ok" or why there is no figure
+         "peak_gib": float | null, "peak_source": "measured" | "predicted" | null,
+         "predicted_peak_gib": float | null, "prediction_error": float | null,  # measured / predicted - 1
+         "growth_gib_per_unit": float | null, "fixed_gib": float | null,
+         "pinned_gib": float | null, "pinned_source": str | null,
+         "step_ms": float | null, "step_source": str | null, "vs_none": float | null}
+      ],
+      "rows": [                # every measurement, one per (workload, depth, strategy), in sweep order
+        {"workload": str, "tokens": int, "strategy": str, "depth": int | null, "blocks": str | null,
+         "peak_gib": float | null, "step_ms": float | null, "pinned_gib": float | null,
+         "status": str,        # "ok", "OOM", "needs CUDA", "ruled out: ...", "unsupported: ...", "error: ..."
+         "pinned_allocations_after_warmup": int | null,
+         "vs_none": float | null, "vs_torch": float | null}  # step-time ratios at the same workload and depth
+      ]
+    }
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from .depth import predict
+from .measure import GiB, MiB
+
+if TYPE_CHECKING:
+    from .bench import RealRun, Result
+
+MEMORY_GPU = "activation peak: max_memory_allocated over the timed steps minus what was allocated before"
+MEMORY_CPU = "bytes autograd keeps between forward and backward (saved tensors, parameters excluded)"
+
+
+def with_ratios(results: list[Result]) -> list[dict[str, Any]]:
+    """Rows as dicts with ``vs_none`` and ``vs_torch`` step-time ratios at the same workload and depth."""
+    out = []
+    for r in results:
+        same = [o for o in results if o.workload == r.workload and o.depth == r.depth]
+        none = next((o.step_ms for o in same if o.strategy == "none"), None)
+        torch_ms = next((o.step_ms for o in same if o.strategy == "torch"), None)
+        row = asdict(r)
+        row["vs_none"] = round(r.step_ms / none, 3) if r.step_ms and none else None
+        row["vs_torch"] = round(r.step_ms / torch_ms, 3) if r.step_ms and torch_ms else None
+        out.append(row)
+    return out
+
+
+def full_depth_rows(run: RealRun) -> list[dict[str, Any]]:
+    """Per (workload, strategy): the figures at ``run.full_depth``, measured where they were, else predicted."""
+    target, fit_depths = run.full_depth, run.fit_depths
+    out = []
+    for workload, strategy in dict.fromkeys((r.workload, r.strategy) for r in run.results):
+        mine = [r for r in run.results if r.workload == workload and r.strategy == strategy]
+        at_full = next((r for r in mine if r.depth == target and r.depth not in fit_depths), None)
+        if at_full is None and target in fit_depths:
+            at_full = next((r for r in mine if r.depth == target), None)
+        row: dict[str, Any] = {"workload": workload, "strategy": strategy, "status": "ok"}
+        for key, out_key in (("peak_gib", "peak"), ("pinned_gib", "pinned"), ("step_ms", "step")):
+            guess = predict(run.results, workload, strategy, fit_depths, target, key)
+            measured = getattr(at_full, key) if at_full is not None and at_full.status == "ok" else None
+            value, source = (measured, "measured") if measured is not None else (
+                (guess[0], "predicted") if guess is not None else (None, None))
+            if key == "pinned_gib" and value is not None:
+                value = max(value, 0.0)
+            row[f"{out_key}_gib" if out_key != "step" else "step_ms"] = (
+                round(value, 1 if key == "step_ms" else 9) if value is not None else None)
+            row[f"{out_key}_source"] = source
+            if key == "peak_gib":
+                row["predicted_peak_gib"] = round(guess[0], 9) if guess is not None else None
+                row["prediction_error"] = (round(measured / guess[0] - 1, 4)
+                                           if measured is not None and guess is not None and guess[0] > 0 else None)
+                row["growth_gib_per_unit"] = round(guess[1].growth, 9) if guess is not None else None
+                row["fixed_gib"] = round(guess[1].fixed, 9) if guess is not None else None
+        if row["peak_gib"] is None:
+            failed = at_full if at_full is not None and at_full.status != "ok" else next(
+                (r for r in mine if r.status != "ok"), None)
+            row["status"] = failed.status if failed is not None else "not measured"
+        out.append(row)
+    for row in out:
+        none = next((o for o in out if o["workload"] == row["workload"] and o["strategy"] == "none"), None)
+        none_ms = none["step_ms"] if none is not None else None
+        row["vs_none"] = round(row["step_ms"] / none_ms, 3) if row["step_ms"] and none_ms else None
+    return out
+
+
+def depth_info(run: RealRun, measured_full: bool) -> dict[str, Any]:
+    return {"full": run.full_depth, "blocks": run.plan.describe(min(run.full_depth, run.plan.full)),
+            "fit": list(run.fit_depths), "unit": run.plan.unit_note(), "exact": run.plan.exact,
+            "measured_full": measured_full}
+
+
+def payload(
+    rows: list[dict[str, Any]], title: str, *, device: str = "cuda", family: str | None = None,
+    preset: str | None = None, steps: int = 5, depth: dict[str, Any] | None = None,
+    full_depth: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The JSON document ``gradseam bench`` writes (schema in this module's docstring)."""
+    return {
+        "title": title, "device": device, "memory": MEMORY_CPU if device == "cpu" else MEMORY_GPU,
+        "family": family, "preset": preset, "steps": steps, "depth": depth, "full_depth": full_depth,
+        "rows": rows,
+    }
+
+
+def _figure(value: float | None, source: str | None, fmt: str) -> str:
+    if value is None:
+        return ""
+    return ("~" if source == "predicted" else "") + format(value, fmt)
+
+
+def full_depth_markdown(rows: list[dict[str, Any]], depth: dict[str, Any]) -> str:
+    """The full-depth table: ``~`` marks a predicted figure, a plain one was measured at that depth."""
+    lines = [
+        f"At the full depth ({depth['full']} units = {depth['blocks']}; {depth['unit']}), fitted from depths "
+        f"{depth['fit'][0]} and {depth['fit'][1]}; ~ = predicted, plain = measured.",
+        "",
+        "| workload | strategy | act. peak GiB | GiB per unit | pinned host GiB | step ms | vs none | "
+        "measured / predicted |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    last = None
+    for r in rows:
+        workload = r["workload"] if r["workload"] != last else ""
+        last = r["workload"]
+        if r["peak_gib"] is None:
+            lines.append(f"| {workload} | {r['strategy']} | {r['status']} | | | | | |")
+            continue
+        growth = f"{r['growth_gib_per_unit']:.3f}" if r["growth_gib_per_unit"] is not None else ""
+        check = f"{r['prediction_error'] + 1:.3f}" if r["prediction_error"] is not None else ""
+        vs_none = f"{r['vs_none']:.2f}" if r["vs_none"] is not None else ""
+        lines.append(
+            f"| {workload} | {r['strategy']} | {_figure(r['peak_gib'], r['peak_source'], '.2f')} | {growth} | "
+            f"{_figure(r['pinned_gib'], r['pinned_source'], '.1f')} | {_figure(r['step_ms'], r['step_source'], '.0f')} "
+            f"| {vs_none} | {check} |"
+        )
+    return "\n".join(lines)
+
+
+def to_markdown(rows: list[dict[str, Any]], *, cpu: bool = False) -> str:
+    """The measured rows as a markdown table; ``cpu=True`` shows the MiB kept for backward instead of the GiB peak."""
+    memory = "kept for backward MiB (CPU)" if cpu else "act. peak GiB"
+    with_depth = any(r.get("depth") is not None for r in rows)
+    depth_col = " depth |" if with_depth else ""
+    lines = [
+        f"| workload |{depth_col} strategy | {memory} | pinned host GiB | step ms | vs none | vs gradseam torch |",
+        "|---|" + ("---:|" if with_depth else "") + "---|---:|---:|---:|---:|---:|",
+    ]
+    last = None
+    for r in rows:
+        workload = r["workload"] if r["workload"] != last else ""
+        last = r["workload"]
+        depth = f" {r.get('depth')} ({r.get('blocks')}) |" if with_depth else ""
+        if r["status"] != "ok":
+            lines.append(f"| {workload} |{depth} {r['strategy']} | {r['status']} | | | | |")
+            continue
+        vs_none = f"{r['vs_none']:.2f}" if r["vs_none"] is not None else ""
+        vs_torch = f"{r['vs_torch']:.3f}" if r["vs_torch"] is not None else ""
+        peak = r["peak_gib"] * GiB / MiB if cpu else r["peak_gib"]
+        pinned = f"{r['pinned_gib']:.2f}" if r.get("pinned_gib") is not None else ""
+        lines.append(
+            f"| {workload} |{depth} {r['strategy']} | {peak:.2f} | {pinned} | {r['step_ms']:.1f} | {vs_none} | {vs_torch} |"
+        )
+    return "\n".join(lines)
+
+
+def chart(rows: list[dict[str, Any]], path: Any, title: str = "gradseam bench", *, cpu: bool = False) -> bool:
+    """Memory (x) vs step time (y), one point per strategy, one panel per workload; False without matplotlib.
+
+    ``rows`` are measured rows or full-depth rows (``peak_source`` present): predicted points are
+    drawn hollow. ``cpu=True``: x is the MiB autograd keeps for backward (``peak_gib`` of a CPU run).
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    fig, axes = plt.subplots(1, max(1, len(workloads)), figsize=(7 * max(1, len(workloads)), 6), squeeze=False)
+    for ax, workload in zip(axes[0], workloads):
+        mine = [r for r in rows if r["workload"] == workload and r["peak_gib"] is not None and r["step_ms"]]
+        failed = [r["strategy"] for r in rows if r["workload"] == workload and r["peak_gib"] is None]
+        predicted = False
+        for r in mine:
+            ref = r["strategy"] == "none" or r["strategy"].startswith("ref:")
+            color = "grey" if ref else "C0"
+            guess = "predicted" in (r.get("peak_source"), r.get("step_source"))
+            predicted |= guess
+            x = r["peak_gib"] * GiB / MiB if cpu else r["peak_gib"]
+            ax.scatter(x, r["step_ms"], marker="s" if ref else "o", facecolors="none" if guess else color,
+                       edgecolors=color)
+            ax.annotate(r["strategy"], (x, r["step_ms"]), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        ax.set_xlabel("kept for backward (MiB, CPU)" if cpu else "activation peak (GiB)")
+        ax.set_ylabel("step time (ms)")
+        ax.set_title(workload + (" (hollow: predicted)" if predicted else ""), fontsize=9)
+        ax.grid(alpha=0.3)
+        if failed:
+            ax.text(0.01, 0.01, "not shown: " + ", ".join(failed), transform=ax.transAxes, fontsize=7,
+                    va="bottom", wrap=True)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

@@ -1,0 +1,177 @@
+"""The one place that measures a training step: bench, advise, demo and the docs' scripts all use it.
+
+Before this module each tool had its own loop, and they drifted: one warmed up twice, one reset
+the peak before the warm-up, one timed a single step. A number in one table could not be set
+beside a number in another. Now the protocol is written once:
+
+* the step is one forward + backward (:func:`forward_backward`); the inputs' grads are dropped
+  first, so every step allocates the same;
+* ``warmup`` steps run untimed (allocator, kernels, the pinned pool, compiled graphs);
+* the activation peak is ``max_memory_allocated`` over the timed steps minus what was allocated
+  before them (weights, inputs, optimizer state are not activations);
+* the step time is the median of the timed steps, each ended by a device synchronize;
+* host memory is what gradseam's pinned pool holds after the timed steps (the pool only grows,
+  so that is its peak), and the pinned allocations it made after the warm-up (a healthy pool
+  makes none). Not the CUDA host allocator's statistics: on torch 2.11 their peak did not reset
+  between rows, so every row seemed to pin what all the rows before it had;
+* on the CPU, where there is no allocator peak to read, the memory figure is the bytes autograd
+  keeps between forward and backward, counted by saved-tensor hooks (:func:`count_saved_bytes`).
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def is_oom(exc: BaseException) -> bool:
+    """Out of memory, GPU or pinned host: ``torch.OutOfMemoryError`` (or a class of that name), or
+    the ``torch.AcceleratorError`` a failed pinned-host allocation raises ("out of memory"), which
+    is not an OutOfMemoryError but means the same to a sweep: this row does not fit."""
+    if any(k.__name__ == "OutOfMemoryError" for k in type(exc).__mro__):
+        return True
+    return type(exc).__name__ == "AcceleratorError" and "out of memory" in str(exc).lower()
+
+
+def tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in a model output (tensors, tuples/lists, dicts and diffusers ``BaseOutput``)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in tensors(item)]
+    return []
+
+
+def default_loss(out: Any) -> torch.Tensor:
+    """``sum(t.float().square().mean())`` over the floating output tensors (the anchors' protocol)."""
+    found = [t for t in tensors(out) if t.is_floating_point()]
+    if not found:
+        from ..errors import GradseamError
+
+        raise GradseamError(f"the model output ({type(out).__name__}) holds no floating tensor to build a loss from.")
+    return sum(t.float().square().mean() for t in found)  # type: ignore[return-value]
+
+
+def grad_leaves(inputs: Any) -> list[torch.Tensor]:
+    return [t for t in tensors(inputs) if t.requires_grad and t.is_leaf]
+
+
+@contextmanager
+def count_saved_bytes(params: set[int]) -> Iterator[list[int]]:
+    """Bytes of distinct storages autograd keeps from forward to backward (parameters excluded).
+
+    Around a non-reentrant checkpoint these hooks see only what the checkpoint keeps (its
+    inputs), so the count is exactly what a strategy leaves in memory between the two passes.
+    """
+    seen: set[tuple[int, int]] = set()
+    total = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        # Linear layers save ``weight.t()``: a view that owns no memory beyond the parameter's.
+        base = t._base
+        if id(t) not in params and not isinstance(t, nn.Parameter) and not (base is not None and id(base) in params):
+            storage = t.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            if key not in seen and storage.nbytes() > 0:
+                seen.add(key)
+                total[0] += storage.nbytes()
+        # Not ``t`` itself: a saved output holding itself would form a cycle through autograd's C++
+        # graph that Python's GC cannot see, leaking every graph that backward never frees.
+        return t.detach()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield total
+
+
+def forward_backward(
+    model: nn.Module,
+    inputs: Mapping[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor] | None = None,
+    *,
+    count_saved: bool = False,
+) -> Callable[[], int]:
+    """One forward + backward of ``model(**inputs)``; returns the saved bytes when ``count_saved``, else 0."""
+    loss_fn = loss_fn or default_loss
+    leaves = grad_leaves(inputs)
+    params = {id(p) for p in model.parameters()} if count_saved else set()
+
+    def step() -> int:
+        for t in leaves:
+            t.grad = None
+        if not count_saved:
+            loss_fn(model(**inputs)).backward()
+            return 0
+        with count_saved_bytes(params) as saved:
+            out = model(**inputs)
+        loss_fn(out).backward()
+        return saved[0]
+
+    return step
+
+
+@dataclass
+class Measurement:
+    """What one strategy did on one workload: memory on the device, time, memory on the host."""
+
+    peak_gib: float  # activation peak (GPU) or GiB kept for backward (CPU)
+    step_ms: float
+    pinned_gib: float = 0.0  # pinned host memory gradseam's pool holds (0 for a row without one)
+    pinned_allocations_after_warmup: int | None = None  # None: no gradseam pool in the row
+    base_gib: float = 0.0  # allocated before the timed steps (weights, inputs, optimizer state)
+
+
+def measure(
+    step: Callable[[], Any], *, steps: int = 3, warmup: int = 1, device: str = "cuda", engine: Any = None,
+) -> Measurement:
+    """Warm up, time ``steps`` steps, read the peaks (the protocol in this module's docstring).
+
+    On ``device="cpu"`` ``step`` must return the bytes it kept for backward (see
+    :func:`forward_backward` with ``count_saved=True``); the largest count is reported.
+    ``engine``: a patch handle's offload engine, to count the pinned allocations after warm-up.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1 (the median of the timed steps is reported), got {steps}.")
+    cuda = device != "cpu"
+    for _ in range(warmup):
+        step()
+    pool = getattr(engine, "pool", None)
+    allocations_before = pool.pinned_allocations if pool is not None else None
+    if cuda:
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    times, kept = [], []
+    for _ in range(steps):
+        start = time.perf_counter()
+        kept.append(step())
+        if cuda:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1000)
+    allocations = pool.pinned_allocations - allocations_before if pool is not None else None
+    if cuda:
+        peak = (torch.cuda.max_memory_allocated() - base) / GiB
+        pinned = getattr(pool, "pinned_bytes", 0) / GiB
+    else:
+        peak = max(int(k or 0) for k in kept) / GiB
+        pinned = 0.0
+    return Measurement(peak, statistics.median(times), pinned, allocations, base / GiB if cuda else 0.0)
+
+
+def release(device: str = "cuda") -> None:
+    """Drop what the last row left behind, so the next row starts from the same allocator state."""
+    gc.collect()
+    if device != "cpu" and torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,222 @@
+"""Depth-true figures: depth plans keep every block list in proportion, a two-depth fit predicts the
+full depth, and bench/advise speak for the real depth. On the CPU the memory figure is the bytes
+autograd keeps for backward, which is exactly linear in depth, so the prediction must equal the
+measurement at full depth to the byte."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+import gradseam
+from gradseam.tools import bench as b
+from gradseam.tools import bench_report as report
+from gradseam.tools.advise import Estimate, run_ladder
+from gradseam.tools.depth import DepthPlan, at_depth, fit, parse_depths, plan_for, predict
+from gradseam.tools.workloads import find_family
+
+
+def test_a_plan_keeps_every_list_in_its_real_proportion():
+    flux = DepthPlan({"transformer_blocks": 19, "single_transformer_blocks": 38})
+    assert flux.exact and flux.full == 19 and flux.unit == {"transformer_blocks": 1, "single_transformer_blocks": 2}
+    assert flux.counts(4) == {"transformer_blocks": 4, "single_transformer_blocks": 8}
+    assert flux.counts(19) == {"transformer_blocks": 19, "single_transformer_blocks": 38}
+    assert flux.describe(2) == "2 + 4 blocks"
+    assert "1 x transformer_blocks, 2 x single_transformer_blocks" in flux.unit_note()
+    wan = DepthPlan({"blocks": 40})
+    assert wan.exact and wan.full == 40 and wan.counts(8) == {"blocks": 8} and wan.unit_note() == "one unit of depth = one block"
+
+
+def test_lists_without_a_useful_common_factor_scale_with_the_longest():
+    zimage = DepthPlan({"noise_refiner": 2, "context_refiner": 2, "layers": 30})
+    assert not zimage.exact and zimage.full == 30
+    assert zimage.counts(4) == {"noise_refiner": 1, "context_refiner": 1, "layers": 4}  # at least one each
+    assert zimage.counts(30) == {"noise_refiner": 2, "context_refiner": 2, "layers": 30}
+    assert "approximate" in zimage.unit_note()
+    with pytest.raises(ValueError, match="between 1 and the model's full depth 30, got 31"):
+        zimage.counts(31)
+
+
+@pytest.mark.parametrize(("text", "full", "expected"), [(None, 40, (2, 4)), (None, 3, (1, 2)), ("8,4", 40, (4, 8))])
+def test_parse_depths(text, full, expected):
+    assert parse_depths(text, full) == expected
+
+
+@pytest.mark.parametrize(("text", "full", "message"), [
+    ("4", 40, "expected two different depths >= 1 like '2,4', got '4'"),
+    ("4,4", 40, "expected two different depths"),
+    ("0,2", 40, "expected two different depths"),
+    ("a,b", 40, "expected two different depths"),
+    ("2,50", 40, "50 is deeper than the model's full depth 40"),
+    (None, 1, "one unit of depth only"),
+])
+def test_parse_depths_errors(text, full, message):
+    with pytest.raises(ValueError, match=message):
+        parse_depths(text, full)
+
+
+def test_fit_is_a_line_through_two_depths():
+    line = fit((2, 4), (3.0, 5.0))
+    assert line.growth == 1.0 and line.fixed == 1.0 and line.at(40) == 41.0
+    with pytest.raises(ValueError, match="two different depths"):
+        fit((2, 2), (1.0, 1.0))
+
+
+def _stack(blocks: int = 8, dim: int = 64):
+    from gradseam.tools.synthetic import SyntheticStack, ensure_registered
+
+    ensure_registered()
+    torch.manual_seed(0)
+    return SyntheticStack(blocks, dim).requires_grad_(False)
+
+
+def test_at_depth_runs_the_first_blocks_and_restores_the_model():
+    model = _stack()
+    family = find_family("synthetic")
+    plan = plan_for(model, family)
+    keys, blocks = list(model.state_dict()), model.blocks
+    with at_depth(model, plan, 3) as counts:
+        assert counts == {"blocks": 3} and len(model.blocks) == 3
+        assert all(a is b_ for a, b_ in zip(model.blocks, blocks))
+    assert model.blocks is blocks and list(model.state_dict()) == keys
+    with pytest.raises(RuntimeError, match="inside"), at_depth(model, plan, 2):
+        raise RuntimeError("inside")
+    assert model.blocks is blocks  # restored after an error too
+
+
+TINY_FLUX = {"in_channels": 4, "num_layers": 4, "num_single_layers": 8, "attention_head_dim": 8,
+             "num_attention_heads": 2, "joint_attention_dim": 16, "pooled_projection_dim": 8,
+             "axes_dims_rope": [2, 2, 4]}
+
+
+def _tiny_flux():
+    family = find_family("flux")
+    preset = next(iter(family.presets.values()))
+    tiny = dataclasses.replace(preset, config=TINY_FLUX, inputs={"image_tokens": 16, "text_tokens": 8})
+    return dataclasses.replace(family, presets={"tiny": tiny})
+
+
+@pytest.fixture(scope="module")
+def flux_run():
+    rows = ["none", "torch", "torch-ffn", "torch, interval 2", "unsloth"]
+    return b.real(_tiny_flux(), "tiny", depths="1,2", full=True, rows=rows, steps=1, device="cpu")
+
+
+def test_real_measures_two_depths_and_the_full_one_with_every_list_in_proportion(flux_run):
+    assert flux_run.plan.full == 4 and flux_run.fit_depths == (1, 2) and flux_run.full_depth == 4
+    depths = {r.depth: r.blocks for r in flux_run.results}
+    assert depths == {1: "1 + 2 blocks", 2: "2 + 4 blocks", 4: "4 + 8 blocks"}
+    by = {(r.strategy, r.depth): r for r in flux_run.results}
+    assert by[("unsloth", 4)].status == b.NEEDS_CUDA
+    for name in ("none", "torch", "torch-ffn", "torch, interval 2"):
+        assert all(by[(name, d)].status == "ok" for d in (1, 2, 4)), name
+        assert by[(name, 1)].peak_gib < by[(name, 2)].peak_gib < by[(name, 4)].peak_gib
+
+
+def test_the_prediction_equals_the_measurement_at_full_depth(flux_run):
+    full = {r["strategy"]: r for r in report.full_depth_rows(flux_run)}
+    for name in ("none", "torch", "torch-ffn"):
+        row = full[name]
+        assert row["peak_source"] == "measured" and row["step_source"] == "measured"
+        # bytes kept for backward grow by exactly one unit's worth per unit of depth
+        assert row["prediction_error"] == pytest.approx(0.0, abs=1e-3), row
+        assert row["growth_gib_per_unit"] > 0
+    assert full["torch"]["growth_gib_per_unit"] < full["torch-ffn"]["growth_gib_per_unit"] < full["none"]["growth_gib_per_unit"]
+    assert full["unsloth"]["peak_gib"] is None and full["unsloth"]["status"] == b.NEEDS_CUDA
+
+
+def test_without_the_full_depth_the_figures_are_predicted_and_marked(flux_run):
+    fit_only = dataclasses.replace(flux_run, results=[r for r in flux_run.results if r.depth != 4])
+    rows = report.full_depth_rows(fit_only)
+    none = next(r for r in rows if r["strategy"] == "none")
+    measured = next(r for r in flux_run.results if r.strategy == "none" and r.depth == 4)
+    assert none["peak_source"] == "predicted" and none["peak_gib"] == pytest.approx(measured.peak_gib, rel=1e-3)
+    info = report.depth_info(fit_only, measured_full=False)
+    text = report.full_depth_markdown(rows, info)
+    assert "At the full depth (4 units = 4 + 8 blocks" in text and "~ = predicted" in text
+    assert f"| ~{none['peak_gib']:.2f} |" in text
+    doc = json.loads(json.dumps(report.payload(report.with_ratios(fit_only.results), "t", device="cpu",
+                                               depth=info, full_depth=rows)))
+    assert doc["depth"]["fit"] == [1, 2] and doc["depth"]["exact"] and doc["full_depth"][0]["strategy"] == "none"
+
+
+def test_rows_that_would_not_fit_the_host_are_ruled_out_not_tried(flux_run, monkeypatch):
+    results = [dataclasses.replace(r, pinned_gib=10.0 * r.depth) if r.strategy == "torch" else r
+               for r in flux_run.results if r.depth != 4]
+    run = dataclasses.replace(flux_run, results=results, host_available_gib=40.0)
+    rule_out = b.ruled_out_at(run, results[0].workload, 4, "cpu")
+    assert rule_out("torch") == ("ruled out: needs ~40.0 GiB of pinned host memory at depth 4, more than the "
+                                 "30.0 GiB this machine can pin")
+    assert rule_out("none") is None
+    ran = b.run_rows("w", 1, torch.nn.Linear(1, 1), lambda: (lambda: 0), [("torch", {})], device="cpu",
+                     rule_out=rule_out)
+    assert ran[0].status.startswith("ruled out: needs ~40.0 GiB")
+
+
+def test_predict_needs_both_fit_depths(flux_run):
+    workload = flux_run.results[0].workload
+    assert predict(flux_run.results, workload, "unsloth", (1, 2), 4, "peak_gib") is None
+    value, line = predict(flux_run.results, workload, "none", (1, 2), 4, "peak_gib")
+    assert value == pytest.approx(line.at(4))
+
+
+def test_advise_rules_out_what_the_host_cannot_pin():
+    def measure(config):
+        if config.get("gradient_checkpointing_backend", "").startswith("unsloth"):
+            return Estimate(1.0, 120.0, pinned_gib=50.0, growth_gib=0.0, source="predicted at depth 40")
+        if config.get("gradient_checkpointing"):
+            return Estimate(30.0, 130.0, growth_gib=0.5, source="predicted at depth 40")
+        return Estimate(90.0, 100.0, growth_gib=2.0, source="predicted at depth 40")
+
+    advice = run_ladder(measure, 20.0, 0.0, pinnable_gib=24.0)
+    by = {t.label: t for t in advice.trials}
+    assert by["unsloth"].status == "over host memory"
+    assert by["unsloth"].reason == "needs 50.0 GiB of pinned host memory, more than the 24.0 GiB this machine can pin"
+    assert by["torch"].status == "over budget" and advice.chosen is None
+    advice = run_ladder(measure, 20.0, 0.0, pinnable_gib=64.0)
+    assert advice.chosen.label == "unsloth-ffn" and advice.chosen.pinned_gib == 50.0
+
+
+def test_advise_recommends_compiling_when_the_compiler_wins():
+    def measure(config):
+        if config.get("compile_memory_budget") == 0.1:
+            return Estimate(10.0, 101.0)
+        if config.get("gradient_checkpointing") or config.get("compile_blocks"):
+            return Estimate(10.0, 130.0)
+        return Estimate(90.0, 100.0)
+
+    advice = run_ladder(measure, 20.0, 0.0)
+    assert advice.chosen.label == "compile, memory budget 0.1"
+    assert advice.config == {"gradient_checkpointing": False}
+    assert advice.compile == ("compile each transformer block with torch.compile (block.compile()), with "
+                              "torch._functorch.config.activation_memory_budget = 0.1")
+    assert "and compile each transformer block" in advice.report()
+    assert json.loads(json.dumps(advice.to_dict()))["compile"] == advice.compile
+
+
+def test_advise_on_a_cpu_model_predicts_what_the_full_depth_keeps():
+    from gradseam.tools.advise import depth_measure
+    from gradseam.tools.measure import forward_backward
+
+    model = _stack(8)
+    x = {"hidden_states": torch.randn(1, 16, 64, requires_grad=True)}
+    measure, note = depth_measure(model, x, device="cpu", depths=(2, 4))
+    assert note.startswith("depth 8 (8 blocks; one unit of depth = one block), predicted from measurements "
+                           "at depths 2 and 4")
+    got = measure({"gradient_checkpointing": True})
+    assert got.source == "predicted at depth 8" and got.growth_gib > 0
+    handle = gradseam.patch(model, {"gradient_checkpointing": True})
+    try:
+        kept = forward_backward(model, x, count_saved=True)()  # the full model, measured directly
+    finally:
+        handle.remove()
+    assert got.peak_gib == pytest.approx(kept / (1 << 30), rel=1e-9)
+
+
+def test_real_with_the_full_model_built_picks_default_fit_depths():
+    run = b.real(_tiny_flux(), "tiny", full=True, rows=["none"], steps=1, device="cpu")
+    assert run.fit_depths == (2, 4) and sorted({r.depth for r in run.results}) == [2, 4]
+    assert report.full_depth_rows(run)[0]["peak_source"] == "measured"  # 4 is the full depth, and a fit depth
