@@ -36,11 +36,18 @@ Attention side: ``attn`` in both classes (in the single blocks it also holds the
 projections, which cannot be separated from it).
 
 KV-cache mode (``kv_cache`` / ``kv_cache_mode``, the Klein KV pipeline) rewrites
-``kv_attn_kwargs["kv_cache"]`` *in place* before every block. A block recomputed in backward with
-the live dict would read (cached mode) or overwrite (extract mode) the last block's cache, as with
-diffusers' own flag; gradseam's regions recompute with the containers as they were at the block's
-forward, so this is exact (tests/test_family_image2.py). A chunk also notices the in-place edit
-between blocks and computes per block.
+``kv_attn_kwargs["kv_cache"]`` *in place* before every block, to that block's
+``Flux2KVLayerCache``, which the attention processor fills (extract mode: ``store``) or reads
+(cached mode). A block recomputed in backward with the live dict would read or overwrite the last
+block's cache, as with diffusers' own flag; gradseam's regions recompute with the containers as
+they were at the block's forward, so this is exact. An interval chunk must not run its later
+blocks ahead with the first block's dict: in extract mode they would store their K/V in the first
+block's cache, which no later fall-back undoes (in cached mode they would read it, wasted work,
+as each then computes again). Both lists therefore declare
+``per_block=("joint_attention_kwargs.kv_cache",)``: while a cache is passed, each block of a chunk
+runs as its own region (counted in ``summary()`` as a fall-back), and the returned cache is the
+unpatched model's, layer for layer (tests/test_family_image2.py). Without a cache the chunks run
+whole as usual.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from gradseam.family import BlockClass, BlockList, Carry, Family, Preset
 from gradseam.hookspecs import hookimpl
 
 _M = "diffusers.models.transformers.transformer_flux2"
+_KV_CACHE = "joint_attention_kwargs.kv_cache"  # each block's Flux2KVLayerCache, swapped into the dict per block
 
 
 def position_ids(n_text: int, tokens: int, device):
@@ -90,8 +98,9 @@ FLUX2 = Family(
     description="FLUX.2 dev / Klein (Flux2Transformer2DModel)",
     models=(f"{_M}.Flux2Transformer2DModel",),
     block_lists=(
-        BlockList("transformer_blocks", carry=Carry({"encoder_hidden_states": 0, "hidden_states": 1})),
-        BlockList("single_transformer_blocks", carry=Carry({"hidden_states": None})),
+        BlockList("transformer_blocks", carry=Carry({"encoder_hidden_states": 0, "hidden_states": 1}),
+                  per_block=(_KV_CACHE,)),
+        BlockList("single_transformer_blocks", carry=Carry({"hidden_states": None}), per_block=(_KV_CACHE,)),
     ),
     block_classes=(
         BlockClass(f"{_M}.Flux2TransformerBlock", ffn=(("ff",), ("ff_context",)), attention=("attn",)),

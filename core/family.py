@@ -136,11 +136,23 @@ class Carry:
 
 @dataclass(frozen=True)
 class BlockList:
-    """One ``nn.ModuleList`` of transformer blocks, found by attribute path on the model."""
+    """One ``nn.ModuleList`` of transformer blocks, found by attribute path on the model.
+
+    ``per_block`` names the arguments through which the model's loop hands each block a state
+    object of its own, typically one layer of a KV cache that the attention writes to (extract
+    mode) or reads from (cached mode). An interval chunk runs its later blocks ahead with the first
+    block's arguments, so it would hand them the first block's state: they would write their K/V
+    into its cache, a side effect no fall-back can undo. Whenever the first block's call has a
+    non-None value there, the chunk therefore computes block by block. A name is a parameter of the
+    block's ``forward`` (``"layer_cache"``); a dotted name follows keys of a dict argument, or
+    attributes of another object (``"joint_attention_kwargs.kv_cache"``: Flux 2's loop puts each
+    block's cache into the kwargs dict).
+    """
 
     path: str
     carry: Carry | None = None  # None: blocks of this list cannot be chunked (interval is ignored)
     optional: bool = False  # the attribute may be missing or None in some configs
+    per_block: tuple[str, ...] = ()  # arguments carrying each block's own state (see above)
 
     def __post_init__(self) -> None:
         owner = f"BlockList({self.path!r})" if isinstance(self.path, str) else "BlockList"
@@ -156,6 +168,33 @@ class BlockList:
             raise TypeError(f"{owner}: field 'carry' must be a Carry or None, got {_show(self.carry)}.{wrap}")
         if not isinstance(self.optional, bool):
             raise TypeError(f"{owner}: field 'optional' must be True or False, got {_show(self.optional)}.")
+        object.__setattr__(self, "per_block", self._per_block(owner))
+
+    def _per_block(self, owner: str) -> tuple[str, ...]:
+        expected = "a tuple of argument names (a dotted name reaches into a dict argument)"
+        names = _sequence(owner, "per_block", self.per_block, expected, "({v},)")
+        carried = set(self.carry.outputs) if self.carry is not None else set()
+        seen: set[str] = set()
+        for name in names:
+            if not isinstance(name, str):
+                raise TypeError(
+                    f"{owner}: field 'per_block' must be {expected}, got {_show(self.per_block)} (item {_show(name)})."
+                )
+            if not all(_identifier(part) for part in name.split(".")):
+                raise ValueError(
+                    f"{owner}: field 'per_block' holds {name!r}, which is not an argument name: a parameter of the "
+                    "block's forward, then optionally dict keys separated by dots (e.g. 'layer_cache' or "
+                    "'joint_attention_kwargs.kv_cache')."
+                )
+            if name in seen:
+                raise ValueError(f"{owner}: field 'per_block' names {name!r} twice.")
+            seen.add(name)
+            if name.split(".", 1)[0] in carried:
+                raise ValueError(
+                    f"{owner}: field 'per_block' names {name!r}, which the carry hands from each block to the "
+                    "next; a per-block state is what the model's loop passes each block, not a block's output."
+                )
+        return names
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ and the generators' states. :mod:`gradseam.strategies` runs the chains.
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,6 +154,15 @@ class Link:
         """The tensors handed from one member to the next (their versions are checked)."""
         raise NotImplementedError
 
+    def holds_state(self, member: nn.Module, head: dict[str, Any]) -> str | None:
+        """Why the chain must not run ahead from this head call at all, or None.
+
+        The follower checks catch what the loop changes *after* the head ran, and make the member
+        compute again; they cannot undo what running ahead already did to an object the head was
+        handed. So a head call holding a per-block state object is refused before anything runs.
+        """
+        return None
+
 
 IDENTITY = "the carried output was replaced between blocks"
 VERSION = "the carried output was changed in place between blocks (a forward hook or a residual added in place)"
@@ -160,14 +170,34 @@ ARGUMENTS = "another argument differs from the first block's (or was changed in 
 RANDOM = "random numbers were drawn between blocks"
 ORDER = "the blocks were called out of order"
 PRE_HOOKS = "the blocks carry forward pre-hooks (FSDP2's fully_shard gathers a block's weights in one)"
+PER_BLOCK = (
+    "the first block was handed its own state object (an argument the family declares per_block, such as a "
+    "KV-cache layer), which running the later blocks ahead would hand to them too"
+)
 
 
 class BlockLink(Link):
     """Blocks of one list: carried outputs go to named parameters, everything else is unchanged."""
 
-    def __init__(self, carry: Carry, where: str = "") -> None:
+    def __init__(self, carry: Carry, where: str = "", per_block: tuple[str, ...] = ()) -> None:
         self.carry = carry
         self.where = where  # "family 'wan', transformer.blocks": for errors about the declaration
+        self.per_block = tuple(name.split(".") for name in per_block)
+
+    def holds_state(self, member: nn.Module, head: dict[str, Any]) -> str | None:
+        if not self.per_block:
+            return None
+        bag = signature_of(type(member)).var_keyword
+        extra = (head.get(bag) or {}) if bag is not None else {}  # a name the forward does not list lands here
+        for first, *keys in self.per_block:
+            value = head[first] if first in head else extra.get(first)
+            for key in keys:
+                if value is None:
+                    break
+                value = value.get(key) if isinstance(value, Mapping) else getattr(value, key, None)
+            if value is not None:
+                return PER_BLOCK
+        return None
 
     def _carried(self, prev_out: Any) -> dict[str, Any]:
         out: dict[str, Any] = {}

@@ -227,7 +227,8 @@ class PatchHandle:
             if region.kind == "chunk":
                 block_list = next(bl for bl in family.block_lists if bl.path == region.list_path)
                 assert block_list.carry is not None
-                link: Any = BlockLink(block_list.carry, where=f"family {family.name!r}, block list {region.list_path!r}")
+                where = f"family {family.name!r}, block list {region.list_path!r}"
+                link: Any = BlockLink(block_list.carry, where=where, per_block=block_list.per_block)
             else:
                 link = SeamLink() if len(region.modules) > 1 else None
             chain = Chain(region.modules, link, runner, label=f"{region.list_path}{list(region.blocks)}")

@@ -118,7 +118,7 @@ def _submodule(block: nn.Module, path: str, family: Family, where: str) -> nn.Mo
 
 
 def _check_carry(family: Family, block_list: BlockList, block: nn.Module) -> None:
-    """A Carry names parameters of the block's ``forward``; say so at planning, not at the first step.
+    """Carry and per_block name ``forward`` parameters: say so at planning, not at the first step.
 
     Positions can only be checked against what a block returns, so the chain checks those when a
     chunk runs (and names the family there too).
@@ -139,6 +139,16 @@ def _check_carry(family: Family, block_list: BlockList, block: nn.Module) -> Non
             raise UnsupportedModelError(
                 f"family {family.name!r}: the Carry of block list {block_list.path!r} maps {name!r} to "
                 f"{position!r}; a position is an output index >= 0, or None for a block returning one tensor."
+            )
+    # A per_block name the forward does not take would never find the state it guards, and the chunk
+    # would run ahead with it after all: the silent wrong cache the declaration exists to prevent.
+    for name in block_list.per_block:
+        argument = name.split(".", 1)[0]
+        if argument not in named and not open_kwargs:
+            raise UnsupportedModelError(
+                f"family {family.name!r}: block list {block_list.path!r} declares per_block {name!r}, but "
+                f"{type(block).__qualname__}.forward takes no argument {argument!r} (its parameters: "
+                f"{sorted(named)}); fix per_block in the adapter (see 'Block lists' in docs/plugins.md)."
             )
 
 

@@ -16,6 +16,11 @@ or edited, so everything the loop (or a hook) does between two members has to be
   them; a follower then finds them exactly there unless the loop drew (stochastic depth), and
   each follower served from the chain moves them on to where its own run left them.
 
+Those checks make a follower compute again; they cannot take back what running ahead did to an
+object the members were handed. So a head call holding a per-block state object (an argument the
+family declares ``per_block``: a KV-cache layer the attention writes into) does not run ahead at
+all: every member computes as its own region for that call.
+
 The checks themselves live in :mod:`gradseam.links`. Any mismatch makes that member, and the rest
 of the chain in this call, compute on their own:
 exact either way. The next call tries the chunk again. Each cause warns once and is counted
@@ -200,14 +205,15 @@ class Chain:
         self.stats.runs += 1
         return self.runner(original, args, kwargs)
 
-    def _fall_back(self, cause: str) -> None:
+    def _fall_back(self, cause: str, *, ran_ahead: bool = True) -> None:
         self._flight = None
         self.stats.fallbacks[cause] += 1
+        cost = ("each fallback recomputes the chunk's later blocks once more" if ran_ahead else
+                "such a call costs what interval 1 does: one region, and its kept inputs, per block")
         warn_once(
             f"gradseam: a checkpoint chunk of {type(self.members[0]).__name__} blocks fell back to one region "
             f"per block for this call because {cause}. Results stay exact; the chunk is tried again on the "
-            "next call, and summary() counts how often this happens (each fallback recomputes the chunk's "
-            "later blocks once more)."
+            f"next call, and summary() counts how often this happens ({cost})."
         )
 
     def _run_head(self, original: Original, args: tuple, kwargs: dict) -> Any:
@@ -218,11 +224,18 @@ class Chain:
             # Running a member ahead skips its pre-hooks, and they may be what makes it runnable:
             # FSDP2's fully_shard gathers the block's weights in one. Exact beats chunked; checked
             # on every call (not latched), so the chunk comes back once the hooks are removed.
-            self._fall_back(PRE_HOOKS)
+            self._fall_back(PRE_HOOKS, ran_ahead=False)
             return self._alone(original, args, kwargs)
         link = self.link
         assert link is not None
         head = signature_of(type(self.members[0])).bind(self.members[0], args, kwargs)
+        stateful = link.holds_state(self.members[0], head)
+        if stateful is not None:
+            # A later member run ahead would get the head's own state object (its KV-cache layer)
+            # and write into it; the follower checks would make outputs exact again, but not the
+            # cache. Checked per call: the same model trains chunked when it is called without one.
+            self._fall_back(stateful, ran_ahead=False)
+            return self._alone(original, args, kwargs)
         originals = self._originals
         compiling = torch.compiler.is_compiling()
         devices = () if compiling else rng_devices(args, kwargs)

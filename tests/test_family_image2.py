@@ -368,3 +368,130 @@ def test_flux2_kv_cache_with_block_recompute_is_exact(config) -> None:
     patched_out, patched_grad = _flux2_cached_step(model, cache, config)
     assert torch.equal(out, patched_out)
     assert torch.equal(grad, patched_grad)
+
+
+# -- Flux 2's KV cache with interval chunks: each block fills its own layer -------------------------
+_FLUX2_EXTRACT_CONFIGS = {
+    "interval2": {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2},
+    "interval2+stride4": {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2,
+                          "gradient_checkpointing_segment_stride": 4},
+}
+
+
+def _flux2_extract_inputs(g: torch.Generator) -> dict:
+    # the Klein KV pipeline's first step: the first 4 image tokens are the reference image's
+    return {**flux2_inputs(g), "kv_cache_mode": "extract", "num_ref_tokens": 4, "return_dict": False}
+
+
+FLUX2_EXTRACT = Case("flux2-kv-extract", _flux2_kv_model, _flux2_extract_inputs)
+
+
+def _flux2_extract_step(model, config=None):
+    """A training step in extract mode; returns the step, the cache it returned, its regions and summary."""
+    from gradseam.testing import record_regions
+
+    caches = []
+    hook = model.register_forward_hook(lambda _m, _args, out: caches.append(out[1]))
+    handle = None
+    try:
+        if config is None:
+            return run_step(model, FLUX2_EXTRACT), caches[0], [], ""
+        handle = gradseam.patch(model, config)
+        with record_regions(handle) as regions:
+            step = run_step(model, FLUX2_EXTRACT)
+        return step, caches[0], regions, str(handle.summary())
+    finally:
+        hook.remove()
+        if handle is not None:
+            handle.remove()
+
+
+def _flux2_layers(cache) -> list:
+    return [*cache.double_block_caches, *cache.single_block_caches]
+
+
+@pytest.mark.parametrize("config", list(_FLUX2_EXTRACT_CONFIGS.values()), ids=list(_FLUX2_EXTRACT_CONFIGS))
+def test_flux2_kv_extract_with_interval_chunks_is_exact(config) -> None:
+    """Chunks must not run their later blocks ahead with the first block's cache layer (they would
+    store their K/V in it): with per_block declared, every layer of the returned cache is exact."""
+    from gradseam.links import PER_BLOCK
+    from gradseam.testing import assert_same_step
+
+    model = _flux2_kv_model()
+    reference, expected, _, _ = _flux2_extract_step(model)
+    patched, got, regions, summary = _flux2_extract_step(model, config)
+    assert_same_step(reference, patched, what="flux2 extract mode")
+    layers = list(zip(_flux2_layers(expected), _flux2_layers(got), strict=True))
+    assert len(layers) == 2 + 4
+    for i, (a, b) in enumerate(layers):
+        assert a.k_ref is not None and torch.equal(a.k_ref, b.k_ref) and torch.equal(a.v_ref, b.v_ref), f"layer {i}"
+    chunks = [r for r in regions if r.kind == "chunk"]
+    expected_chunks = 2 if config.get("gradient_checkpointing_segment_stride") else 3
+    assert len(chunks) == expected_chunks
+    for r in chunks:  # refused up front: each block computed once, as its own region
+        assert r.fallbacks == {PER_BLOCK: 1} and r.calls == [1, 1] and r.runs == 2, r
+    assert summary.count(f"1 member call(s) computed alone because 1x {PER_BLOCK}") == expected_chunks
+
+
+def test_flux2_kv_extract_needs_the_per_block_declaration(monkeypatch) -> None:
+    # Without per_block the chunks still give exact outputs (their later blocks notice the swapped
+    # cache and compute again), but each chunk's first layer ends up holding its second block's K/V.
+    from dataclasses import replace
+
+    import gradseam.patcher as patcher
+    from gradseam.testing import assert_same_step
+
+    model = _flux2_kv_model()
+    family = family_for(model)
+    blind = replace(family, block_lists=tuple(replace(bl, per_block=()) for bl in family.block_lists))
+    monkeypatch.setattr(patcher, "family_for", lambda m: blind)
+    reference, expected, _, _ = _flux2_extract_step(model)
+    patched, got, _, _ = _flux2_extract_step(model, _FLUX2_EXTRACT_CONFIGS["interval2"])
+    assert_same_step(reference, patched, what="flux2 extract mode, no per_block")
+    same = [torch.equal(a.k_ref, b.k_ref) for a, b in zip(_flux2_layers(expected), _flux2_layers(got))]
+    assert same == [False, True, False, True, False, True]  # the heads of the 3 chunks, overwritten
+
+
+def test_flux2_chunks_run_whole_again_without_a_cache() -> None:
+    # per_block only refuses calls that carry a cache: the next plain step chunks as usual
+    model = _flux2_kv_model()
+    handle = gradseam.patch(model, _FLUX2_EXTRACT_CONFIGS["interval2"])
+    try:
+        run_step(model, FLUX2_EXTRACT)
+        run_step(model, Case("flux2-kv-plain", _flux2_kv_model, flux2_inputs))
+        chunks = [r for r in handle.regions() if r.kind == "chunk"]
+        assert chunks and all(r.chunk_calls == 1 and sum(r.fallbacks.values()) == 1 for r in chunks)
+    finally:
+        handle.remove()
+
+
+def test_per_block_names_find_the_state_where_the_loop_puts_it() -> None:
+    # BlockLink resolves a per_block name against the head's bound arguments: a parameter, dict keys
+    # (Flux 2's kwargs dict, which may be None), a **kwargs bag, or an attribute of another object.
+    from types import SimpleNamespace
+
+    from gradseam.family import Carry
+    from gradseam.links import PER_BLOCK, BlockLink, signature_of
+
+    class Bagged(torch.nn.Module):
+        def forward(self, hidden_states, **kwargs):
+            return hidden_states
+
+    block = _fresh(FLUX2).transformer_blocks[0]
+
+    def head(joint_attention_kwargs) -> dict:
+        return signature_of(type(block)).bind(block, (None, None, None, None, None, joint_attention_kwargs), {})
+
+    carry = Carry({"encoder_hidden_states": 0, "hidden_states": 1})
+    link = BlockLink(carry, per_block=("joint_attention_kwargs.kv_cache",))
+    state = object()
+    assert link.holds_state(block, head({"kv_cache": state, "kv_cache_mode": "extract"})) == PER_BLOCK
+    assert link.holds_state(block, head(SimpleNamespace(kv_cache=state))) == PER_BLOCK
+    assert link.holds_state(block, head({"kv_cache": None, "kv_cache_mode": "extract"})) is None
+    assert link.holds_state(block, head({"scale": 1.0})) is None
+    assert link.holds_state(block, head(None)) is None
+    assert BlockLink(carry).holds_state(block, head({"kv_cache": state})) is None  # nothing declared
+    bagged, bind = Bagged(), signature_of(Bagged).bind
+    link = BlockLink(Carry({"hidden_states": None}), per_block=("layer_cache",))
+    assert link.holds_state(bagged, bind(bagged, (None,), {"layer_cache": state})) == PER_BLOCK
+    assert link.holds_state(bagged, bind(bagged, (None,), {})) is None

@@ -544,6 +544,27 @@ _BL, _BC = (BlockList("blocks"),), (BlockClass("pkg.Block"),)
          "'transformer_blocks' or 'text_fusion.layerwise_blocks')."),
         (lambda: BlockList("blocks", optional="yes"), TypeError,
          "BlockList('blocks'): field 'optional' must be True or False, got str 'yes'."),
+        (lambda: BlockList("blocks", per_block="layer_cache"), TypeError,
+         "BlockList('blocks'): field 'per_block' must be a tuple of argument names (a dotted name reaches into a "
+         "dict argument), got str 'layer_cache'. A string here would be read as its characters: write "
+         "('layer_cache',)."),
+        (lambda: BlockList("blocks", per_block=("layer_cache", None)), TypeError,
+         "BlockList('blocks'): field 'per_block' must be a tuple of argument names (a dotted name reaches into a "
+         "dict argument), got tuple ('layer_cache', None) (item NoneType None)."),
+        (lambda: BlockList("blocks", per_block=("joint_attention_kwargs.",)), ValueError,
+         "BlockList('blocks'): field 'per_block' holds 'joint_attention_kwargs.', which is not an argument name: "
+         "a parameter of the block's forward, then optionally dict keys separated by dots (e.g. 'layer_cache' or "
+         "'joint_attention_kwargs.kv_cache')."),
+        (lambda: BlockList("blocks", per_block=("kv cache",)), ValueError,
+         "BlockList('blocks'): field 'per_block' holds 'kv cache', which is not an argument name: a parameter of "
+         "the block's forward, then optionally dict keys separated by dots (e.g. 'layer_cache' or "
+         "'joint_attention_kwargs.kv_cache')."),
+        (lambda: BlockList("blocks", per_block=("layer_cache", "layer_cache")), ValueError,
+         "BlockList('blocks'): field 'per_block' names 'layer_cache' twice."),
+        (lambda: BlockList("blocks", carry=Carry({"hidden_states": None}), per_block=("hidden_states.cache",)),
+         ValueError,
+         "BlockList('blocks'): field 'per_block' names 'hidden_states.cache', which the carry hands from each block "
+         "to the next; a per-block state is what the model's loop passes each block, not a block's output."),
         (lambda: Carry({"hidden_states": -1}), ValueError,
          "Carry: field 'outputs' maps 'hidden_states' to -1; positions count from 0 (negative indices would "
          "silently follow the length of the returned tuple)."),
@@ -587,6 +608,9 @@ def test_declarations_are_normalised_and_private():
     family = Family("x", models=["pkg.Model"], block_lists=[BlockList("blocks.0.inner")], block_classes=[declared])
     assert family.models == ("pkg.Model",) and isinstance(family.block_lists, tuple)
     assert BlockList("layers.3").path == "layers.3"  # a ModuleList index is a path step
+    assert BlockList("blocks", per_block=["layer_cache", "kwargs.kv_cache"]).per_block == (
+        "layer_cache", "kwargs.kv_cache"
+    )
     from dataclasses import replace
 
     assert replace(family, name="y").block_classes == (declared,)  # replace() validates again, and passes
