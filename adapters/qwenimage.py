@@ -21,7 +21,8 @@ shifted before the MLP sees it. The joint attention ``attn`` is the whole attent
 Edit variants feed the reference image(s) as extra image tokens (``img_shapes`` lists one shape per
 image), the Layered variant adds ``additional_t_cond`` and a layer-aware RoPE: all of that happens
 before the loop, so the same declaration covers them. Qwen-Image 2.1
-(``QwenImage21Transformer2DModel``) is a different, single-stream architecture and is not covered.
+(``QwenImage21Transformer2DModel``) is a different, single-stream architecture: the
+``qwenimage21`` family covers it.
 """
 
 from __future__ import annotations

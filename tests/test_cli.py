@@ -15,7 +15,7 @@ import gradseam
 from gradseam.tools.cli import app
 
 runner = CliRunner()
-BUILTIN = ["chroma", "flux", "flux2", "hunyuanvideo15", "krea2", "ltx2", "ltxvideo", "mageflow", "qwenimage", "sana", "sana-video", "sd3", "wan", "wan-vace", "zimage"]
+BUILTIN = ["chroma", "flux", "flux2", "hunyuanvideo15", "krea2", "ltx2", "ltxvideo", "mageflow", "qwenimage", "qwenimage21", "sana", "sana-video", "sd3", "wan", "wan-vace", "zimage"]
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 
 

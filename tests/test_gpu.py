@@ -63,10 +63,11 @@ MATRIX = [(case, cfg) for case in ALL for cfg in GPU_CONFIGS]
 
 def _new_families() -> list[Case]:
     from test_family_image2 import FLUX2, QWEN
+    from test_family_qwenimage21 import QWEN21
     from test_family_sd3_sana import SANA, SANA_VIDEO, SD3
     from test_family_video2 import HV15, LTXV, VACE
 
-    return [FLUX2, QWEN, SD3, SANA, SANA_VIDEO, HV15, LTXV, VACE]
+    return [FLUX2, QWEN, QWEN21, SD3, SANA, SANA_VIDEO, HV15, LTXV, VACE]
 
 
 # The families added later: every offload mechanism once (region inputs with kept kernels, FFN inputs

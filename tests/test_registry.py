@@ -696,7 +696,7 @@ def family_module(name: str, model: str = "", extra: str = "") -> str:
         """
 
 
-BUILTINS = ["chroma", "flux", "flux2", "hunyuanvideo15", "krea2", "ltx2", "ltxvideo", "mageflow", "qwenimage", "sana", "sana-video", "sd3", "wan", "wan-vace", "zimage"]
+BUILTINS = ["chroma", "flux", "flux2", "hunyuanvideo15", "krea2", "ltx2", "ltxvideo", "mageflow", "qwenimage", "qwenimage21", "sana", "sana-video", "sd3", "wan", "wan-vace", "zimage"]
 EMPTY = ([], [], [], [], False)
 
 
