@@ -64,6 +64,20 @@ def test_bench_family_without_cuda_exits_2():
     assert "needs a CUDA GPU" in result.output and "real-size" in result.output
 
 
+def test_bench_warns_that_a_fit_from_depth_1_overstates_offload_growth():
+    assert "note: --depths starts at 1" not in _invoke("bench", "--family", "flux", "--depths", "2,4").output
+    result = _invoke("bench", "--family", "flux", "--depths", "1,2")
+    assert "note: --depths starts at 1" in result.output and "Prefer 2,4" in result.output
+
+
+def test_bench_skip_row_names_known_rows_and_excludes_row():
+    result = _invoke("bench", "--family", "flux", "--skip-row", "ref: save_on_cpu", "--skip-row", "bogus")
+    assert result.exit_code == 2 and "--skip-row" in result.output and "bogus" in result.output
+    result = _invoke("bench", "--family", "flux", "--row", "torch", "--skip-row", "ref: save_on_cpu")
+    assert result.exit_code != 0 and "exclude each other" in result.output
+    assert "need --family" in _invoke("bench", "--skip-row", "torch").output
+
+
 def test_bench_option_errors():
     result = _invoke("bench", "--depths", "2,4")
     assert result.exit_code == 2 and "need --family" in result.output
