@@ -169,9 +169,12 @@ def demo(
         )
     out.print(table)
     out.print(
-        "Practical rule: no checkpointing if it fits -> torch-ffn -> torch -> unsloth-ffn -> unsloth; "
-        "at >= ~16k tokens add gradient_checkpointing_offload_attention to torch/unsloth (attention never "
-        "recomputed); interval >= 2 only to win speed back once it fits."
+        "Practical rule (full-depth H200 measurements, docs/benchmarks.md): no checkpointing if it fits. "
+        "At a few thousand tokens: the compiler's activation memory budget 0.05-0.1 on compiled blocks, or "
+        "eager torch-ffn if a shallow cut is enough, else torch / unsloth. At tens of thousands of tokens "
+        "(video): torch or unsloth with gradient_checkpointing_offload_attention (attention never "
+        "recomputed; -ffn rows grow with every block). Interval >= 2 only to win speed back once it fits. "
+        "`gradseam advise` finds the crossover for your model at its real depth."
     )
 
 
