@@ -105,8 +105,8 @@ def _fallback_note(region: RegionView) -> str:
     fell = sum(region.fallbacks.values())
     calls = region.calls[0] if region.calls else 0
     why = "; ".join(f"{n}x {cause}" for cause, n in sorted(region.fallbacks.items(), key=lambda kv: -kv[1]))
-    return (f"{region.label}: ran as one chunk {region.chunk_calls} of {calls} calls; {fell} member call(s) "
-            f"computed alone because {why}")
+    return (f"{region.label}: ran as one chunk {region.chunk_calls} of {calls} calls; {fell} call(s) "
+            f"fell back to one region per block because {why}")
 
 
 def _list_order(handle: PatchHandle, path: str) -> int:

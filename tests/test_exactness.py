@@ -191,7 +191,7 @@ def test_fallback_is_per_call_and_the_summary_counts_it(toy):
         chunks = [r for r in handle.regions() if r.kind == "chunk"]
         assert [(r.chunk_calls, r.served, dict(r.fallbacks)) for r in chunks] == [(2, 1, {RANDOM: 1})] * 2
         text = str(handle.summary())
-        assert "blocks[0, 1]: ran as one chunk 2 of 2 calls; 1 member call(s) computed alone because 1x random" in text
+        assert "blocks[0, 1]: ran as one chunk 2 of 2 calls; 1 call(s) fell back to one region per block because 1x random" in text
     finally:
         handle.remove()
 

@@ -430,7 +430,7 @@ def test_flux2_kv_extract_with_interval_chunks_is_exact(config) -> None:
     assert len(chunks) == expected_chunks
     for r in chunks:  # refused up front: each block computed once, as its own region
         assert r.fallbacks == {PER_BLOCK: 1} and r.calls == [1, 1] and r.runs == 2, r
-    assert summary.count(f"1 member call(s) computed alone because 1x {PER_BLOCK}") == expected_chunks
+    assert summary.count(f"1 call(s) fell back to one region per block because 1x {PER_BLOCK}") == expected_chunks
 
 
 def test_flux2_kv_extract_needs_the_per_block_declaration(monkeypatch) -> None:
