@@ -194,11 +194,14 @@ def chart(rows: list[dict[str, Any]], path: Any, title: str = "gradseam bench", 
     import matplotlib.pyplot as plt
 
     workloads = list(dict.fromkeys(r["workload"] for r in rows))
-    fig, axes = plt.subplots(1, max(1, len(workloads)), figsize=(7 * max(1, len(workloads)), 6), squeeze=False)
+    fig, axes = plt.subplots(1, max(1, len(workloads)), figsize=(7 * max(1, len(workloads)), 6), squeeze=False,
+                             dpi=120)
+    labels: list[tuple[Any, list[tuple[str, float, float]]]] = []
     for ax, workload in zip(axes[0], workloads):
         mine = [r for r in rows if r["workload"] == workload and r["peak_gib"] is not None and r["step_ms"]]
         failed = [r["strategy"] for r in rows if r["workload"] == workload and r["peak_gib"] is None]
         predicted = False
+        points = []
         for r in mine:
             ref = r["strategy"] == "none" or r["strategy"].startswith("ref:")
             color = "grey" if ref else "C0"
@@ -207,7 +210,8 @@ def chart(rows: list[dict[str, Any]], path: Any, title: str = "gradseam bench", 
             x = r["peak_gib"] * GiB / MiB if cpu else r["peak_gib"]
             ax.scatter(x, r["step_ms"], marker="s" if ref else "o", facecolors="none" if guess else color,
                        edgecolors=color)
-            ax.annotate(r["strategy"], (x, r["step_ms"]), fontsize=7, xytext=(4, 3), textcoords="offset points")
+            points.append((r["strategy"], x, r["step_ms"]))
+        labels.append((ax, points))
         ax.set_xlabel("kept for backward (MiB, CPU)" if cpu else "activation peak (GiB)")
         ax.set_ylabel("step time (ms)")
         ax.set_title(workload + (" (hollow: predicted)" if predicted else ""), fontsize=9)
@@ -217,6 +221,39 @@ def chart(rows: list[dict[str, Any]], path: Any, title: str = "gradseam bench", 
                     va="bottom", wrap=True)
     fig.suptitle(title)
     fig.tight_layout()
+    for ax, points in labels:  # placed once the layout is final: they are laid out in pixels
+        _label(ax, points)
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+# Rows often sit on top of each other (diffusers' flag and gradseam's torch are the same regions):
+# labels are placed one by one at the first offset, stepping down and up a line at a time, whose box
+# is clear of those already placed, so every name stays readable; a moved label gets a thin leader.
+_STEPS = [0] + [sign * k for k in range(1, 12) for sign in (-1, 1)]
+
+
+def _label(ax: Any, points: list[tuple[str, float, float]], size: float = 7) -> None:
+    ax.autoscale_view()
+    pixel = ax.figure.dpi / 72  # pixels per point
+    char, line = 0.62 * size * pixel, 1.35 * size * pixel  # a 7 pt character's mean width, a line's height
+    placed: list[tuple[float, float, float, float]] = []
+    frame = ax.get_window_extent()  # labels stay inside the axes, clear of the tick labels
+    for text, x, y in sorted(points, key=lambda p: (-p[2], p[1])):  # from the top: slow rows rarely crowd
+        px, py = ax.transData.transform((x, y))
+        width = char * len(text)
+        for step in _STEPS:
+            left, bottom = px + 4 * pixel, py + 3 * pixel + step * line
+            box = (left, bottom, left + width, bottom + line)
+            inside = frame.y0 <= box[1] and box[3] <= frame.y1
+            if inside and not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in placed):
+                break
+        else:
+            step = 0
+            left, bottom = px + 4 * pixel, py + 3 * pixel
+            box = (left, bottom, left + width, bottom + line)
+        placed.append(box)
+        ax.annotate(text, (x, y), fontsize=size, xytext=((left - px) / pixel, (bottom - py) / pixel),
+                    textcoords="offset points",
+                    arrowprops={"arrowstyle": "-", "lw": 0.4, "color": "0.6"} if step else None)
