@@ -187,3 +187,15 @@ def test_a_pinned_host_allocation_failure_is_an_oom_row_not_an_error(monkeypatch
     by = {r.strategy: r for r in b.synthetic(TINY, steps=1, device="cpu")}
     assert by["torch"].status == "OOM"
     assert by["torch-ffn"].status == "ok"
+
+
+def test_a_row_that_breaks_the_device_ends_the_sweep_with_the_row_to_skip(monkeypatch):
+    # An illegal memory access (torch's save_on_cpu on Qwen-Image, H200) poisons the CUDA context:
+    # every later row would fail the same way, so the sweep stops and names the row to leave out.
+    calls = _fail_on(monkeypatch, "torch", RuntimeError("CUDA error: an illegal memory access was encountered"))
+    monkeypatch.setattr(b.measuring, "context_lost", lambda device="cuda": True)
+    seen = []
+    with pytest.raises(b.DeviceLostError, match=r"row 'torch' broke the GPU's context .*--skip-row 'torch'"):
+        b.synthetic(TINY, steps=1, device="cpu", on_row=seen.append)
+    assert seen[-1].strategy == "torch" and seen[-1].status.startswith("error: RuntimeError")
+    assert calls[0] == MEASURED.index("torch") + 1  # nothing ran after it

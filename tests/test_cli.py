@@ -148,6 +148,27 @@ def test_bench_oom_cell_is_reported_and_the_sweep_continues(tmp_path, monkeypatc
     assert "torch: OOM" in result.output and "| torch | OOM |" in result.output
 
 
+def test_a_row_that_breaks_the_device_is_named_and_the_json_kept(tmp_path, monkeypatch):
+    from gradseam.tools import bench
+
+    real, calls = bench.measuring.measure, []
+
+    def measure(step, **kwargs):  # the 2nd measured row breaks the device
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real(step, **kwargs)
+
+    monkeypatch.setattr(bench.measuring, "measure", measure)
+    monkeypatch.setattr(bench.measuring, "context_lost", lambda device="cuda": True)
+    path = tmp_path / "lost.json"
+    result = _invoke("bench", "--json", str(path), "--steps", "1")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "broke the GPU's context" in result.output and "--skip-row" in result.output
+    doc = json.loads(path.read_text())
+    assert [r["status"][:6] for r in doc["rows"]] == ["ok", "error:"]
+
+
 def test_an_interrupted_bench_keeps_the_rows_it_measured(tmp_path, monkeypatch):
     from gradseam.tools import bench
 

@@ -90,6 +90,18 @@ class Result:
 # -- reference strategies (hand-written, as users write them today) ----------------------------
 
 
+class DeviceLostError(gradseam.GradseamError):
+    """A row broke the CUDA context (an illegal memory access): no later row can run in this process."""
+
+    def __init__(self, row: str, cause: BaseException) -> None:
+        super().__init__(
+            f"row {row!r} broke the GPU's context ({type(cause).__name__}: {str(cause).splitlines()[0]}), so "
+            f"no later row can run in this process; the rows measured so far are in the JSON. Run again "
+            f"without it: --skip-row {row!r}."
+        )
+        self.row = row
+
+
 class _NaiveUnsloth(torch.autograd.Function):
     """Checkpoint a block, keeping its input in a pinned buffer copied on the compute stream."""
 
@@ -258,6 +270,11 @@ def run_rows(
             oom = measuring.is_oom(exc)
             reason = "OOM" if oom else f"error: {type(exc).__name__}: {exc}"[:300]
             result = Result(workload, tokens, name, None, None, reason, depth=depth, blocks=blocks)
+            if not oom and measuring.context_lost(device):
+                results.append(result)
+                if on_row is not None:
+                    on_row(result)
+                raise DeviceLostError(name, exc) from exc
         finally:
             step = None
         results.append(result)

@@ -333,13 +333,18 @@ def bench(
                 run = b.real(fam.name, preset, depths=depths, full=full, full_depth=depth, full_rows=at_full,
                              tokens=list(tokens) if tokens else None, rows=chosen, steps=steps, on_row=on_row,
                              on_build=on_build)
+            except b.DeviceLostError as exc:
+                fail(str(exc), code=1)
             except (gradseam.GradseamError, ValueError) as exc:
                 fail(str(exc))
             results = run.results
         else:
             progress.update(task, total=len(shapes or (b.CPU_SHAPES if cpu else b.SYNTHETIC_SHAPES))
                             * len(b.synthetic_rows()), description="bench")
-            results = b.synthetic(shapes, steps=steps, on_row=on_row, device=dev)
+            try:
+                results = b.synthetic(shapes, steps=steps, on_row=on_row, device=dev)
+            except b.DeviceLostError as exc:  # a row broke the device: say which, keep the JSON
+                fail(str(exc), code=1)
     measured = report.with_ratios(results)
     deep = depth_info = None
     if run is not None:

@@ -170,6 +170,19 @@ def measure(
     return Measurement(peak, statistics.median(times), pinned, allocations, base / GiB if cuda else 0.0)
 
 
+def context_lost(device: str = "cuda") -> bool:
+    """Whether the device is still usable after an error: an illegal memory access (seen in torch's
+    ``save_on_cpu`` on the H200) poisons the CUDA context for the rest of the process, and every
+    later call fails with the same error."""
+    if device == "cpu" or not torch.cuda.is_available():
+        return False
+    try:
+        torch.cuda.synchronize()
+    except Exception:  # the sticky error comes back as AcceleratorError (RuntimeError on older torch)
+        return True
+    return False
+
+
 def release(device: str = "cuda") -> None:
     """Drop what the last row left behind, so the next row starts from the same allocator state."""
     gc.collect()
