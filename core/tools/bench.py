@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,8 +34,9 @@ import gradseam
 from ..family import Family
 from . import measure as measuring
 from .compiled import BUDGETS, budget_label, compiled_blocks
-from .depth import DepthPlan, at_depth, parse_depths
+from .depth import at_depth, parse_depths
 from .named_strategies import needs_cuda, rows
+from .results import RealRun, Result
 
 GiB = measuring.GiB
 NEEDS_CUDA = "needs CUDA"
@@ -71,20 +71,6 @@ REFERENCE_ROWS = [
 CUDA_ONLY_ROWS = frozenset({label for label, _ in GRADSEAM_ROWS if needs_cuda(label)}
                            | {"ref: naive unsloth", "ref: save_on_cpu", *COMPILE_ROWS}
                            | {label for label, _ in COMPILED_ROWS})
-
-
-@dataclass
-class Result:
-    workload: str
-    tokens: int
-    strategy: str
-    peak_gib: float | None
-    step_ms: float | None
-    status: str = "ok"  # "ok", "OOM", "needs CUDA", "ruled out: ...", "unsupported: ...", "error: ..."
-    pinned_allocations_after_warmup: int | None = None
-    pinned_gib: float | None = None  # pinned host memory in use at its peak (GPU rows)
-    depth: int | None = None  # real models: the depth measured (units of gradseam.tools.depth)
-    blocks: str | None = None  # real models: the blocks kept per list at that depth, e.g. "2 + 4 blocks"
 
 
 # -- reference strategies (hand-written, as users write them today) ----------------------------
@@ -360,18 +346,6 @@ def real_rows(rows: list[str] | None = None) -> list[tuple[str, dict[str, Any] |
             )
         chosen = [r for r in chosen if r[0] in rows]
     return chosen
-
-
-@dataclass
-class RealRun:
-    """What :func:`real` measured, and what it needs to speak for the full depth."""
-
-    plan: DepthPlan
-    fit_depths: tuple[int, int]
-    full_depth: int  # the depth predictions are made for (the preset's, or the one asked for)
-    results: list[Result] = field(default_factory=list)
-    static_gib: float = 0.0  # weights + inputs at the deepest depth built
-    host_available_gib: float | None = None
 
 
 def real(

@@ -42,7 +42,7 @@ from .depth import predict
 from .measure import GiB, MiB
 
 if TYPE_CHECKING:
-    from .bench import RealRun, Result
+    from .results import RealRun, Result
 
 MEMORY_GPU = "activation peak: max_memory_allocated over the timed steps minus what was allocated before"
 MEMORY_CPU = "bytes autograd keeps between forward and backward (saved tensors, parameters excluded)"

@@ -1,0 +1,37 @@
+"""What one benchmark sweep measured: a row per (workload, depth, strategy), and the run around it.
+
+Apart from :mod:`gradseam.tools.bench`, which measures, and :mod:`gradseam.tools.bench_report`,
+which turns these into tables, JSON and charts: both read the same records, neither needs the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .depth import DepthPlan
+
+
+@dataclass
+class Result:
+    workload: str
+    tokens: int
+    strategy: str
+    peak_gib: float | None
+    step_ms: float | None
+    status: str = "ok"  # "ok", "OOM", "needs CUDA", "ruled out: ...", "unsupported: ...", "error: ..."
+    pinned_allocations_after_warmup: int | None = None
+    pinned_gib: float | None = None  # pinned host memory in use at its peak (GPU rows)
+    depth: int | None = None  # real models: the depth measured (units of gradseam.tools.depth)
+    blocks: str | None = None  # real models: the blocks kept per list at that depth, e.g. "2 + 4 blocks"
+
+
+@dataclass
+class RealRun:
+    """What :func:`gradseam.tools.bench.real` measured, and what it needs to speak for the full depth."""
+
+    plan: DepthPlan
+    fit_depths: tuple[int, int]
+    full_depth: int  # the depth predictions are made for (the preset's, or the one asked for)
+    results: list[Result] = field(default_factory=list)
+    static_gib: float = 0.0  # weights + inputs at the deepest depth built
+    host_available_gib: float | None = None
