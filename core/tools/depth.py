@@ -96,6 +96,23 @@ def plan_for(model: nn.Module, family: Family) -> DepthPlan:
     return DepthPlan(totals)
 
 
+def cut(model: nn.Module, counts: Mapping[str, int]) -> list[tuple[str, Any, str, nn.ModuleList]]:
+    """Keep the first ``counts[path]`` blocks of each list; ``(path, parent, attr, original)`` per list cut.
+
+    The one place that shortens block lists: :func:`at_depth` puts the originals back,
+    :func:`gradseam.tools.workloads.build` drops them for good (freeing their weights).
+    """
+    replaced = []
+    for path, n in counts.items():
+        parent_path, _, attr = path.rpartition(".")
+        parent = resolve(model, parent_path) if parent_path else model
+        original = getattr(parent, attr, None)
+        if original is not None and n < len(original):
+            setattr(parent, attr, nn.ModuleList(list(original)[:n]))
+            replaced.append((path, parent, attr, original))
+    return replaced
+
+
 @contextmanager
 def at_depth(model: nn.Module, plan: DepthPlan, depth: int) -> Iterator[dict[str, int]]:
     """Run ``model`` with only the first blocks of each list that ``depth`` keeps; restores on exit.
@@ -104,18 +121,11 @@ def at_depth(model: nn.Module, plan: DepthPlan, depth: int) -> Iterator[dict[str
     built at the deepest depth serves every shallower one.
     """
     counts = plan.counts(depth)
-    swapped: list[tuple[Any, str, nn.Module]] = []
+    replaced = cut(model, counts)
     try:
-        for path, n in counts.items():
-            parent_path, _, attr = path.rpartition(".")
-            parent = resolve(model, parent_path) if parent_path else model
-            original = getattr(parent, attr)
-            if n < len(original):
-                setattr(parent, attr, nn.ModuleList(list(original)[:n]))
-                swapped.append((parent, attr, original))
         yield counts
     finally:
-        for parent, attr, original in reversed(swapped):
+        for _, parent, attr, original in reversed(replaced):
             setattr(parent, attr, original)
 
 

@@ -23,7 +23,7 @@ from torch import nn
 
 from ..errors import GradseamError
 from ..family import Family, Preset, class_name
-from .depth import DepthPlan, parse_depths, plan_for, resolve
+from .depth import DepthPlan, cut, parse_depths, plan_for, resolve
 
 
 def find_family(name: str) -> Family:
@@ -79,17 +79,9 @@ def truncate(model: nn.Module, family: Family, layers: int) -> dict[str, tuple[i
     """Keep the first ``layers`` blocks of every declared block list; ``{path: (kept, total)}``."""
     if layers < 1:
         raise ValueError(f"layers must be >= 1, got {layers}.")
-    done = {}
-    for block_list in family.block_lists:
-        blocks = resolve(model, block_list.path)
-        if blocks is None:
-            continue
-        parent_path, _, attr = block_list.path.rpartition(".")
-        parent = resolve(model, parent_path) if parent_path else model
-        kept = list(blocks)[:layers]
-        setattr(parent, attr, nn.ModuleList(kept))
-        done[block_list.path] = (len(kept), len(blocks))
-    return done
+    totals = {bl.path: len(found) for bl in family.block_lists if (found := resolve(model, bl.path)) is not None}
+    cut(model, {path: layers for path in totals})
+    return {path: (min(layers, n), n) for path, n in totals.items()}
 
 
 @dataclass
@@ -187,15 +179,8 @@ def build(
 
 def truncate_to(model: nn.Module, plan: DepthPlan, depth: int) -> dict[str, tuple[int, int]]:
     """Keep the blocks of ``depth`` units for good (dropping the rest frees their weights)."""
-    done = {}
-    for path, n in plan.counts(depth).items():
-        parent_path, _, attr = path.rpartition(".")
-        parent = resolve(model, parent_path) if parent_path else model
-        blocks = list(getattr(parent, attr))
-        if n < len(blocks):
-            setattr(parent, attr, nn.ModuleList(blocks[:n]))
-            done[path] = (n, len(blocks))
-    return done
+    return {path: (len(getattr(parent, attr)), len(original)) for path, parent, attr, original
+            in cut(model, plan.counts(depth))}
 
 
 def sequence_length(model: nn.Module, family: Family, inputs: Mapping[str, Any]) -> int:
