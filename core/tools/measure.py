@@ -171,7 +171,7 @@ def measure(
 
 
 def context_lost(device: str = "cuda") -> bool:
-    """Whether the device is still usable after an error: an illegal memory access (seen in torch's
+    """Whether an error left the device unusable: an illegal memory access (seen in torch's
     ``save_on_cpu`` on the H200) poisons the CUDA context for the rest of the process, and every
     later call fails with the same error."""
     if device == "cpu" or not torch.cuda.is_available():
