@@ -78,6 +78,22 @@ def test_bench_skip_row_names_known_rows_and_excludes_row():
     assert "need --family" in _invoke("bench", "--skip-row", "torch").output
 
 
+def test_bench_skip_row_runs_every_other_row(monkeypatch):
+    from gradseam.tools import bench, cli
+
+    seen = {}
+
+    def fake_real(family, preset, *, rows, **kwargs):
+        seen["rows"] = rows
+        raise gradseam.GradseamError("stop here")
+
+    monkeypatch.setattr(cli, "_need_cuda", lambda message: None)
+    monkeypatch.setattr(bench, "real", fake_real)
+    result = _invoke("bench", "--family", "flux", "--skip-row", "ref: save_on_cpu", "--skip-row", "torch")
+    assert "stop here" in result.output
+    assert seen["rows"] == [n for n, _ in bench.real_rows() if n not in ("ref: save_on_cpu", "torch")]
+
+
 def test_bench_option_errors():
     result = _invoke("bench", "--depths", "2,4")
     assert result.exit_code == 2 and "need --family" in result.output
