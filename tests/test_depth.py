@@ -220,3 +220,26 @@ def test_real_with_the_full_model_built_picks_default_fit_depths():
     run = b.real(_tiny_flux(), "tiny", full=True, rows=["none"], steps=1, device="cpu")
     assert run.fit_depths == (2, 4) and sorted({r.depth for r in run.results}) == [2, 4]
     assert report.full_depth_rows(run)[0]["peak_source"] == "measured"  # 4 is the full depth, and a fit depth
+
+
+def test_applied_patches_compiles_and_restores_as_its_config_says():
+    # bench's rows and advise's candidates both go through compiled.applied: a compile-only config
+    # compiles every block and patches nothing; a gradseam + compile config does both; both undo.
+    from gradseam.tools.compiled import applied, budget_config
+    from gradseam.tools.measure import forward_backward
+
+    model = _stack(3, 32)
+    x = {"hidden_states": torch.randn(1, 8, 32, requires_grad=True)}
+    forward_backward(model, x)()
+    want = x["hidden_states"].grad.clone()
+    for config in (budget_config(0.1), {"gradient_checkpointing": True, "compile_blocks": True}):
+        with applied(model, config, list(model.blocks)):
+            assert all(block._compiled_call_impl is not None for block in model.blocks)
+            assert (gradseam.handle_of(model) is not None) == ("gradient_checkpointing" in config)
+            forward_backward(model, x)()
+        assert torch.equal(x["hidden_states"].grad, want)
+        assert gradseam.handle_of(model) is None
+        assert all(block._compiled_call_impl is None for block in model.blocks)
+    with pytest.raises(gradseam.UnsupportedStrategyError, match="did not name its blocks"), \
+            applied(model, budget_config(0.1), None):
+        pass

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import GradseamError, UnsupportedStrategyError
+from .compiled import BUDGETS, budget_config, gradseam_keys
 from .named_strategies import rows
 
 GiB = 1 << 30
@@ -60,16 +61,13 @@ def parse_budget(value: str | float | int) -> float:
 
 # From the least to the most aggressive, out of the one table of named strategies; every rung is
 # measured and the fastest that fits is chosen.
-# Keys of a candidate that are not gradseam config keys: they ask for compiled blocks.
-COMPILE_KEYS = ("compile_blocks", "compile_memory_budget")
 LADDER: list[tuple[str, dict[str, Any]]] = [("off", {"gradient_checkpointing": False})] + rows(
     "torch-ffn", "torch", "torch + attention kept", "unsloth-ffn", "unsloth", "attention offload",
     "torch-ffn + attention offload", "unsloth-ffn + attention offload", "torch + attention offload",
     "unsloth + attention offload",
 ) + [
-    (f"compile, memory budget {b:g}", {"gradient_checkpointing": False, "compile_blocks": True,
-                                       "compile_memory_budget": b})
-    for b in (0.3, 0.1, 0.05)
+    (f"compile, memory budget {b:g}", {"gradient_checkpointing": False, **budget_config(b)})
+    for b in BUDGETS
 ] + [
     (f"compiled blocks + {label}", {**config, "compile_blocks": True})
     for label, config in rows("torch + attention kept", "unsloth + attention offload")
@@ -126,7 +124,7 @@ class Advice:
         """The recommended gradseam config keys, ready to paste into a trainer config."""
         if self.chosen is None:
             raise GradseamError(self.no_fit_message())
-        return {k: v for k, v in self.chosen.config.items() if k not in COMPILE_KEYS}
+        return gradseam_keys(self.chosen.config)
 
     @property
     def compile(self) -> str | None:
@@ -297,13 +295,11 @@ def depth_measure(
     Returns the measure and a sentence saying which depth it plans for and how. A model with too
     few units of depth to fit from is measured as it is.
     """
-    from contextlib import ExitStack
-
     import gradseam
 
     from ..patcher import family_for
     from . import measure as measuring
-    from .compiled import compiled_blocks
+    from .compiled import applied
     from .depth import at_depth, fit, parse_depths, plan_for
     from .workloads import blocks as list_blocks
 
@@ -319,19 +315,12 @@ def depth_measure(
                 f"measurements at depths {depths[0]} and {depths[1]}")
 
     def once(config: Mapping[str, Any], depth: int) -> measuring.Measurement:
-        keys = {k: v for k, v in config.items() if k not in COMPILE_KEYS}
-        with ExitStack() as stack:
-            stack.enter_context(at_depth(model, plan, depth))
-            if keys.get("gradient_checkpointing") or keys.get("gradient_checkpointing_offload_attention"):
-                handle = gradseam.patch(model, keys)
-                stack.callback(handle.remove)
-            if config.get("compile_blocks"):
-                stack.enter_context(compiled_blocks(list_blocks(model, family), config.get("compile_memory_budget")))
+        with at_depth(model, plan, depth), applied(model, config, list_blocks(model, family)):
             step = measuring.forward_backward(model, inputs, loss_fn, count_saved=device == "cpu")
-            handle_now = gradseam.handle_of(model)
+            handle = gradseam.handle_of(model)
             try:
                 return measuring.measure(step, steps=1, warmup=2 if config.get("compile_blocks") else 1,
-                                         device=device, engine=getattr(handle_now, "engine", None))
+                                         device=device, engine=getattr(handle, "engine", None))
             finally:
                 step = None
                 measuring.release(device)

@@ -22,7 +22,7 @@ The JSON it writes is described in :mod:`gradseam.tools.bench_report`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -33,7 +33,7 @@ import gradseam
 
 from ..family import Family
 from . import measure as measuring
-from .compiled import BUDGETS, budget_label, compiled_blocks
+from .compiled import BUDGETS, applied, budget_config, budget_label
 from .depth import at_depth, parse_depths
 from .named_strategies import needs_cuda, rows
 from .results import RealRun, Result
@@ -50,14 +50,16 @@ GRADSEAM_ROWS: list[tuple[str, dict[str, Any]]] = rows(
 )
 # gradseam's rows that are also measured with compiled blocks on a real model
 COMPILED_ROWS: list[tuple[str, dict[str, Any]]] = [
-    (COMPILED + label, config) for label, config in rows("torch + attention kept", "unsloth + attention offload")
+    (COMPILED + label, {**config, "compile_blocks": True})
+    for label, config in rows("torch + attention kept", "unsloth + attention offload")
 ]
 # Rows of a real-model workload (``gradseam bench --family``): the references a user has today
 # (no checkpointing, diffusers' own flag, ``save_on_cpu``, the compiler's memory budgets), then
 # gradseam's strategies, eager and compiled.
 DIFFUSERS_ROW = "ref: diffusers enable_gradient_checkpointing()"
-COMPILE_ROWS = [budget_label(b) for b in BUDGETS]
-REAL_REFERENCE_ROWS = ["none", DIFFUSERS_ROW, "ref: save_on_cpu", *COMPILE_ROWS]
+# the compiler's activation memory budgets, as configs (see gradseam.tools.compiled)
+COMPILE_ROWS: list[tuple[str, dict[str, Any]]] = [(budget_label(b), budget_config(b)) for b in BUDGETS]
+REAL_REFERENCE_ROWS = ["none", DIFFUSERS_ROW, "ref: save_on_cpu", *(label for label, _ in COMPILE_ROWS)]
 REFERENCE_ROWS = [
     "none",
     "ref: torch.utils.checkpoint",
@@ -69,7 +71,7 @@ REFERENCE_ROWS = [
 # kept attention kernel outputs escape the CPU mode's saved-tensor count, and inductor's memory
 # budget is a GPU allocator matter.
 CUDA_ONLY_ROWS = frozenset({label for label, _ in GRADSEAM_ROWS if needs_cuda(label)}
-                           | {"ref: naive unsloth", "ref: save_on_cpu", *COMPILE_ROWS}
+                           | {"ref: naive unsloth", "ref: save_on_cpu", *(label for label, _ in COMPILE_ROWS)}
                            | {label for label, _ in COMPILED_ROWS})
 
 
@@ -145,18 +147,10 @@ def _strategy_context(
     model: nn.Module, name: str, config: dict[str, Any] | None, blocks_attr: str,
     compile_blocks: list[nn.Module] | None,
 ) -> Any:
-    if name.startswith(COMPILED):
-        stack = ExitStack()
-        if config is not None:
-            stack.enter_context(_Patched(model, config))
-        stack.enter_context(compiled_blocks(_need_blocks(name, compile_blocks)))
-        return stack
-    if config is not None:
-        return _Patched(model, config)
+    if config is not None:  # gradseam's rows and the compiler's, whose configs say what to compile
+        return applied(model, config, compile_blocks)
     if name == "none":
         return nullcontext()
-    if name in COMPILE_ROWS:
-        return compiled_blocks(_need_blocks(name, compile_blocks), BUDGETS[COMPILE_ROWS.index(name)])
     if name == "ref: torch.utils.checkpoint":
         return reference(model, blocks_attr, "checkpoint")
     if name == "ref: torch.utils.checkpoint (FFN)":
@@ -170,12 +164,6 @@ def _strategy_context(
     raise ValueError(f"unknown strategy {name!r}")
 
 
-def _need_blocks(name: str, blocks: list[nn.Module] | None) -> list[nn.Module]:
-    if not blocks:
-        raise gradseam.UnsupportedStrategyError(f"{name}: the workload did not name its blocks to compile")
-    return blocks
-
-
 @contextmanager
 def _diffusers_checkpointing(model: nn.Module) -> Iterator[None]:
     enable = getattr(model, "enable_gradient_checkpointing", None)
@@ -186,19 +174,6 @@ def _diffusers_checkpointing(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         model.disable_gradient_checkpointing()
-
-
-class _Patched(AbstractContextManager):
-    def __init__(self, model: nn.Module, config: dict[str, Any]) -> None:
-        self.model, self.config, self.handle = model, config, None
-
-    def __enter__(self) -> _Patched:
-        self.handle = gradseam.patch(self.model, self.config)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.handle is not None:
-            self.handle.remove()
 
 
 def run_rows(
@@ -241,7 +216,7 @@ def run_rows(
             with ctx:
                 step = make_step()
                 handle = getattr(ctx, "handle", None) or gradseam.handle_of(model)
-                compiled = name.startswith(COMPILED) or name in COMPILE_ROWS
+                compiled = bool(config and config.get("compile_blocks"))
                 # looked up per call, so tests can replace measuring.measure
                 got = measuring.measure(step, steps=steps, warmup=2 if compiled else 1, device=device,
                                         engine=getattr(handle, "engine", None))
@@ -335,7 +310,8 @@ def synthetic_title(device: str) -> str:
 
 
 def real_rows(rows: list[str] | None = None) -> list[tuple[str, dict[str, Any] | None]]:
-    chosen: list[tuple[str, dict[str, Any] | None]] = [(n, None) for n in REAL_REFERENCE_ROWS]
+    chosen: list[tuple[str, dict[str, Any] | None]] = [(n, None) for n in ("none", DIFFUSERS_ROW, "ref: save_on_cpu")]
+    chosen += [(n, c) for n, c in COMPILE_ROWS]
     chosen += [(n, c) for n, c in GRADSEAM_ROWS]
     chosen += [(n, c) for n, c in COMPILED_ROWS]
     if rows is not None:

@@ -8,17 +8,47 @@ gradseam's rows against it, so the context lives here, next to the measuring loo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from typing import Any
 
 import torch
 from torch import nn
 
 BUDGETS = (0.3, 0.1, 0.05)
+# Keys of a tool's row or candidate that are not gradseam config keys: they ask for compiled blocks
+# (and the compiler's memory budget), so bench and advise name every configuration the same way.
+COMPILE_KEYS = ("compile_blocks", "compile_memory_budget")
 
 
 def budget_label(budget: float) -> str:
     return f"ref: compile, memory budget {budget:g}"
+
+
+def budget_config(budget: float) -> dict[str, Any]:
+    """The compiler alone: every block compiled under ``budget``, no gradseam checkpointing."""
+    return {"compile_blocks": True, "compile_memory_budget": budget}
+
+
+def gradseam_keys(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The part of ``config`` that goes to :func:`gradseam.patch` (what a trainer config holds)."""
+    return {k: v for k, v in config.items() if k not in COMPILE_KEYS}
+
+
+@contextmanager
+def applied(model: nn.Module, config: Mapping[str, Any], blocks: list[nn.Module] | None) -> Iterator[None]:
+    """``model`` patched with ``config``'s gradseam keys, then its ``blocks`` compiled if it asks."""
+    import gradseam
+
+    keys = gradseam_keys(config)
+    with ExitStack() as stack:
+        if keys.get("gradient_checkpointing") or keys.get("gradient_checkpointing_offload_attention"):
+            stack.callback(gradseam.patch(model, keys).remove)
+        if config.get("compile_blocks"):
+            if not blocks:
+                raise gradseam.UnsupportedStrategyError("compiled blocks: the workload did not name its blocks")
+            stack.enter_context(compiled_blocks(blocks, config.get("compile_memory_budget")))
+        yield
 
 
 @contextmanager
