@@ -265,6 +265,55 @@ def test_chart_writes_a_png(tmp_path):
     json.dumps(_rows())  # the JSON rows serialise as they are
 
 
+def _boxes(fig, ax):
+    from matplotlib.text import Text
+
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    return [Text.get_window_extent(t, renderer) for t in ax.texts]  # the words, not their leaders
+
+
+def test_crowded_labels_stay_apart_and_inside_the_axes():
+    """Twenty rows within a few pixels of each other (as at full depth) still get readable names."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from gradseam.tools.bench_report import _label
+
+    fig, ax = plt.subplots(figsize=(7, 6), dpi=120)
+    points = [(f"configuration number {i}", 2.0 + 0.01 * i, 600.0 + i) for i in range(20)]
+    points.append(("none, at the right edge", 17.5, 470.0))
+    ax.scatter([x for _, x, _ in points], [y for _, _, y in points])
+    _label(ax, points)
+    boxes, frame = _boxes(fig, ax), ax.get_window_extent()
+    plt.close(fig)
+    assert len(boxes) == len(points)
+    for i, a in enumerate(boxes):
+        assert frame.x0 - 1 <= a.x0 and a.x1 <= frame.x1 + 1 and frame.y0 - 1 <= a.y0 and a.y1 <= frame.y1 + 1
+        for b in boxes[i + 1:]:
+            assert not a.overlaps(b) or min(a.x1, b.x1) - max(a.x0, b.x0) < 2 or min(a.y1, b.y1) - max(a.y0, b.y0) < 2
+
+
+def test_chart_draws_a_wide_memory_span_on_a_log_axis(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from gradseam.tools.bench_report import chart
+
+    scales = []
+    real_close = plt.close
+    monkeypatch.setattr(plt, "close", lambda fig: (scales.extend(ax.get_xscale() for ax in fig.axes), real_close(fig)))
+    narrow = [dict(r, peak_gib=4.0 + i) for i, r in enumerate(_rows()) if r["peak_gib"] is not None]
+    assert chart(narrow, tmp_path / "narrow.png") and scales == ["linear", "linear"]
+    scales.clear()
+    wide = _rows()  # 20 GiB (none) against 1 GiB (torch at 1024): a 20x span is still linear
+    wide[0] = dict(wide[0], peak_gib=443.0)
+    assert chart(wide, tmp_path / "wide.png") and scales[0] == "log"
+
+
 def test_real_rows_cover_references_and_strategies():
     from gradseam.tools.bench import DIFFUSERS_ROW, real_rows
 

@@ -212,7 +212,18 @@ def chart(rows: list[dict[str, Any]], path: Any, title: str = "gradseam bench", 
                        edgecolors=color)
             points.append((r["strategy"], x, r["step_ms"]))
         labels.append((ax, points))
-        ax.set_xlabel("kept for backward (MiB, CPU)" if cpu else "activation peak (GiB)")
+        xs = [x for _, x, _ in points if x > 0]
+        # Full-depth rows span 0.5 GiB (offloaded) to hundreds (no checkpointing): on a linear axis the
+        # rows a user would pick share a sliver at the left, so a wide span is drawn on a log axis.
+        wide = bool(xs) and max(xs) / min(xs) > 20
+        if wide:
+            from matplotlib.ticker import FuncFormatter, LogLocator
+
+            ax.set_xscale("log")
+            ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+            ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+        ax.set_xlabel(("kept for backward (MiB, CPU)" if cpu else "activation peak (GiB)") + (", log scale" if wide else ""))
         ax.set_ylabel("step time (ms)")
         ax.set_title(workload + (" (hollow: predicted)" if predicted else ""), fontsize=9)
         ax.grid(alpha=0.3)
@@ -229,9 +240,11 @@ def chart(rows: list[dict[str, Any]], path: Any, title: str = "gradseam bench", 
 
 
 # Rows often sit on top of each other (diffusers' flag and gradseam's torch are the same regions):
-# labels are placed one by one at the first offset, stepping down and up a line at a time, whose box
-# is clear of those already placed, so every name stays readable; a moved label gets a thin leader.
-_STEPS = [0] + [sign * k for k in range(1, 12) for sign in (-1, 1)]
+# labels are placed one by one at the first offset (right of the point, then left of it), stepping
+# down and up a line at a time, whose box is clear of those already placed and inside the axes, so
+# every name stays readable; where no place is clear, the least covered one. A moved label gets a
+# thin leader.
+_STEPS = [0] + [sign * k for k in range(1, 25) for sign in (-1, 1)]
 
 
 def _label(ax: Any, points: list[tuple[str, float, float]], size: float = 7) -> None:
@@ -243,17 +256,28 @@ def _label(ax: Any, points: list[tuple[str, float, float]], size: float = 7) -> 
     for text, x, y in sorted(points, key=lambda p: (-p[2], p[1])):  # from the top: slow rows rarely crowd
         px, py = ax.transData.transform((x, y))
         width = char * len(text)
+        best: tuple[float, int, float, float] | None = None  # (overlap, step, left, bottom)
         for step in _STEPS:
-            left, bottom = px + 4 * pixel, py + 3 * pixel + step * line
-            box = (left, bottom, left + width, bottom + line)
-            inside = frame.y0 <= box[1] and box[3] <= frame.y1
-            if inside and not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3] and b[1] < box[3] for b in placed):
+            # right of the point first; left of it (text ending at the point) where the right is taken
+            for left in (px + 4 * pixel, px - 4 * pixel - width):
+                bottom = py + 3 * pixel + step * line
+                box = (left, bottom, left + width, bottom + line)
+                if not (frame.x0 <= box[0] and box[2] <= frame.x1 and frame.y0 <= box[1] and box[3] <= frame.y1):
+                    continue
+                overlap = sum(max(0.0, min(box[2], b[2]) - max(box[0], b[0])) * max(0.0, min(box[3], b[3]) - max(box[1], b[1]))
+                              for b in placed)
+                if best is None or overlap < best[0]:
+                    best = (overlap, step, left, bottom)
+                if overlap == 0:
+                    break
+            if best is not None and best[0] == 0:
                 break
-        else:
-            step = 0
-            left, bottom = px + 4 * pixel, py + 3 * pixel
-            box = (left, bottom, left + width, bottom + line)
+        if best is None:  # wider than the axes: at the point, as matplotlib would
+            best = (0.0, 0, px + 4 * pixel, py + 3 * pixel)
+        _, step, left, bottom = best
+        box = (left, bottom, left + width, bottom + line)
         placed.append(box)
+        moved = step != 0 or left < px
         ax.annotate(text, (x, y), fontsize=size, xytext=((left - px) / pixel, (bottom - py) / pixel),
                     textcoords="offset points",
-                    arrowprops={"arrowstyle": "-", "lw": 0.4, "color": "0.6"} if step else None)
+                    arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.4"} if moved else None)
