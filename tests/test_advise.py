@@ -59,7 +59,7 @@ class FakeMeasure:
 
 
 LADDER_VALUES = {
-    "off": (60.0, 100.0),
+    "none": (60.0, 100.0),
     "torch-ffn": (40.0, 110.0),
     "torch": (20.0, 130.0),
     "unsloth-ffn": (30.0, 125.0),
@@ -73,7 +73,7 @@ LADDER_VALUES = {
 def test_picks_off_when_it_fits():
     fake = FakeMeasure(LADDER_VALUES)
     advice = advise(None, {}, "80GiB", measure=fake, static_gib=10.0)
-    assert advice.chosen.label == "off"
+    assert advice.chosen.label == "none"
     assert advice.config == {"gradient_checkpointing": False}
     assert len(fake.calls) == 1  # nothing can beat no checkpointing
     assert all(t.status == "not tried" for t in advice.trials[1:])
@@ -85,8 +85,8 @@ def test_fastest_fitting_rung_wins():
     advice = run_ladder(FakeMeasure(LADDER_VALUES), 50.0, 10.0, supports_interval=False)
     assert advice.chosen.label.startswith("torch-ffn")
     by = {t.label: t for t in advice.trials}
-    assert by["off"].status == "over budget"
-    assert by["off"].reason == "over budget by 20.00 GiB"
+    assert by["none"].status == "over budget"
+    assert by["none"].reason == "over budget by 20.00 GiB"
     assert by["attention offload"].reason == "over budget by 5.00 GiB"
     assert "slower than chosen" in by["torch"].reason
 
@@ -140,13 +140,13 @@ def test_no_interval_step_for_ffn_backends_or_unsupported_families():
 def test_oom_and_unsupported_are_recorded():
     values = {
         **LADDER_VALUES,
-        "off": torch.OutOfMemoryError("CUDA out of memory"),
+        "none": torch.OutOfMemoryError("CUDA out of memory"),
         "attention offload": UnsupportedStrategyError("family 'x' has no attention submodules"),
     }
     advice = run_ladder(FakeMeasure(values, default=(1000.0, 1.0)), 50.0, 10.0)
     by = {t.label: t for t in advice.trials}
-    assert by["off"].status == "OOM"
-    assert by["off"].reason == "out of memory while measuring"
+    assert by["none"].status == "OOM"
+    assert by["none"].reason == "out of memory while measuring"
     assert by["attention offload"].status == "unsupported"
     assert "no attention submodules" in by["attention offload"].reason
     assert advice.chosen.label == "torch-ffn"
@@ -155,7 +155,7 @@ def test_oom_and_unsupported_are_recorded():
 
 def test_other_errors_propagate():
     with pytest.raises(KeyError):
-        run_ladder(FakeMeasure({"off": KeyError("bug")}), 50.0)
+        run_ladder(FakeMeasure({"none": KeyError("bug")}), 50.0)
 
 
 def test_nothing_fits_says_by_how_much():
@@ -291,3 +291,19 @@ def test_unknown_family_and_preset():
     if not hasattr(diffusers, "MageFlowTransformer2DModel"):
         with pytest.raises(GradseamError, match="can be imported from the installed diffusers"):
             build("mageflow", device="meta")
+
+
+def test_advise_and_bench_name_a_configuration_alike():
+    """A user reading `gradseam advise` next to `gradseam bench` finds each candidate under its row's name."""
+    from gradseam.tools.advise import LADDER
+    from gradseam.tools.bench import real_rows
+
+    def key(config):  # "gradient_checkpointing: False" is what an absent key means
+        return json.dumps({k: v for k, v in (config or {}).items() if (k, v) != ("gradient_checkpointing", False)},
+                          sort_keys=True)
+
+    rows = real_rows()
+    assert ("none", None) in rows  # the hand-written references carry no config; "none" is the empty one
+    bench = {key(config): label for label, config in rows if config is not None} | {key({}): "none"}
+    for label, config in LADDER:  # every rung of the ladder is also a bench row
+        assert bench.get(key(config)) in (label, "ref: " + label), (label, bench.get(key(config)))

@@ -147,7 +147,7 @@ def _cpu_measure(blocks: int = 4, tokens: int = 64, dim: int = 128):
 def test_advise_with_a_real_cpu_measurement_picks_a_partial_stride():
     measure = _cpu_measure()
     kept = {label: measure(config)[0] for label, config in [
-        ("off", {"gradient_checkpointing": False}),
+        ("none", {"gradient_checkpointing": False}),
         ("torch-ffn", {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"}),
         ("torch", {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch"}),
         ("3 of 4", {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch",
@@ -157,11 +157,11 @@ def test_advise_with_a_real_cpu_measurement_picks_a_partial_stride():
     ]}
     # a budget that no checkpointing and torch-ffn miss, torch meets, and that leaves room for
     # leaving one block of four unchecked but not two
-    assert kept["torch"] < kept["3 of 4"] < min(kept["every other"], kept["torch-ffn"]) < kept["off"]
+    assert kept["torch"] < kept["3 of 4"] < min(kept["every other"], kept["torch-ffn"]) < kept["none"]
     budget = (kept["3 of 4"] + min(kept["every other"], kept["torch-ffn"])) / 2
     advice = advise(None, {}, budget, measure=measure, static_gib=0.0)
     status = {t.label: t.status for t in advice.trials}
-    assert status["off"] == status["torch-ffn"] == "over budget"
+    assert status["none"] == status["torch-ffn"] == "over budget"
     assert status["torch"] == "fits" and status["unsloth"] == "unsupported"
     assert status["torch, every other block"] == "over budget"
     assert advice.chosen.label == "torch, 3 of every 4 blocks"

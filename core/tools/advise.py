@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import GradseamError, UnsupportedStrategyError
-from .compiled import BUDGETS, budget_config, gradseam_keys
+from .compiled import BUDGETS, budget_config, budget_name, compiled_rows, gradseam_keys
 from .named_strategies import rows
 
 GiB = 1 << 30
@@ -61,17 +61,13 @@ def parse_budget(value: str | float | int) -> float:
 
 # From the least to the most aggressive, out of the one table of named strategies; every rung is
 # measured and the fastest that fits is chosen.
-LADDER: list[tuple[str, dict[str, Any]]] = [("off", {"gradient_checkpointing": False})] + rows(
+LADDER: list[tuple[str, dict[str, Any]]] = [("none", {"gradient_checkpointing": False})] + rows(
     "torch-ffn", "torch", "torch + attention kept", "unsloth-ffn", "unsloth", "attention offload",
     "torch-ffn + attention offload", "unsloth-ffn + attention offload", "torch + attention offload",
     "unsloth + attention offload",
 ) + [
-    (f"compile, memory budget {b:g}", {"gradient_checkpointing": False, **budget_config(b)})
-    for b in BUDGETS
-] + [
-    (f"compiled blocks + {label}", {**config, "compile_blocks": True})
-    for label, config in rows("torch + attention kept", "unsloth + attention offload")
-]
+    (budget_name(b), {"gradient_checkpointing": False, **budget_config(b)}) for b in BUDGETS
+] + compiled_rows(rows("torch + attention kept", "unsloth + attention offload"))
 
 # Win-back steps on the chosen backend, from the least extra memory to the most.
 INTERVAL_STEP = ("interval 2", {"gradient_checkpointing_interval": 2})

@@ -33,14 +33,13 @@ import gradseam
 
 from ..family import Family
 from . import measure as measuring
-from .compiled import BUDGETS, applied, budget_config, budget_label
+from .compiled import BUDGETS, applied, budget_config, budget_label, compiled_rows
 from .depth import at_depth, parse_depths
 from .named_strategies import needs_cuda, rows
 from .results import RealRun, Result
 
 GiB = measuring.GiB
 NEEDS_CUDA = "needs CUDA"
-COMPILED = "compiled: "  # prefix of a gradseam row whose blocks are compiled too
 
 # gradseam's rows, from the one table of named strategies (gradseam.tools.named_strategies)
 GRADSEAM_ROWS: list[tuple[str, dict[str, Any]]] = rows(
@@ -49,10 +48,7 @@ GRADSEAM_ROWS: list[tuple[str, dict[str, Any]]] = rows(
     "unsloth + attention offload", "torch, interval 2",
 )
 # gradseam's rows that are also measured with compiled blocks on a real model
-COMPILED_ROWS: list[tuple[str, dict[str, Any]]] = [
-    (COMPILED + label, {**config, "compile_blocks": True})
-    for label, config in rows("torch + attention kept", "unsloth + attention offload")
-]
+COMPILED_ROWS = compiled_rows(rows("torch + attention kept", "unsloth + attention offload"))
 # Rows of a real-model workload (``gradseam bench --family``): the references a user has today
 # (no checkpointing, diffusers' own flag, ``save_on_cpu``, the compiler's memory budgets), then
 # gradseam's strategies, eager and compiled.

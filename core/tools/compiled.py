@@ -21,8 +21,21 @@ BUDGETS = (0.3, 0.1, 0.05)
 COMPILE_KEYS = ("compile_blocks", "compile_memory_budget")
 
 
+COMPILED = "compiled: "  # prefix of a gradseam configuration whose blocks are compiled too
+
+
+def budget_name(budget: float) -> str:
+    """The compiler alone under ``budget``: advise's candidate, and bench's reference row after "ref: "."""
+    return f"compile, memory budget {budget:g}"
+
+
 def budget_label(budget: float) -> str:
-    return f"ref: compile, memory budget {budget:g}"
+    return "ref: " + budget_name(budget)
+
+
+def compiled_rows(named: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    """``named`` gradseam configurations with their blocks compiled, named ``compiled: <label>`` everywhere."""
+    return [(COMPILED + label, {**config, "compile_blocks": True}) for label, config in named]
 
 
 def budget_config(budget: float) -> dict[str, Any]:
