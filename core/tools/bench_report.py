@@ -253,31 +253,22 @@ def _label(ax: Any, points: list[tuple[str, float, float]], size: float = 7) -> 
     char, line = 0.62 * size * pixel, 1.35 * size * pixel  # a 7 pt character's mean width, a line's height
     placed: list[tuple[float, float, float, float]] = []
     frame = ax.get_window_extent()  # labels stay inside the axes, clear of the tick labels
+
+    def covered(box: tuple[float, float, float, float]) -> float:
+        return sum(max(0.0, min(box[2], b[2]) - max(box[0], b[0])) * max(0.0, min(box[3], b[3]) - max(box[1], b[1]))
+                   for b in placed)
+
     for text, x, y in sorted(points, key=lambda p: (-p[2], p[1])):  # from the top: slow rows rarely crowd
         px, py = ax.transData.transform((x, y))
         width = char * len(text)
-        best: tuple[float, int, float, float] | None = None  # (overlap, step, left, bottom)
-        for step in _STEPS:
-            # right of the point first; left of it (text ending at the point) where the right is taken
-            for left in (px + 4 * pixel, px - 4 * pixel - width):
-                bottom = py + 3 * pixel + step * line
-                box = (left, bottom, left + width, bottom + line)
-                if not (frame.x0 <= box[0] and box[2] <= frame.x1 and frame.y0 <= box[1] and box[3] <= frame.y1):
-                    continue
-                overlap = sum(max(0.0, min(box[2], b[2]) - max(box[0], b[0])) * max(0.0, min(box[3], b[3]) - max(box[1], b[1]))
-                              for b in placed)
-                if best is None or overlap < best[0]:
-                    best = (overlap, step, left, bottom)
-                if overlap == 0:
-                    break
-            if best is not None and best[0] == 0:
-                break
-        if best is None:  # wider than the axes: at the point, as matplotlib would
-            best = (0.0, 0, px + 4 * pixel, py + 3 * pixel)
-        _, step, left, bottom = best
-        box = (left, bottom, left + width, bottom + line)
+        home = (px + 4 * pixel, py + 3 * pixel)
+        spots = [(left, home[1] + step * line) for step in _STEPS for left in (home[0], px - 4 * pixel - width)]
+        boxes = [(left, bottom, left + width, bottom + line) for left, bottom in spots
+                 if frame.x0 <= left and left + width <= frame.x1 and frame.y0 <= bottom and bottom + line <= frame.y1]
+        box = next((b for b in boxes if not covered(b)), None) or min(boxes, key=covered, default=None)
+        if box is None:  # wider than the axes: at the point, as matplotlib would
+            box = (*home, home[0] + width, home[1] + line)
         placed.append(box)
-        moved = step != 0 or left < px
-        ax.annotate(text, (x, y), fontsize=size, xytext=((left - px) / pixel, (bottom - py) / pixel),
+        ax.annotate(text, (x, y), fontsize=size, xytext=((box[0] - px) / pixel, (box[1] - py) / pixel),
                     textcoords="offset points",
-                    arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.4"} if moved else None)
+                    arrowprops={"arrowstyle": "-", "lw": 0.5, "color": "0.4"} if box[:2] != home else None)
