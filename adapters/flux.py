@@ -14,18 +14,9 @@ from __future__ import annotations
 
 from gradseam.family import BlockClass, BlockList, Carry, Family, Preset
 from gradseam.hookspecs import hookimpl
+from gradseam.inputs import flux_ids
 
 _M = "diffusers.models.transformers.transformer_flux"
-
-
-def image_ids(n_text: int, tokens: int, device, *, text_ids: bool = True):
-    """Square-grid position ids ``(tokens', 3)`` (``[0, row, col]``) and zero text ids, Flux-style."""
-    import torch
-
-    side = max(1, round(tokens**0.5))
-    rows, cols = torch.meshgrid(torch.arange(side, device=device), torch.arange(side, device=device), indexing="ij")
-    ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3)
-    return ids, torch.zeros(n_text, 3, device=device, dtype=ids.dtype)
 
 
 def make_inputs(model, device, dtype, tokens=None, *, image_tokens=4096, text_tokens=512, pooled=True) -> dict:
@@ -33,7 +24,7 @@ def make_inputs(model, device, dtype, tokens=None, *, image_tokens=4096, text_to
     import torch
 
     cfg = model.config
-    img_ids, txt_ids = image_ids(text_tokens, tokens or image_tokens, device)
+    img_ids, txt_ids = flux_ids(text_tokens, tokens or image_tokens, device)
     n = img_ids.shape[0]
     inputs = {
         "hidden_states": torch.randn(1, n, cfg.in_channels, device=device, dtype=dtype, requires_grad=True),

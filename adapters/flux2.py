@@ -54,6 +54,7 @@ from __future__ import annotations
 
 from gradseam.family import BlockClass, BlockList, Carry, Family, Preset
 from gradseam.hookspecs import hookimpl
+from gradseam.inputs import grid_ids, square_side
 
 _M = "diffusers.models.transformers.transformer_flux2"
 _KV_CACHE = "joint_attention_kwargs.kv_cache"  # each block's Flux2KVLayerCache, swapped into the dict per block
@@ -64,10 +65,7 @@ def position_ids(n_text: int, tokens: int, device):
     image tokens and ``[0, 0, 0, i]`` for the text tokens, as the pipeline builds them."""
     import torch
 
-    side = max(1, round(tokens**0.5))
-    rows, cols = torch.meshgrid(torch.arange(side, device=device), torch.arange(side, device=device), indexing="ij")
-    zeros = torch.zeros_like(rows)
-    img = torch.stack([zeros, rows, cols, zeros], dim=-1).reshape(-1, 4)
+    img = grid_ids(square_side(tokens), device, channels=4)
     txt = torch.zeros(n_text, 4, device=device, dtype=img.dtype)
     txt[:, 3] = torch.arange(n_text, device=device)
     return img, txt

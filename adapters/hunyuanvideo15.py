@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from gradseam.family import BlockClass, BlockList, Carry, Family, Preset
 from gradseam.hookspecs import hookimpl
+from gradseam.inputs import tensor_maker, video_latent_size
 
 _M = "diffusers.models.transformers.transformer_hunyuan_video15"
 
@@ -58,14 +59,10 @@ def make_inputs(
     import torch
 
     cfg = model.config
-    h, w = height // 16, width // 16
-    latent_frames = (frames - 1) // 4 + 1
-    if tokens:
-        per_frame = (h // cfg.patch_size) * (w // cfg.patch_size)
-        latent_frames = max(1, round(tokens * cfg.patch_size_t / per_frame))
+    patch = (cfg.patch_size_t, cfg.patch_size, cfg.patch_size)
+    latent_frames, h, w = video_latent_size(frames, height, width, patch=patch, tokens=tokens, spatial=16)
 
-    def randn(*shape, grad=False):
-        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
+    randn = tensor_maker(device, dtype)
 
     def ones(n):
         return torch.ones(1, n, device=device, dtype=torch.int64)

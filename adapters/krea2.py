@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from gradseam.family import BlockClass, BlockList, Carry, Family, Preset
 from gradseam.hookspecs import hookimpl
+from gradseam.inputs import flux_ids
 
 _M = "diffusers.models.transformers.transformer_krea2"
 _HIDDEN = Carry({"hidden_states": None})
@@ -38,10 +39,9 @@ def make_inputs(model, device, dtype, tokens=None, *, image_tokens=4096, text_to
     """One real-size batch: packed latents (grad), the tapped text-encoder layers, position ids."""
     import torch
 
-    from gradseam.adapters.flux import image_ids
 
     cfg = model.config
-    img_ids, txt_ids = image_ids(text_tokens, tokens or image_tokens, device)
+    img_ids, txt_ids = flux_ids(text_tokens, tokens or image_tokens, device)
     return {
         "hidden_states": torch.randn(
             1, img_ids.shape[0], cfg.in_channels, device=device, dtype=dtype, requires_grad=True

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from gradseam.family import BlockClass, BlockList, Carry, Family, Preset
 from gradseam.hookspecs import hookimpl
+from gradseam.inputs import tensor_maker
 
 _M = "diffusers.models.transformers.transformer_ltx2"
 
@@ -45,8 +46,7 @@ def make_inputs(
         latent_frames = max(1, round(tokens / (h * w)))
     audio = round(frames / fps * cfg.audio_sampling_rate / cfg.audio_hop_length / cfg.audio_scale_factor)
 
-    def randn(*shape, grad=False):
-        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
+    randn = tensor_maker(device, dtype)
 
     return {
         "hidden_states": randn(1, latent_frames * h * w, cfg.in_channels, grad=True),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from gradseam.family import BlockClass, BlockList, Carry, Family, Preset
 from gradseam.hookspecs import hookimpl
+from gradseam.inputs import grid_ids, square_side
 
 
 def make_inputs(model, device, dtype, tokens=None, *, image_tokens=4096, text_tokens=512) -> dict:
@@ -32,11 +33,8 @@ def make_inputs(model, device, dtype, tokens=None, *, image_tokens=4096, text_to
     import torch
 
     cfg = model.config
-    side = max(1, round((tokens or image_tokens) ** 0.5))
-    rows, cols = torch.meshgrid(
-        torch.arange(side, device=device), torch.arange(side, device=device), indexing="ij"
-    )
-    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], dim=-1).reshape(-1, 3)
+    side = square_side(tokens or image_tokens)
+    img_ids = grid_ids(side, device)
     return {
         "hidden_states": torch.randn(
             1, side * side, cfg.in_channels, device=device, dtype=dtype, requires_grad=True

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from gradseam.family import BlockClass, BlockList, Carry, Family, Preset
 from gradseam.hookspecs import hookimpl
+from gradseam.inputs import square_side
 
 _IMAGE = "diffusers.models.transformers.sana_transformer"
 
@@ -38,7 +39,7 @@ def make_inputs(model, device, dtype, tokens=None, *, image_tokens=1024, text_to
     import torch
 
     cfg = model.config
-    side = max(1, round((tokens or image_tokens) ** 0.5)) * cfg.patch_size
+    side = square_side(tokens or image_tokens) * cfg.patch_size
     inputs = {
         "hidden_states": torch.randn(1, cfg.in_channels, side, side, device=device, dtype=dtype, requires_grad=True),
         "encoder_hidden_states": torch.randn(1, text_tokens, cfg.caption_channels, device=device, dtype=dtype),

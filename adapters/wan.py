@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from gradseam.family import BlockClass, BlockList, Carry, Family, Preset
 from gradseam.hookspecs import hookimpl
+from gradseam.inputs import video_latent_size
 
 _M = "diffusers.models.transformers.transformer_wan"
 
@@ -25,11 +26,7 @@ def make_inputs(model, device, dtype, tokens=None, *, frames=81, height=480, wid
     import torch
 
     cfg = model.config
-    pt, ph, pw = cfg.patch_size
-    h, w = height // 8, width // 8
-    latent_frames = (frames - 1) // 4 + 1
-    if tokens:
-        latent_frames = max(1, round(tokens * pt / ((h // ph) * (w // pw))))
+    latent_frames, h, w = video_latent_size(frames, height, width, patch=tuple(cfg.patch_size), tokens=tokens)
     return {
         "hidden_states": torch.randn(
             1, cfg.in_channels, latent_frames, h, w, device=device, dtype=dtype, requires_grad=True

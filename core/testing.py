@@ -30,6 +30,12 @@ from .tools.measure import count_saved_bytes
 Inputs = dict[str, Any]
 
 
+def randn(g: torch.Generator, *shape: int, grad: bool = False) -> torch.Tensor:
+    """A CPU tensor of standard normals from ``g`` (a Case's inputs draw from it), optionally a leaf
+    that requires grad: every family's tiny inputs are built from these."""
+    return torch.randn(*shape, generator=g).requires_grad_(grad)
+
+
 @dataclass
 class Case:
     """A tiny, deterministic instance of a family's model and a way to feed it.

@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gradseam.testing import Case
-
-
-def _randn(g: torch.Generator, *shape: int, grad: bool = False) -> torch.Tensor:
-    return torch.randn(*shape, generator=g).requires_grad_(grad)
+from gradseam.testing import Case, randn
 
 
 # -- Flux ---------------------------------------------------------------------------------------
@@ -23,11 +19,11 @@ def flux_model():
 
 def flux_inputs(g: torch.Generator) -> dict:
     return {
-        "hidden_states": _randn(g, 1, 16, 4, grad=True),
-        "encoder_hidden_states": _randn(g, 1, 8, 16, grad=True),
-        "pooled_projections": _randn(g, 1, 8),
+        "hidden_states": randn(g, 1, 16, 4, grad=True),
+        "encoder_hidden_states": randn(g, 1, 8, 16, grad=True),
+        "pooled_projections": randn(g, 1, 8),
         "timestep": torch.tensor([0.5]),
-        "img_ids": _randn(g, 16, 3),
+        "img_ids": randn(g, 16, 3),
         "txt_ids": torch.zeros(8, 3),
     }
 
@@ -47,9 +43,9 @@ def wan_model():
 
 def wan_inputs(g: torch.Generator) -> dict:
     return {
-        "hidden_states": _randn(g, 1, 4, 2, 4, 4, grad=True),
+        "hidden_states": randn(g, 1, 4, 2, 4, 4, grad=True),
         "timestep": torch.tensor([500]),
-        "encoder_hidden_states": _randn(g, 1, 6, 16, grad=True),
+        "encoder_hidden_states": randn(g, 1, 6, 16, grad=True),
     }
 
 

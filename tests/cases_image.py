@@ -4,12 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from gradseam.testing import Case
-
-
-def _randn(g: torch.Generator, *shape: int, grad: bool = False) -> torch.Tensor:
-    return torch.randn(*shape, generator=g).requires_grad_(grad)
-
+from gradseam.testing import Case, randn
 
 # -- Chroma -------------------------------------------------------------------------------------
 CHROMA_IMAGE, CHROMA_TEXT = 16, 8
@@ -27,10 +22,10 @@ def chroma_model():
 
 def chroma_inputs(g: torch.Generator) -> dict:
     return {
-        "hidden_states": _randn(g, 1, CHROMA_IMAGE, 4, grad=True),
-        "encoder_hidden_states": _randn(g, 1, CHROMA_TEXT, 16, grad=True),
+        "hidden_states": randn(g, 1, CHROMA_IMAGE, 4, grad=True),
+        "encoder_hidden_states": randn(g, 1, CHROMA_TEXT, 16, grad=True),
         "timestep": torch.tensor([0.5]),
-        "img_ids": _randn(g, CHROMA_IMAGE, 3),
+        "img_ids": randn(g, CHROMA_IMAGE, 3),
         "txt_ids": torch.zeros(CHROMA_TEXT, 3),
     }
 
@@ -70,8 +65,8 @@ def krea2_inputs(g: torch.Generator) -> dict:
     grid = torch.stack(torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij"), dim=-1).reshape(-1, 2)
     image_ids = torch.cat([torch.zeros(h * w, 1, dtype=torch.long), grid], dim=1)
     return {
-        "hidden_states": _randn(g, 1, h * w, 4, grad=True),
-        "encoder_hidden_states": _randn(g, 1, KREA2_TEXT, 3, 16, grad=True),
+        "hidden_states": randn(g, 1, h * w, 4, grad=True),
+        "encoder_hidden_states": randn(g, 1, KREA2_TEXT, 3, 16, grad=True),
         "timestep": torch.tensor([0.7]),
         "position_ids": torch.cat([torch.zeros(KREA2_TEXT, 3, dtype=torch.long), image_ids]),
     }
@@ -107,18 +102,18 @@ def _zimage_output(out) -> tuple[torch.Tensor, ...]:
 
 def zimage_inputs(g: torch.Generator) -> dict:
     return {
-        "x": [_randn(g, 4, 1, 8, 8, grad=True)],
+        "x": [randn(g, 4, 1, 8, 8, grad=True)],
         "t": torch.tensor([0.3]),
-        "cap_feats": [_randn(g, 7, 16, grad=True)],
+        "cap_feats": [randn(g, 7, 16, grad=True)],
     }
 
 
 def zimage_batch_inputs(g: torch.Generator) -> dict:
     # Different image sizes and caption lengths: every refiner and the main layers get a padding mask.
     return {
-        "x": [_randn(g, 4, 1, 8, 8, grad=True), _randn(g, 4, 1, 12, 12, grad=True)],
+        "x": [randn(g, 4, 1, 8, 8, grad=True), randn(g, 4, 1, 12, 12, grad=True)],
         "t": torch.tensor([0.3, 0.8]),
-        "cap_feats": [_randn(g, 7, 16, grad=True), _randn(g, 40, 16, grad=True)],
+        "cap_feats": [randn(g, 7, 16, grad=True), randn(g, 40, 16, grad=True)],
     }
 
 
@@ -126,10 +121,10 @@ def zimage_omni_inputs(g: torch.Generator) -> dict:
     # Omni mode: a clean reference image with SigLIP features, then the noisy target (no SigLIP);
     # blocks then use per-token modulation (noise_mask, adaln_noisy, adaln_clean).
     return {
-        "x": [[_randn(g, 4, 1, 8, 8, grad=True), _randn(g, 4, 1, 8, 8, grad=True)]],
+        "x": [[randn(g, 4, 1, 8, 8, grad=True), randn(g, 4, 1, 8, 8, grad=True)]],
         "t": torch.tensor([0.4]),
-        "cap_feats": [[_randn(g, 5, 16, grad=True), _randn(g, 6, 16, grad=True)]],
-        "siglip_feats": [[_randn(g, 4, 4, 8, grad=True), None]],
+        "cap_feats": [[randn(g, 5, 16, grad=True), randn(g, 6, 16, grad=True)]],
+        "siglip_feats": [[randn(g, 4, 4, 8, grad=True), None]],
         "image_noise_mask": [[0, 1]],
     }
 

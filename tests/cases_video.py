@@ -10,12 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from gradseam.testing import Case
-
-
-def _randn(g: torch.Generator, *shape: int, grad: bool = False) -> torch.Tensor:
-    return torch.randn(*shape, generator=g).requires_grad_(grad)
-
+from gradseam.testing import Case, randn
 
 # -- LTX-2 --------------------------------------------------------------------------------------
 # Cross-attention widths must equal the stream widths: the text projections map captions to the
@@ -41,10 +36,10 @@ def _ltx2_model(**overrides):
 
 def ltx2_inputs(g: torch.Generator, batch: int = 1, text_dim: int = 12, audio_text_dim: int = 12) -> dict:
     return {
-        "hidden_states": _randn(g, batch, 8, 4, grad=True),
-        "audio_hidden_states": _randn(g, batch, 5, 4, grad=True),
-        "encoder_hidden_states": _randn(g, batch, 6, text_dim, grad=True),
-        "audio_encoder_hidden_states": _randn(g, batch, 6, audio_text_dim, grad=True),
+        "hidden_states": randn(g, batch, 8, 4, grad=True),
+        "audio_hidden_states": randn(g, batch, 5, 4, grad=True),
+        "encoder_hidden_states": randn(g, batch, 6, text_dim, grad=True),
+        "audio_encoder_hidden_states": randn(g, batch, 6, audio_text_dim, grad=True),
         "timestep": torch.full((batch,), 500.0),
         **_VIDEO,
     }
@@ -130,8 +125,8 @@ def mageflow_img_ids(rows: int, cols: int) -> torch.Tensor:
 def mageflow_inputs(g: torch.Generator, batch: int = 1) -> dict:
     # a 4 x 4 grid of patch-1 latent tokens, 6 text tokens
     return {
-        "hidden_states": _randn(g, batch, 16, 4, grad=True),
-        "encoder_hidden_states": _randn(g, batch, 6, 12, grad=True),
+        "hidden_states": randn(g, batch, 16, 4, grad=True),
+        "encoder_hidden_states": randn(g, batch, 6, 12, grad=True),
         "timestep": torch.full((batch,), 0.5),
         "img_ids": mageflow_img_ids(4, 4),
     }

@@ -9,12 +9,7 @@ import torch
 
 import gradseam
 from gradseam.patcher import family_for, plan
-from gradseam.testing import Case, ConformanceSuite, cpu_configs, offload_configs, run_step
-
-
-def _randn(g: torch.Generator, *shape: int, grad: bool = False) -> torch.Tensor:
-    return torch.randn(*shape, generator=g).requires_grad_(grad)
-
+from gradseam.testing import Case, ConformanceSuite, cpu_configs, offload_configs, randn, run_step
 
 # -- Flux 2 -------------------------------------------------------------------------------------
 FLUX2_GRID, FLUX2_TEXT = 4, 6
@@ -35,8 +30,8 @@ def flux2_inputs(g: torch.Generator) -> dict:
 
     img_ids, txt_ids = position_ids(FLUX2_TEXT, FLUX2_GRID * FLUX2_GRID, "cpu")
     return {
-        "hidden_states": _randn(g, 1, FLUX2_GRID * FLUX2_GRID, 4, grad=True),
-        "encoder_hidden_states": _randn(g, 1, FLUX2_TEXT, 16, grad=True),
+        "hidden_states": randn(g, 1, FLUX2_GRID * FLUX2_GRID, 4, grad=True),
+        "encoder_hidden_states": randn(g, 1, FLUX2_TEXT, 16, grad=True),
         "timestep": torch.tensor([0.6]),
         "img_ids": img_ids,
         "txt_ids": txt_ids,
@@ -71,8 +66,8 @@ def qwen_model(**config):
 def qwen_inputs(g: torch.Generator, images: int = 1) -> dict:
     n = QWEN_GRID * QWEN_GRID
     return {
-        "hidden_states": _randn(g, 1, images * n, 8, grad=True),
-        "encoder_hidden_states": _randn(g, 1, QWEN_TEXT, 16, grad=True),
+        "hidden_states": randn(g, 1, images * n, 8, grad=True),
+        "encoder_hidden_states": randn(g, 1, QWEN_TEXT, 16, grad=True),
         "timestep": torch.tensor([0.7]),
         "img_shapes": [[(1, QWEN_GRID, QWEN_GRID)] * images],
     }
@@ -227,7 +222,7 @@ def test_qwen_controlnet_residuals_make_chunks_fall_back_exactly() -> None:
 
     def with_residuals(g: torch.Generator) -> dict:
         inputs = qwen_inputs(g)
-        return {**inputs, "controlnet_block_samples": [_randn(g, 1, QWEN_GRID * QWEN_GRID, 16) for _ in range(2)]}
+        return {**inputs, "controlnet_block_samples": [randn(g, 1, QWEN_GRID * QWEN_GRID, 16) for _ in range(2)]}
 
     case = Case("qwenimage-controlnet", qwen_model, with_residuals)
     model = _fresh(case)

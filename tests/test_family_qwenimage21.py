@@ -17,6 +17,7 @@ from gradseam.testing import (
     assert_same_step,
     cpu_configs,
     offload_configs,
+    randn,
     record_regions,
     run_step,
 )
@@ -25,9 +26,6 @@ LAYERS, HEADS, HEAD_DIM, CONTEXT = 4, 2, 8, 16
 GRID = 4  # every image is GRID x GRID latent tokens: GRID * GRID // 4 vision slots of 2x2 tokens
 LEAD, TAIL = 2, 4  # text tokens before each condition image, and after the last one
 
-
-def _randn(g: torch.Generator, *shape: int, grad: bool = False) -> torch.Tensor:
-    return torch.randn(*shape, generator=g).requires_grad_(grad)
 
 
 def qwen21_model(**overrides):
@@ -50,8 +48,8 @@ def _layout(images: int) -> list[bool]:
 def qwen21_inputs(g: torch.Generator, images: int = 0) -> dict:
     layout = _layout(images)
     return {
-        "hidden_states": _randn(g, 1, (images + 1) * GRID * GRID, 4, grad=True),
-        "encoder_hidden_states": _randn(g, 1, len(layout), CONTEXT, grad=True),
+        "hidden_states": randn(g, 1, (images + 1) * GRID * GRID, 4, grad=True),
+        "encoder_hidden_states": randn(g, 1, len(layout), CONTEXT, grad=True),
         "timestep": torch.tensor([0.6]),
         "img_shapes": [[(1, GRID, GRID)] * (images + 1)],
         "img_mask": torch.tensor([layout + [True] * (GRID * GRID // 4)]),
@@ -91,7 +89,7 @@ def qwen21_cached_inputs(g: torch.Generator) -> dict:
     inputs = qwen21_edit_inputs(g)
     cache = _kv_cache()
     for layer in cache.layer_caches:
-        layer.store(_randn(g, 1, _prefix_tokens(1), HEADS, HEAD_DIM), _randn(g, 1, _prefix_tokens(1), HEADS, HEAD_DIM))
+        layer.store(randn(g, 1, _prefix_tokens(1), HEADS, HEAD_DIM), randn(g, 1, _prefix_tokens(1), HEADS, HEAD_DIM))
     return {**inputs, "kv_cache": cache, "kv_cache_mode": "cached"}
 
 

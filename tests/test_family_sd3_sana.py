@@ -9,12 +9,7 @@ import torch
 
 import gradseam
 from gradseam.patcher import family_for, plan
-from gradseam.testing import Case, ConformanceSuite, assert_same_step, run_step
-
-
-def _randn(g: torch.Generator, *shape: int, grad: bool = False) -> torch.Tensor:
-    return torch.randn(*shape, generator=g).requires_grad_(grad)
-
+from gradseam.testing import Case, ConformanceSuite, assert_same_step, randn, run_step
 
 ON = {"gradient_checkpointing": True}
 CHUNKS = {**ON, "gradient_checkpointing_interval": 2}
@@ -45,16 +40,16 @@ def sd35_model():
 
 def sd3_inputs(g: torch.Generator) -> dict:
     return {
-        "hidden_states": _randn(g, 1, 4, 8, 8, grad=True),
-        "encoder_hidden_states": _randn(g, 1, 6, 16, grad=True),
-        "pooled_projections": _randn(g, 1, 8),
+        "hidden_states": randn(g, 1, 4, 8, 8, grad=True),
+        "encoder_hidden_states": randn(g, 1, 6, 16, grad=True),
+        "pooled_projections": randn(g, 1, 8),
         "timestep": torch.tensor([500]),
     }
 
 
 def sd3_controlnet_inputs(g: torch.Generator) -> dict:
     # ControlNet residuals are added between blocks in the model's loop: chunks fall back, exactly.
-    return {**sd3_inputs(g), "block_controlnet_hidden_states": [_randn(g, 1, 16, 16), _randn(g, 1, 16, 16)]}
+    return {**sd3_inputs(g), "block_controlnet_hidden_states": [randn(g, 1, 16, 16), randn(g, 1, 16, 16)]}
 
 
 SD3 = Case("sd3", sd3_model, sd3_inputs)
@@ -97,8 +92,8 @@ def sana_sprint_model():
 
 def sana_inputs(g: torch.Generator) -> dict:
     return {
-        "hidden_states": _randn(g, 1, 4, 4, 4, grad=True),
-        "encoder_hidden_states": _randn(g, 1, 6, 12, grad=True),
+        "hidden_states": randn(g, 1, 4, 4, 4, grad=True),
+        "encoder_hidden_states": randn(g, 1, 6, 12, grad=True),
         "timestep": torch.tensor([500]),
     }
 
@@ -146,8 +141,8 @@ def sana_video_model():
 
 def sana_video_inputs(g: torch.Generator) -> dict:
     return {
-        "hidden_states": _randn(g, 1, 4, 3, 4, 4, grad=True),
-        "encoder_hidden_states": _randn(g, 1, 6, 12, grad=True),
+        "hidden_states": randn(g, 1, 4, 3, 4, 4, grad=True),
+        "encoder_hidden_states": randn(g, 1, 6, 12, grad=True),
         "timestep": torch.tensor([500]),
         "encoder_attention_mask": torch.tensor([[1, 1, 1, 1, 1, 0]]),
     }

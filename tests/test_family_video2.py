@@ -17,11 +17,15 @@ import torch
 import gradseam
 from gradseam.patcher import family_for, plan
 from gradseam.planning import GradseamWarning
-from gradseam.testing import Case, ConformanceSuite, check_strategy, cpu_configs, offload_configs, run_step
-
-
-def _randn(g: torch.Generator, *shape: int, grad: bool = False) -> torch.Tensor:
-    return torch.randn(*shape, generator=g).requires_grad_(grad)
+from gradseam.testing import (
+    Case,
+    ConformanceSuite,
+    check_strategy,
+    cpu_configs,
+    offload_configs,
+    randn,
+    run_step,
+)
 
 
 def _reduced(configs: list[dict], picks: list[int]) -> list[dict]:
@@ -72,11 +76,11 @@ def _hv15_model(**overrides):
 def hv15_inputs(g: torch.Generator, batch: int = 1) -> dict:
     # 2 latent frames x 2 x 2 video tokens, 6 MLLM + 4 ByT5 + 3 vision tokens; T2V: image_embeds all zero
     return {
-        "hidden_states": _randn(g, batch, 4, 2, 2, 2, grad=True),
+        "hidden_states": randn(g, batch, 4, 2, 2, 2, grad=True),
         "timestep": torch.full((batch,), 500.0),
-        "encoder_hidden_states": _randn(g, batch, 6, 12, grad=True),
+        "encoder_hidden_states": randn(g, batch, 6, 12, grad=True),
         "encoder_attention_mask": torch.ones(batch, 6, dtype=torch.int64),
-        "encoder_hidden_states_2": _randn(g, batch, 4, 10, grad=True),
+        "encoder_hidden_states_2": randn(g, batch, 4, 10, grad=True),
         "encoder_attention_mask_2": torch.ones(batch, 4, dtype=torch.int64),
         "image_embeds": torch.zeros(batch, 3, 8),
     }
@@ -87,7 +91,7 @@ def hv15_i2v_inputs(g: torch.Generator) -> dict:
     x = hv15_inputs(g, batch=2)
     x["encoder_attention_mask"][1, 4:] = 0
     x["encoder_attention_mask_2"][0, 3:] = 0
-    x["image_embeds"] = _randn(g, 2, 3, 8, grad=True)
+    x["image_embeds"] = randn(g, 2, 3, 8, grad=True)
     x["timestep"] = torch.tensor([500.0, 200.0])
     x["timestep_r"] = torch.tensor([300.0, 100.0])
     return x
@@ -123,8 +127,8 @@ def _ltxv_model():
 def ltxv_inputs(g: torch.Generator) -> dict:
     # 2 latent frames x 2 x 2 packed video tokens, 6 text tokens, RoPE grid from the sizes
     return {
-        "hidden_states": _randn(g, 1, 8, 4, grad=True),
-        "encoder_hidden_states": _randn(g, 1, 6, 12, grad=True),
+        "hidden_states": randn(g, 1, 8, 4, grad=True),
+        "encoder_hidden_states": randn(g, 1, 6, 12, grad=True),
         "timestep": torch.tensor([500.0]),
         "encoder_attention_mask": torch.ones(1, 6, dtype=torch.int64),
         "num_frames": 2,
@@ -143,8 +147,8 @@ def ltxv_conditioned_inputs(g: torch.Generator) -> dict:
     timestep = torch.full((2, 8), 700.0)
     timestep[:, :4] = 0.0  # first latent frame: the conditioning image, not noised
     return {
-        "hidden_states": _randn(g, 2, 8, 4, grad=True),
-        "encoder_hidden_states": _randn(g, 2, 6, 12, grad=True),
+        "hidden_states": randn(g, 2, 8, 4, grad=True),
+        "encoder_hidden_states": randn(g, 2, 6, 12, grad=True),
         "timestep": timestep,
         "encoder_attention_mask": mask,
         "video_coords": coords.repeat(2, 1, 1) * torch.tensor([1 / 25, 32.0, 32.0])[None, :, None],
@@ -184,10 +188,10 @@ def _vace_model():
 def vace_inputs(g: torch.Generator) -> dict:
     # 2 latent frames x 2 x 2 patches = 8 video tokens, the control video just as long
     return {
-        "hidden_states": _randn(g, 1, 4, 2, 4, 4, grad=True),
+        "hidden_states": randn(g, 1, 4, 2, 4, 4, grad=True),
         "timestep": torch.tensor([500]),
-        "encoder_hidden_states": _randn(g, 1, 6, 16, grad=True),
-        "control_hidden_states": _randn(g, 1, 6, 2, 4, 4, grad=True),
+        "encoder_hidden_states": randn(g, 1, 6, 16, grad=True),
+        "control_hidden_states": randn(g, 1, 6, 2, 4, 4, grad=True),
     }
 
 
@@ -195,10 +199,10 @@ def vace_scaled_inputs(g: torch.Generator) -> dict:
     # Two samples, a control video one latent frame short (the model pads its tokens with zeros),
     # and a per-layer context scale that itself receives a gradient
     return {
-        "hidden_states": _randn(g, 2, 4, 2, 4, 4, grad=True),
+        "hidden_states": randn(g, 2, 4, 2, 4, 4, grad=True),
         "timestep": torch.tensor([500, 200]),
-        "encoder_hidden_states": _randn(g, 2, 6, 16, grad=True),
-        "control_hidden_states": _randn(g, 2, 6, 1, 4, 4, grad=True),
+        "encoder_hidden_states": randn(g, 2, 6, 16, grad=True),
+        "control_hidden_states": randn(g, 2, 6, 1, 4, 4, grad=True),
         "control_hidden_states_scale": torch.tensor([1.0, 0.5, 0.8]).requires_grad_(),
     }
 
