@@ -1,0 +1,284 @@
+"""Cosmos Predict: tiny deterministic models through the conformance kit for the three shapes the class
+takes (Predict 2 Video2World: a condition channel and a timestep per frame; Cosmos 1.0: a learnable
+positional embedding, padded text, two samples; Transfer 2.5: projected Reason1 states, an image
+context and ControlNet residuals), interval chunks that chain (and fall back exactly where the
+ControlNet hands blocks their own residuals), and the presets at full size.
+
+The tiny models set ``concat_padding_mask=False``: the class default resizes ``padding_mask`` with
+torchvision, which this environment lacks; it only adds an input channel before the blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradseam
+from gradseam.patcher import family_for, plan
+from gradseam.testing import (
+    Case,
+    ConformanceSuite,
+    check_strategy,
+    config_id,
+    cpu_configs,
+    offload_configs,
+    pick,
+    randn,
+    run_step,
+)
+from gradseam.tools.named_strategies import BACKEND, INTERVAL, KEEP, OFFLOAD_ATTENTION, STRIDE
+
+TEXT, TEXT_DIM = 6, 16
+
+# Head width 12: the RoPE splits it 4 + 4 + 4 over (frame, row, column); 2 heads, hidden 24.
+TINY = dict(
+    in_channels=5, out_channels=4, num_attention_heads=2, attention_head_dim=12, num_layers=4, mlp_ratio=2.0,
+    text_embed_dim=TEXT_DIM, adaln_lora_dim=8, max_size=(8, 16, 16), patch_size=(1, 2, 2),
+    rope_scale=(1.0, 3.0, 3.0), concat_padding_mask=False, extra_pos_embed_type=None,
+)
+TRANSFER = dict(
+    TINY, num_layers=6, use_crossattn_projection=True, crossattn_proj_in_channels=20,
+    encoder_hidden_states_channels=TEXT_DIM, controlnet_block_every_n=4, img_context_dim_in=10,
+    img_context_num_tokens=3, img_context_dim_out=24,
+)
+
+
+def cosmos_model(**overrides):
+    from diffusers import CosmosTransformer3DModel
+
+    model = CosmosTransformer3DModel(**{**TINY, **overrides})
+    if model.learnable_pos_embed is not None:  # upstream starts it at zero: make it matter
+        for p in model.learnable_pos_embed.parameters():
+            torch.nn.init.normal_(p)
+    return model
+
+
+def cosmos_inputs(g: torch.Generator) -> dict:
+    # Predict 2 Video2World: 2 latent frames x 4 x 4 (8 tokens in 1x2x2 patches), the first frame the
+    # conditioning one (mask channel 1, its own near-zero timestep), 6 T5 tokens, fps for the RoPE
+    mask = torch.zeros(1, 1, 2, 4, 4)
+    mask[:, :, 0] = 1.0
+    return {
+        "hidden_states": randn(g, 1, 4, 2, 4, 4, grad=True),
+        "timestep": torch.tensor([0.0001, 0.6]).view(1, 1, 2, 1, 1),
+        "encoder_hidden_states": randn(g, 1, TEXT, TEXT_DIM, grad=True),
+        "condition_mask": mask,
+        "fps": 16,
+    }
+
+
+def cosmos_v1_inputs(g: torch.Generator) -> dict:
+    # Cosmos 1.0 Text2World: two samples at their own timesteps, the second prompt padded (text mask)
+    mask = torch.ones(2, TEXT, dtype=torch.bool)
+    mask[1, -2:] = False
+    return {
+        "hidden_states": randn(g, 2, 4, 2, 4, 4, grad=True),
+        "timestep": torch.tensor([0.3, 0.8]),
+        "encoder_hidden_states": randn(g, 2, TEXT, TEXT_DIM, grad=True),
+        "attention_mask": mask,
+        "fps": 24,
+    }
+
+
+def cosmos_transfer_inputs(g: torch.Generator) -> dict:
+    # Transfer 2.5: projected text states and an image context as one tuple, and the ControlNet's
+    # residuals for blocks 0 and 4 (every 4th block)
+    inputs = cosmos_inputs(g)
+    inputs["encoder_hidden_states"] = (randn(g, 1, TEXT, 20, grad=True), randn(g, 1, 3, 10, grad=True))
+    inputs["block_controlnet_hidden_states"] = [randn(g, 1, 8, 24) for _ in range(2)]
+    return inputs
+
+
+COSMOS = Case("cosmos", cosmos_model, cosmos_inputs)
+COSMOS_V1 = Case("cosmos-1.0", lambda: cosmos_model(in_channels=4, rope_scale=(2.0, 1.0, 1.0),
+                                                    extra_pos_embed_type="learnable"), cosmos_v1_inputs)
+COSMOS_TRANSFER = Case("cosmos-transfer", lambda: cosmos_model(**TRANSFER), cosmos_transfer_inputs)
+
+
+# A reduced matrix for the variant cases: whole blocks in chunks, the FFN seams with a stride, kept
+# attention; offload of chunks with a stride, of the FFN seams, and of attention beside chunks.
+REDUCED_CPU = pick(cpu_configs(), {BACKEND: "torch", INTERVAL: 2}, {BACKEND: "torch-ffn", INTERVAL: 2, STRIDE: 4},
+                   {BACKEND: "torch", INTERVAL: 2, KEEP: True})
+REDUCED_OFFLOAD = pick(offload_configs(), {BACKEND: "unsloth", INTERVAL: 2, STRIDE: 4}, {BACKEND: "unsloth-ffn"},
+                       {BACKEND: "unsloth", INTERVAL: 2, OFFLOAD_ATTENTION: True})
+
+
+class TestCosmos(ConformanceSuite):
+    case = COSMOS
+
+
+class TestCosmos1(ConformanceSuite):
+    case = COSMOS_V1
+    configs = REDUCED_CPU
+    offload = REDUCED_OFFLOAD
+
+
+class TestCosmosTransfer(ConformanceSuite):
+    case = COSMOS_TRANSFER
+    configs = REDUCED_CPU
+    offload = REDUCED_OFFLOAD
+    whole_regions = False  # chunks meeting a ControlNet residual compute block by block, on purpose
+
+
+def test_reduced_matrices_are_what_they_say() -> None:
+    assert [config_id(c) for c in REDUCED_CPU] == [
+        "torch+interval2", "torch-ffn+interval2+stride4", "torch+interval2+attentionkept"
+    ]
+    assert [config_id(c) for c in REDUCED_OFFLOAD] == [
+        "unsloth+interval2+stride4", "unsloth-ffn", "unsloth+interval2+attentionoffload"
+    ]
+
+
+def _fresh(case: Case) -> torch.nn.Module:
+    torch.manual_seed(case.seed)
+    return case.build()
+
+
+CHUNKED = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
+
+
+@pytest.mark.parametrize("case", [COSMOS, COSMOS_V1], ids=lambda c: c.name)
+def test_interval_chunks_chain(case: Case) -> None:
+    # A wrong carry would still be exact (chunks fall back): both chunks must be served whole.
+    report = check_strategy(case, CHUNKED, whole=True)
+    assert sorted(r.label for r in report.regions if r.kind == "chunk") == [
+        "transformer_blocks[0, 1]", "transformer_blocks[2, 3]"
+    ]
+
+
+def test_controlnet_residuals_make_only_their_chunks_fall_back() -> None:
+    # Residuals reach blocks 0 and 4: the chunks holding them compute block by block (exactly), the
+    # chunk in between, whose blocks both get None, still runs whole.
+    report = check_strategy(COSMOS_TRANSFER, CHUNKED)
+    chunks = {r.label: r for r in report.regions if r.kind == "chunk"}
+    assert sorted(chunks) == [f"transformer_blocks[{i}, {i + 1}]" for i in (0, 2, 4)]
+    assert chunks["transformer_blocks[0, 1]"].fallbacks and chunks["transformer_blocks[4, 5]"].fallbacks
+    assert chunks["transformer_blocks[2, 3]"].whole
+    # the residuals matter: without them the output differs
+    plain = Case("cosmos-transfer-plain", COSMOS_TRANSFER.build, lambda g: {
+        **cosmos_transfer_inputs(g), "block_controlnet_hidden_states": None})
+    torch.manual_seed(0)
+    assert not torch.equal(run_step(plain.build(), plain).outputs[0], report.reference.outputs[0])
+
+
+def test_the_loop_hands_blocks_one_context_and_their_own_residuals() -> None:
+    seen = []
+    model = _fresh(COSMOS_TRANSFER)
+    for block in model.transformer_blocks:
+        block.register_forward_pre_hook(lambda _m, args: seen.append(args))
+    with torch.no_grad():
+        model(**cosmos_transfer_inputs(torch.Generator().manual_seed(1)))
+    contexts = [args[1] for args in seen]
+    assert isinstance(contexts[0], tuple) and all(c is contexts[0] for c in contexts)
+    assert [args[7] is not None for args in seen] == [True, False, False, False, True, False]
+
+
+def test_per_frame_timesteps_and_learnable_embedding_are_shared() -> None:
+    # What the carry relies on: per-token timestep embeddings and the positional embedding are one
+    # object each for every block.
+    for case, index in ((COSMOS, 2), (COSMOS_V1, 5)):
+        model = _fresh(case)
+        seen = []
+        for block in model.transformer_blocks:
+            block.register_forward_pre_hook(lambda _m, args, _seen=seen: _seen.append(args))
+        with torch.no_grad():
+            model(**case.inputs(torch.Generator().manual_seed(1)))
+        assert seen[0][index] is not None and all(args[index] is seen[0][index] for args in seen), case.name
+    assert seen[0][5].abs().sum() > 0  # the (randomised) learnable embedding of the 1.0 case
+
+
+def test_seam_and_attention_are_planned_as_declared() -> None:
+    model = _fresh(COSMOS)
+    family = family_for(model)
+    assert family.name == "cosmos"
+    ffn = plan(model, family, gradseam.CheckpointConfig.coerce(
+        gradient_checkpointing=True, gradient_checkpointing_backend="torch-ffn"))
+    assert [(r.blocks, r.seam) for r in ffn.regions] == [((i,), ("ff",)) for i in range(4)]
+
+
+# -- the presets at full size ----------------------------------------------------------------------
+EXPECTED = {
+    "predict2-2b-720p": (28, 16, 8192),
+    "predict2-14b-720p": (36, 40, 20480),
+    "predict2.5-2b-720p": (28, 16, 8192),
+    "1.0-7b-720p": (28, 32, 16384),
+}
+
+
+def _preset_model(name: str):
+    from diffusers import CosmosTransformer3DModel
+
+    family = gradseam.registry.REGISTRY.get("cosmos")
+    preset = family.presets[name]
+    with torch.device("meta"):
+        return family, preset, CosmosTransformer3DModel(**preset.config)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_presets_plan_at_full_size(name: str) -> None:
+    family, _, model = _preset_model(name)
+    assert set(family.presets) == set(EXPECTED)
+    assert family_for(model) is family
+    layers, heads, ff = EXPECTED[name]
+    block = model.transformer_blocks[0]
+    assert (len(model.transformer_blocks), block.attn1.heads, block.ff.net[0].proj.out_features) == (layers, heads, ff)
+    for config, regions in (({"gradient_checkpointing": True}, layers), (CHUNKED, layers // 2),
+                            ({"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"}, layers)):
+        the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
+        assert len(the_plan.regions) == regions
+        assert {i for r in the_plan.regions for i in r.blocks} == set(range(layers))
+
+
+def test_preset_inputs_have_the_pipelines_sizes() -> None:
+    _, preset, model = _preset_model("predict2-2b-720p")
+    x = preset.make_inputs(model, "meta", torch.bfloat16, None, **preset.inputs)
+    assert x["hidden_states"].shape == (1, 16, 24, 88, 160) and x["hidden_states"].requires_grad
+    assert x["condition_mask"].shape == (1, 1, 24, 88, 160) and x["timestep"].shape == (1, 1, 24, 1, 1)
+    assert x["encoder_hidden_states"].shape == (1, 512, 1024) and x["padding_mask"].shape == (1, 1, 704, 1280)
+    fewer = preset.make_inputs(model, "meta", torch.bfloat16, 2 * 44 * 80, **preset.inputs)
+    assert fewer["hidden_states"].shape[2] == 2
+    _, p25, model = _preset_model("predict2.5-2b-720p")
+    assert p25.make_inputs(model, "meta", torch.bfloat16, None, **p25.inputs)["encoder_hidden_states"].shape == (
+        1, 512, 100352)
+    _, v1, model = _preset_model("1.0-7b-720p")
+    x = v1.make_inputs(model, "meta", torch.bfloat16, None, **v1.inputs)
+    assert x["hidden_states"].shape == (1, 16, 16, 88, 160) and x["timestep"].shape == (1,)
+    assert "condition_mask" not in x
+
+
+@pytest.mark.parametrize("case", [COSMOS, COSMOS_V1], ids=lambda c: c.name)
+def test_preset_input_builder_runs_the_model(case: Case) -> None:
+    family = gradseam.registry.REGISTRY.get("cosmos")
+    model = _fresh(case)
+    x = family.presets["predict2-2b-720p"].make_inputs(model, "cpu", torch.float32, None, frames=5, height=32,
+                                                        width=32, text_tokens=TEXT)
+    out = model(**x).sample
+    assert out.shape == (1, 4, 2, 4, 4)
+    out.square().mean().backward()
+    assert x["hidden_states"].grad is not None
+
+
+def test_bench_workload_truncates_steps_and_patches_exactly() -> None:
+    """What `gradseam bench --family cosmos --layers 2` does, on the tiny config with the preset's real
+    input builder: build, truncate every list to 2 blocks, build inputs, step; chunked, bit-identical."""
+    from dataclasses import replace
+
+    from gradseam import Preset
+    from gradseam.tools.measure import forward_backward, grad_leaves
+    from gradseam.tools.workloads import build, find_family, sequence_length
+
+    family = find_family("cosmos")
+    real = family.presets["predict2-2b-720p"]
+    tiny = replace(family, presets={"tiny": Preset("tiny", TINY, {"frames": 5, "height": 32, "width": 32, "text_tokens": TEXT}, real.make_inputs)})
+    torch.manual_seed(0)
+    workload = build(tiny, "tiny", layers=2, device="cpu", dtype=torch.float32)
+    assert workload.truncated and all(kept == 2 for kept, _ in workload.truncated.values())
+    x = workload.inputs()
+    assert sequence_length(workload.model, workload.family, x) == 2 * 2 * 2
+    leaves = grad_leaves(x)
+    assert leaves and x["hidden_states"].requires_grad
+    forward_backward(workload.model, x)()
+    reference = [t.grad.clone() for t in leaves]
+    with gradseam.patch(workload.model, CHUNKED) as handle:
+        assert handle.family.name == "cosmos"
+        forward_backward(workload.model, x)()
+    assert all(torch.equal(t.grad, r) for t, r in zip(leaves, reference))

@@ -1,0 +1,236 @@
+"""Ideogram 4: a tiny deterministic model through the conformance kit on the pipeline's packed
+``[left pad][text][image]`` sequence, a packed batch of two prompts with per-token timesteps, the
+unconditional transformer's image-only sequence, interval chunks that really chain, and the presets
+at full size."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import gradseam
+from gradseam.adapters.ideogram4 import packed_layout
+from gradseam.patcher import family_for, plan
+from gradseam.testing import (
+    Case,
+    ConformanceSuite,
+    check_strategy,
+    cpu_configs,
+    offload_configs,
+    pick,
+    randn,
+)
+
+GRID, MAX_TEXT, LAYERS = 2, 6, 4  # 2 x 2 image tokens after 6 text slots
+CHANNELS, FEATURES = 4, 12
+CHUNKED = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
+
+
+# head 8 = 2 x (2 t + 1 h + 1 w) MRoPE frequencies
+TINY = dict(
+    in_channels=CHANNELS, num_layers=LAYERS, attention_head_dim=8, num_attention_heads=2, intermediate_size=32,
+    adaln_dim=8, llm_features_dim=FEATURES, mrope_section=(2, 1, 1),
+)
+
+
+def ideogram4_model():
+    from diffusers import Ideogram4Transformer2DModel
+
+    return Ideogram4Transformer2DModel(**TINY)
+
+
+def ideogram4_inputs(g: torch.Generator, prompts: tuple[int, ...] = (4,), max_text: int = MAX_TEXT) -> dict:
+    position_ids, segment_ids, indicator = packed_layout(list(prompts), GRID, max_text, "cpu")
+    batch, length = indicator.shape
+    return {
+        "hidden_states": randn(g, batch, length, CHANNELS, grad=True),
+        "timestep": torch.linspace(0.3, 0.7, batch),
+        "encoder_hidden_states": randn(g, batch, length, FEATURES, grad=True),
+        "position_ids": position_ids,
+        "segment_ids": segment_ids,
+        "indicator": indicator,
+    }
+
+
+def ideogram4_packed_inputs(g: torch.Generator) -> dict:
+    # two prompts of different lengths (different left padding) and one timestep per token
+    inputs = ideogram4_inputs(g, prompts=(6, 3))
+    inputs["timestep"] = torch.rand(inputs["indicator"].shape, generator=g)
+    return inputs
+
+
+def ideogram4_unconditional_inputs(g: torch.Generator) -> dict:
+    # the pipeline's unconditional pass: image tokens only, zeroed text features
+    inputs = ideogram4_inputs(g, prompts=(0,), max_text=0)
+    inputs["encoder_hidden_states"] = torch.zeros_like(inputs["encoder_hidden_states"])
+    return inputs
+
+
+IDEOGRAM4 = Case("ideogram4", ideogram4_model, ideogram4_inputs)
+IDEOGRAM4_PACKED = Case("ideogram4-packed", ideogram4_model, ideogram4_packed_inputs)
+IDEOGRAM4_UNCONDITIONAL = Case("ideogram4-unconditional", ideogram4_model, ideogram4_unconditional_inputs)
+
+
+# -- The conformance kit ------------------------------------------------------------------------
+BACKEND, INTERVAL = "gradient_checkpointing_backend", "gradient_checkpointing_interval"
+STRIDE = "gradient_checkpointing_segment_stride"
+KEEP, OFF = "gradient_checkpointing_keep_attention", "gradient_checkpointing_offload_attention"
+
+
+REDUCED_CPU = pick(cpu_configs(), {BACKEND: "torch-ffn", INTERVAL: 2, STRIDE: 4}, {BACKEND: "torch", INTERVAL: 2},
+                    {BACKEND: "torch", KEEP: True, INTERVAL: 2})
+REDUCED_OFFLOAD = pick(offload_configs(), {BACKEND: "unsloth", INTERVAL: 2, STRIDE: 4}, {BACKEND: "unsloth-ffn"},
+                        {BACKEND: "unsloth", OFF: True, INTERVAL: 2})
+
+
+class TestIdeogram4(ConformanceSuite):
+    case = IDEOGRAM4
+
+
+class TestIdeogram4Packed(ConformanceSuite):
+    case = IDEOGRAM4_PACKED
+    configs = REDUCED_CPU
+    offload = REDUCED_OFFLOAD
+
+
+class TestIdeogram4Unconditional(ConformanceSuite):
+    case = IDEOGRAM4_UNCONDITIONAL
+    configs = REDUCED_CPU[1:2]
+    offload = REDUCED_OFFLOAD[1:2]
+
+
+def test_reduced_matrices_are_what_they_say() -> None:
+    assert [c[BACKEND] for c in REDUCED_CPU] == ["torch-ffn", "torch", "torch"]
+    assert REDUCED_CPU[0][STRIDE] == 4 and REDUCED_CPU[2][KEEP]
+    assert [c[BACKEND] for c in REDUCED_OFFLOAD] == ["unsloth", "unsloth-ffn", "unsloth"]
+    assert REDUCED_OFFLOAD[2][OFF]
+
+
+# -- What the suites cannot see -------------------------------------------------------------------
+def _fresh(case: Case) -> torch.nn.Module:
+    torch.manual_seed(case.seed)
+    return case.build()
+
+
+def test_layout_is_the_pipelines() -> None:
+    position_ids, segment_ids, indicator = packed_layout([4, 6], GRID, MAX_TEXT, "cpu")
+    assert indicator[0].tolist() == [0, 0, 3, 3, 3, 3, 2, 2, 2, 2]
+    assert segment_ids[0].tolist() == [-1, -1] + [1] * 8 and segment_ids[1].eq(1).all()
+    assert position_ids[0, 2:6, 0].tolist() == [0, 1, 2, 3] and position_ids[1, :6, 2].tolist() == list(range(6))
+    assert position_ids[0, 6:].tolist() == [[65536, 65536 + r, 65536 + c] for r in range(2) for c in range(2)]
+
+
+@pytest.mark.parametrize("case", [IDEOGRAM4, IDEOGRAM4_PACKED], ids=lambda c: c.name)
+def test_interval_chunks_chain(case: Case) -> None:
+    report = check_strategy(case, {**CHUNKED, STRIDE: None}, whole=True)
+    assert [r.label for r in report.regions if r.kind == "chunk"] == ["layers[0, 1]", "layers[2, 3]"]
+
+
+def test_plan_has_the_ffn_seam_in_every_block() -> None:
+    model = _fresh(IDEOGRAM4)
+    family = family_for(model)
+    assert family.name == "ideogram4"
+    ffn = plan(model, family, gradseam.CheckpointConfig.coerce({"gradient_checkpointing": True, BACKEND: "torch-ffn"}))
+    assert [(r.blocks, r.seam) for r in ffn.regions] == [((i,), ("feed_forward", "ffn_norm2")) for i in range(LAYERS)]
+
+
+def test_packing_inputs_reach_the_blocks() -> None:
+    # The text features reach the output through the chunked blocks only at text slots (the model
+    # zeroes the rest), the segments keep padding out of the sample's attention, and per-token
+    # timesteps give every token its own modulation.
+    report = check_strategy(IDEOGRAM4_PACKED, CHUNKED)
+    grad = report.patched.input_grads["encoder_hidden_states"]
+    _, _, indicator = packed_layout([6, 3], GRID, MAX_TEXT, "cpu")
+    text = indicator == 3
+    assert (grad[text].abs().sum(-1) > 0).all() and grad[~text].eq(0).all()
+    model = _fresh(IDEOGRAM4_PACKED)
+
+    def out(**change) -> torch.Tensor:
+        with torch.no_grad():
+            return model(**{**ideogram4_packed_inputs(torch.Generator().manual_seed(1)), **change}).sample
+
+    full = out()
+    assert not torch.equal(full, out(segment_ids=torch.ones_like(indicator)))
+    assert not torch.equal(full, out(timestep=torch.tensor([0.5, 0.5])))
+
+
+# -- Presets: the real-size config builds (on the meta device) and plans at full size -------------
+def _meta_model():
+    from diffusers import Ideogram4Transformer2DModel
+
+    with torch.device("meta"):
+        return Ideogram4Transformer2DModel()
+
+
+def test_presets_plan_at_full_size() -> None:
+    family = next(f for f in gradseam.families() if f.name == "ideogram4")
+    assert set(family.presets) == {"1024", "2048"}
+    model = _meta_model()
+    assert family_for(model) is family
+    block = model.layers[0]
+    assert (block.attention.num_heads, block.attention.head_dim, block.feed_forward.w1.out_features) == (18, 256, 12288)
+    params = sum(p.numel() for p in model.parameters())
+    assert 9.2e9 < params < 9.4e9  # "9.3B"
+    for preset in family.presets.values():
+        assert preset.config == {}
+        for config, regions in (({"gradient_checkpointing": True}, 34), (CHUNKED, 17),
+                                ({"gradient_checkpointing": True, BACKEND: "torch-ffn"}, 34)):
+            the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
+            assert len(the_plan.regions) == regions
+            assert {i for r in the_plan.regions for i in r.blocks} == set(range(34))
+
+
+def test_preset_inputs_have_the_pipelines_sizes() -> None:
+    family = next(f for f in gradseam.families() if f.name == "ideogram4")
+    model = _meta_model()
+    for name, image_tokens in (("1024", 4096), ("2048", 16384)):
+        preset = family.presets[name]
+        x = preset.make_inputs(model, "meta", torch.bfloat16, None, **preset.inputs)
+        assert x["hidden_states"].shape == (1, 2048 + image_tokens, 128) and x["hidden_states"].requires_grad
+        assert x["encoder_hidden_states"].shape == (1, 2048 + image_tokens, 53248)
+        assert x["position_ids"].shape == (1, 2048 + image_tokens, 3)
+    small = family.presets["1024"].make_inputs(model, "meta", torch.bfloat16, 1024)
+    assert small["hidden_states"].shape[1] == 2048 + 1024
+
+
+def test_preset_input_builder_runs_the_model() -> None:
+    family = next(f for f in gradseam.families() if f.name == "ideogram4")
+    model = _fresh(IDEOGRAM4)
+    x = family.presets["1024"].make_inputs(model, "cpu", torch.float32, 9, text_tokens=5, prompt_tokens=3)
+    assert x["indicator"][0].tolist() == [0, 0, 3, 3, 3] + [2] * 9
+    out = model(**x).sample
+    out.square().mean().backward()
+    assert x["hidden_states"].grad[:, 5:].abs().sum() > 0 and x["hidden_states"].grad[:, :5].eq(0).all()
+
+
+def test_bench_workload_truncates_steps_and_patches_exactly() -> None:
+    """What `gradseam bench --family ideogram4 --layers 2` does, on a tiny preset with the real input builder:
+    build, truncate every list, build inputs, step; the same step patched in chunks is bit-identical."""
+    from dataclasses import replace as swap
+
+    from gradseam import Preset
+    from gradseam.tools.measure import forward_backward, grad_leaves
+    from gradseam.tools.workloads import build, find_family, sequence_length
+
+    family = find_family("ideogram4")
+    real = next(iter(family.presets.values()))
+    tiny = swap(family, presets={"tiny": Preset("tiny", TINY, {"image_tokens": 4, "text_tokens": MAX_TEXT, "prompt_tokens": 4}, real.make_inputs)})
+    torch.manual_seed(0)
+    workload = build(tiny, "tiny", layers=2, device="cpu", dtype=torch.float32)
+    assert workload.truncated and all(kept <= 2 for kept, _ in workload.truncated.values())
+    x = workload.inputs()
+    assert sequence_length(workload.model, workload.family, x) > 0
+    leaves = grad_leaves(x)
+    assert leaves and x["hidden_states"].requires_grad
+    forward_backward(workload.model, x)()
+    reference = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # an interval the family may not support, bf16 casting notes
+        with gradseam.patch(workload.model, {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}):
+            forward_backward(workload.model, x)()
+    assert all(torch.equal(t.grad, r) for t, r in zip(leaves, reference))
+    assert workload.inputs(tokens=64) is not None
