@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 
 PLUGIN_GUIDE = "the plugin guide (docs/plugins.md in the gradseam repository)"
@@ -58,9 +60,65 @@ class GradseamWarning(UserWarning):
 
 warned: set[str] = set()  # messages already given in this process (tests clear it)
 
+# Packages whose frames sit between a user's line and gradseam: a warning raised in a forward
+# reaches gradseam through torch's ``Module.__call__`` and diffusers' ``forward``, and a load
+# through diffusers' loaders. Pointing at any of them is as little use as pointing at gradseam.
+_PASSED_THROUGH = ("torch", "diffusers", "accelerate", "peft", "pluggy")
+
+
+def _own_dirs() -> tuple[str, ...]:
+    """The directories whose frames are not the user's: gradseam's (core/ and its subpackages,
+    adapters/) and those of the libraries in :data:`_PASSED_THROUGH` that are imported (a library
+    that is not imported has no frame on the stack)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    dirs = [here]
+    for name in ("gradseam.adapters", *_PASSED_THROUGH):
+        module = sys.modules.get(name)
+        file = getattr(module, "__file__", None)
+        if file:
+            dirs.append(os.path.dirname(os.path.abspath(file)))
+    return tuple(d + os.sep for d in dirs)
+
+
+def _importlib_internal(filename: str) -> bool:
+    # the rule warnings.warn applies: it steps over importlib's frames when it counts stacklevel
+    return "importlib" in filename and "_bootstrap" in filename
+
+
+def warn_outside(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` attributed to the first frame outside gradseam: the user's line.
+
+    A fixed ``stacklevel`` is right for one call path only, and gradseam warns from several depths
+    (``patch`` directly, the loaders' wrappers, a forward hook inside torch's module call), so a
+    fixed level named a gradseam file (``patcher.py:429``) more often than the user's. Walking the
+    stack also skips the libraries a call passes through (:data:`_PASSED_THROUGH`) and importlib's
+    frames, and counts levels as ``warnings.warn`` does. With no such frame (everything on the
+    stack is a library's) the outermost frame is named.
+    """
+    own = _own_dirs()
+    frame, level = sys._getframe(0), 1  # this function's frame: gradseam's by definition
+    while True:
+        outer = frame.f_back
+        while outer is not None and _importlib_internal(outer.f_code.co_filename):
+            outer = outer.f_back
+        if outer is None:
+            break
+        frame, level = outer, level + 1
+        if not os.path.abspath(frame.f_code.co_filename).startswith(own):
+            break
+    warnings.warn(message, category, stacklevel=level)
+
+
+def warn_plugin(message: str) -> None:
+    """A :class:`PluginWarning` at the user's line (see :func:`warn_outside`)."""
+    warn_outside(message, PluginWarning)
+
 
 def warn_once(message: str) -> None:
-    """Warn once per message and process: the same cause on every step would drown a training log."""
+    """Warn once per message and process, at the user's line (see :func:`warn_outside`).
+
+    Once: the same cause on every step would drown a training log.
+    """
     if message not in warned:
         warned.add(message)
-        warnings.warn(message, GradseamWarning, stacklevel=3)
+        warn_outside(message, GradseamWarning)

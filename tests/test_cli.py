@@ -9,13 +9,14 @@ import sys
 
 import pytest
 import torch
+from conftest import builtin_plugins
 from typer.testing import CliRunner
 
 import gradseam
 from gradseam.tools.cli import app
 
 runner = CliRunner()
-BUILTIN = ["chroma", "flux", "flux2", "hunyuanvideo15", "krea2", "ltx2", "ltxvideo", "mageflow", "qwenimage", "qwenimage21", "sana", "sana-video", "sd3", "wan", "wan-vace", "zimage"]
+BUILTIN = builtin_plugins()  # pyproject.toml's [project.entry-points.gradseam], sorted
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 
 
@@ -36,6 +37,36 @@ def test_help(command):
     assert result.exit_code == 0, result.output
     assert "Usage" in result.output
     assert "<bool>" not in result.output  # flags are shown as flags: they take no value
+
+
+def test_version():
+    result = _invoke("--version")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == f"gradseam {gradseam.__version__}\n"
+
+
+def _words(families_output: str) -> set[str]:
+    return set(families_output.replace(",", " ").replace(";", " ").replace("│", " ").replace("┃", " ").split())
+
+
+def test_families_never_cuts_a_word_in_an_80_column_terminal(monkeypatch):
+    """In a terminal (a console that takes its width from COLUMNS), every class name and block path
+    is printed whole: a name cut in two cannot be searched for or pasted."""
+    from rich.console import Console
+
+    from gradseam.tools import cli
+
+    monkeypatch.setattr(cli, "console", lambda: Console(no_color=True))  # an 80-column terminal, as COLUMNS says
+    result = _invoke("families", columns="80")
+    assert result.exit_code == 0, result.output
+    assert max(len(line) for line in result.output.splitlines()) <= 80
+    words = _words(result.output)
+    for item in gradseam.installed():
+        fam = item.family
+        wanted = [fam.name, *(n.rsplit(".", 1)[-1] for n in fam.model_names), *(bl.path for bl in fam.block_lists)]
+        assert not [w for w in wanted if w not in words], f"{fam.name}: cut or missing in\n{result.output}"
+    wide = _invoke("families", columns="400")  # a terminal wide enough for every word: the table
+    assert wide.exit_code == 0 and "┃ family" in wide.output
 
 
 def test_families_keeps_names_when_piped():
@@ -107,7 +138,7 @@ def test_bench_option_errors():
 
 TINY_BENCH = ["bench", "--device", "cpu", "--blocks", "2", "--tokens", "64", "--dim", "128", "--steps", "1"]
 ROW_KEYS = {"workload", "tokens", "strategy", "peak_gib", "step_ms", "status", "pinned_allocations_after_warmup",
-            "pinned_gib", "depth", "blocks", "vs_none", "vs_torch"}
+            "pinned_gib", "depth", "blocks", "vs_none", "vs_torch", "step_times_ms"}
 
 
 def _bench_json(tmp_path, *extra: str, path=None):
@@ -130,6 +161,8 @@ def test_bench_synthetic_on_cpu_writes_json_and_png(tmp_path):
     by = {r["strategy"]: r for r in doc["rows"]}
     assert {r["workload"] for r in doc["rows"]} == {"synthetic 2x64x128"}
     assert by["none"]["status"] == "ok" and by["none"]["vs_none"] == 1.0
+    assert all(len(r["step_times_ms"]) == 1 for r in doc["rows"] if r["status"] == "ok")  # --steps 1
+    assert all(r["step_times_ms"] is None for r in doc["rows"] if r["status"] != "ok")
     assert by["torch"]["status"] == "ok" and by["torch"]["vs_torch"] == 1.0
     assert 0 < by["torch"]["peak_gib"] < by["none"]["peak_gib"]
     assert {n for n, r in by.items() if r["status"] == NEEDS_CUDA} == CUDA_ONLY_ROWS & set(by)
@@ -326,9 +359,9 @@ def test_real_rows_cover_references_and_strategies():
 
 # -- every option is checked before work starts: one line on stderr, exit code 2 --------------------
 
-INSTALLED = "installed: chroma, flux, flux2, hunyuanvideo15, krea2, ltx2, ltxvideo, mageflow, "  # (the synthetic stack too, once bench ran)
+INSTALLED = "installed: chroma, "  # the list goes on alphabetically (the synthetic stack too, once bench ran)
 OPTION_ERRORS = [
-    (["demo", "--steps", "0"], "Invalid value for '--steps'"),
+    (["demo", "--steps", "0"], "Invalid value for '--steps': expected a number of timed steps >= 1, got 0."),
     (["demo", "--tokens", "0"], "Invalid value for '--tokens': image tokens must be a square number >= 1 (side x "
                                 "side patches), got 0; e.g. 256 (16x16) or 4096 (64x64)."),
     (["demo", "--tokens", "-4"], "image tokens must be a square number >= 1 (side x side patches), got -4"),
@@ -336,16 +369,22 @@ OPTION_ERRORS = [
                                  "side x side patches; nearest: 81 (9x9) or 100 (10x10)."),
     (["demo", "--device", "tpu"], "Invalid value for '--device': expected cpu or cuda, got 'tpu'."),
     (["demo", "--stpes", "2"], "No such option: --stpes"),
-    (["demo", "--threads", "0"], "Invalid value for '--threads'"),
+    (["demo", "--threads", "0"], "Invalid value for '--threads': expected a number of CPU threads >= 1, got 0."),
+    (["demo", "--threads", "-3"], "Invalid value for '--threads': expected a number of CPU threads >= 1, got -3."),
     (["bench", "--family", "nosuch"], f"Invalid value for '--family': no installed family 'nosuch'; {INSTALLED}"),
     (["bench", "--family", "flux", "--preset", "nope"], "Invalid value for '--preset': family 'flux' has no preset "
                                                         "'nope'; presets: dev-1024."),
     (["bench", "--family", "flux", "--depths", "0,2"], "Invalid value for '--depths': expected two different depths "
                                                         ">= 1 like '2,4', got '0,2'."),
     (["bench", "--family", "flux", "--depth", "0"], "Invalid value for '--depth'"),
-    (["bench", "--steps", "0"], "Invalid value for '--steps'"),
-    (["bench", "--tokens", "0"], "Invalid value for '--tokens'"),
-    (["bench", "--blocks", "-1"], "Invalid value for '--blocks'"),
+    (["bench", "--steps", "0"], "Invalid value for '--steps': expected a number of timed steps >= 1, got 0."),
+    (["bench", "--threads", "0"], "Invalid value for '--threads': expected a number of CPU threads >= 1, got 0."),
+    (["bench", "--tokens", "64", "--tokens", "0"], "Invalid value for '--tokens': expected a number of tokens >= 1, "
+                                                   "got 0."),
+    (["bench", "--blocks", "-1"], "Invalid value for '--blocks': expected a number of blocks >= 1, got -1."),
+    (["bench", "--dim", "0"], "Invalid value for '--dim': expected a model width >= 1, got 0."),
+    (["bench", "--family", "flux", "--threads", "2"], "--threads sets the CPU's torch threads; this bench runs on "
+                                                       "the GPU: --family models always run there."),
     (["bench", "--dim", "257"], "Invalid value for '--dim': 257 does not split into the synthetic stack's 2 heads "
                                 "(one per 128 of width); nearest widths that do: 256 and 258."),
     (["bench", "--device", "tpu"], "Invalid value for '--device': expected cpu or cuda, got 'tpu'."),
@@ -359,8 +398,10 @@ OPTION_ERRORS = [
                                                          "'40XB'"),
     (["advise", "--family", "flux", "--budget", "0"], "memory budget: must be a positive finite size, got '0'."),
     (["advise", "--family", "flux", "--budget", "40GiB", "--preset", "x"], "family 'flux' has no preset 'x'"),
-    (["advise", "--family", "flux", "--budget", "40GiB", "--tokens", "0"], "Invalid value for '--tokens'"),
-    (["advise", "--family", "flux", "--budget", "40GiB", "--depth", "-2"], "Invalid value for '--depth'"),
+    (["advise", "--family", "flux", "--budget", "40GiB", "--tokens", "0"], "Invalid value for '--tokens': expected "
+                                                                            "a number of tokens >= 1, got 0."),
+    (["advise", "--family", "flux", "--budget", "40GiB", "--depth", "-2"], "Invalid value for '--depth': expected "
+                                                                            "a depth in units of depth >= 1, got -2."),
     (["advise", "--family", "flux", "--budget", "40GiB", "--depths", "4"], "Invalid value for '--depths'"),
     (["advise", "--family", "flux", "--budget", "40GiB", "--json", "{dir}"], "Invalid value for '--json'"),
     (["advise", "--budget", "40GiB"], "Missing option '--family'"),
@@ -400,10 +441,31 @@ def test_demo_runs_the_size_its_title_says():
     assert result.exit_code == 0, result.output
     assert torch.get_num_threads() == threads  # the demo's thread count does not outlive it
     assert "small Flux (cpu, 16 image tokens)" in result.output
+    assert "spread" in result.output and "median of the 1 timed steps" in result.output
     from gradseam.tools.demo import strategies
 
     # every row's gradient equals the unpatched one ("none" included: its difference to itself)
     assert result.output.count("0.0e+00") == len(strategies(cuda=False)) == 5
+
+
+def test_bench_threads_are_set_for_the_sweep_and_restored(tmp_path, monkeypatch):
+    from gradseam.tools import bench
+
+    seen = []
+    real = bench.measuring.measure
+
+    def measure(step, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(step, **kwargs)
+
+    monkeypatch.setattr(bench.measuring, "measure", measure)
+    before = torch.get_num_threads()
+    target = 2 if before != 2 else 1
+    result, doc, _ = _bench_json(tmp_path, "--threads", str(target), "--steps", "2")
+    assert seen and set(seen) == {target} and torch.get_num_threads() == before
+    assert all(len(r["step_times_ms"]) == 2 for r in doc["rows"] if r["status"] == "ok")
+    assert "spread: (slowest - fastest) / median of the 2 timed steps." in result.output
+    assert "| step ms (spread) |" in result.output
 
 
 def test_bench_creates_the_output_directory_before_running(tmp_path):

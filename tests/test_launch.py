@@ -9,6 +9,7 @@ real thing: a diffusers-style LoRA trainer (tests/scripts/train_lora_flux.py) ru
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -201,6 +202,32 @@ def test_config_precedence_file_then_flags(tmp_path):
     assert build_config(flags={"--keep-attention": True}).keep_attention
 
 
+def test_memory_budget_flag_reaches_the_config(tmp_path, monkeypatch):
+    """``--memory-budget`` is a float flag for gradient_checkpointing_memory_budget; "null" clears it."""
+    cfg = build_config(flags={"--backend": "unsloth-compile", "--memory-budget": "0.3"})
+    assert cfg == CheckpointConfig(gradient_checkpointing=True, gradient_checkpointing_backend="unsloth-compile",
+                                   gradient_checkpointing_memory_budget=0.3)
+    assert cfg.memory_budget == 0.3 and isinstance(cfg.gradient_checkpointing_memory_budget, float)
+    file = tmp_path / "gs.json"
+    file.write_text(json.dumps({"gradient_checkpointing_backend": "compile", "gradient_checkpointing_memory_budget": 0.5}))
+    assert build_config(file).memory_budget == 0.5
+    assert build_config(file, flags={"--memory-budget": "0.25"}).memory_budget == 0.25  # the flag wins
+    cleared = build_config(file, flags={"--memory-budget": "null"})
+    assert cleared.gradient_checkpointing_memory_budget is None and cleared.memory_budget == 0.1  # the default
+    # a budget no model could use is refused before the program starts; from the file it is named by its key
+    with pytest.raises(LaunchError, match=r"^gradient_checkpointing_memory_budget=0.5 .*backend 'torch' compiles nothing"):
+        build_config(file, flags={"--backend": "torch"})
+    # through the command line, as a user types it: the report records the config the program ran under
+    monkeypatch.chdir(tmp_path)
+    _script(tmp_path / "prog.py", "pass\n")
+    result = _run("--backend", "unsloth-compile", "--memory-budget", "0.3", "--report", "run.json", "--", "prog.py")
+    assert result.exit_code == 0, result.output
+    assert "memory budget 0.3" in result.stderr
+    doc = json.loads((tmp_path / "run.json").read_text())
+    assert doc["config"]["gradient_checkpointing_backend"] == "unsloth-compile"
+    assert doc["config"]["gradient_checkpointing_memory_budget"] == 0.3
+
+
 def test_every_config_key_has_a_run_flag():
     from gradseam.tools.launch import FLAG_KEYS
 
@@ -214,23 +241,62 @@ def test_every_config_key_has_a_run_flag():
 def test_trainer_config_needs_ignore_unknown(tmp_path):
     file = tmp_path / "trainer.json"
     file.write_text(json.dumps({"learning_rate": 1e-4, "gradient_checkpointing_backend": "torch-ffn"}))
-    with pytest.raises(LaunchError, match=r"unknown gradseam config key 'learning_rate'.*add --ignore-unknown"):
+    with pytest.raises(LaunchError, match=r"unknown gradseam config key 'learning_rate'.*Add --ignore-unknown") as err:
         build_config(file)
+    assert "ignore_unknown=True" not in str(err.value)  # the Python API's remedy, not the command line's
     assert build_config(file, ignore_unknown=True).backend == "torch-ffn"
 
 
+def test_unknown_key_errors_speak_the_command_lines_words(tmp_path, monkeypatch):
+    """A key in the file is named as a config key (that is what a file holds), the remedy is the
+    --ignore-unknown flag, a value that came from a flag is named by its flag, and a config key
+    typed as an option is pointed to its flag."""
+    monkeypatch.chdir(tmp_path)
+    _script(tmp_path / "prog.py", "raise SystemExit('the program must not run')\n")
+    (tmp_path / "typo.json").write_text(json.dumps({"gradient_checkpointing_backnd": "torch"}))
+    (tmp_path / "flagname.json").write_text(json.dumps({"segment-stride": 4}))
+    (tmp_path / "interval.json").write_text(json.dumps({"gradient_checkpointing_interval": 3}))
+    cases = [
+        (["--config", "typo.json"], "--config: 'typo.json' holds the unknown gradseam config key "
+         "'gradient_checkpointing_backnd'. Did you mean 'gradient_checkpointing_backend'? Valid keys: "),
+        (["--config", "flagname.json"], "Did you mean 'gradient_checkpointing_segment_stride'? A config file holds "
+         "the config keys; 'segment-stride' is the name of the --segment-stride option."),
+        (["--interval", "3", "--segment-stride", "2"], "--segment-stride: must be >= --interval (3), got 2."),
+        (["--config", "interval.json", "--segment-stride", "2"],  # the interval came from the file: its key
+         "--segment-stride: must be >= gradient_checkpointing_interval (3), got 2."),
+        (["--gradient_checkpointing_backend", "torch"], "no such option: --gradient_checkpointing_backend. The "
+         "option for config key 'gradient_checkpointing_backend' is --backend."),
+    ]
+    for args, message in cases:
+        result = _run(*args, "prog.py")
+        assert result.exit_code == 2, result.output
+        assert result.stderr.startswith("gradseam run: error: ") and result.stderr.count("\n") == 1
+        assert message in result.stderr, result.stderr
+        assert "ignore_unknown=True" not in result.stderr and "Pass ignore_unknown" not in result.stderr
+    assert "Add --ignore-unknown to read the gradseam keys out of a whole trainer config." in _run(
+        "--config", "typo.json", "prog.py").stderr
+
+
 @pytest.mark.parametrize(("args", "message"), [
-    (["--interval", "0"], "--interval 0: gradseam config key 'gradient_checkpointing_interval': must be >= 1, got 0"),
-    (["--interval", "two"], "--interval two: gradseam config key 'gradient_checkpointing_interval': expected an "
-                            "integer >= 1 or null, got 'two'"),
-    (["--segment-stride", "-1"], "--segment-stride -1: gradseam config key 'gradient_checkpointing_segment_stride': "
-                                 "must be >= 1"),
-    (["--interval", "3", "--segment-stride", "2"], "'gradient_checkpointing_segment_stride': must be >= "
-                                                   "gradient_checkpointing_interval (3), got 2"),
-    (["--offload-pin-memory-max-buckets", "-2"], "--offload-pin-memory-max-buckets -2: gradseam config key "
-                                                 "'gradient_checkpointing_offload_pin_memory_max_buckets': must be >= 0"),
-    (["--backend", "unsloth_ffn"], "'unsloth_ffn' is not a backend; allowed: ['torch', 'torch-ffn', 'unsloth', "
-                                   "'unsloth-ffn']. Did you mean 'unsloth-ffn'?"),
+    (["--interval", "0"], "--interval 0: must be >= 1, got 0 (use null to disable)."),
+    (["--interval", "two"], "--interval two: expected an integer >= 1 or null, got 'two'"),
+    (["--segment-stride", "-1"], "--segment-stride -1: must be >= 1"),
+    (["--interval", "3", "--segment-stride", "2"], "--segment-stride: must be >= --interval (3), got 2"),
+    (["--offload-pin-memory-max-buckets", "-2"], "--offload-pin-memory-max-buckets -2: must be >= 0"),
+    (["--backend", "unsloth_ffn"], "--backend unsloth_ffn: 'unsloth_ffn' is not a backend; allowed: ['torch', "
+                                   "'torch-ffn', 'unsloth', 'unsloth-ffn', 'compile', 'unsloth-compile']. "
+                                   "Did you mean 'unsloth-ffn'?"),
+    (["--memory-budget", "2"], "--memory-budget 2: must be > 0 and <= 1, got 2.0."),
+    (["--memory-budget", "0"], "--memory-budget 0: must be > 0 and <= 1, got 0.0."),
+    (["--memory-budget", "half"], "--memory-budget half: expected a number 0 < B <= 1 or null, got 'half'"),
+    (["--backend", "torch", "--memory-budget", "0.3"], "--memory-budget=0.3 is the compiler's activation memory "
+     "budget for compiled blocks; backend 'torch' compiles nothing. Use it with ['compile', 'unsloth-compile']"),
+    (["--no-checkpointing", "--memory-budget", "0.3"], "(checkpointing is off)' compiles nothing"),
+    (["--backend", "compile", "--interval", "2"], "--interval=2: backend 'compile' makes every compiled block its own "
+     "region (the compiler decides what each keeps), so blocks cannot be chunked."),
+    (["--backend", "compile", "--offload-attention"], "--offload-attention: backend 'compile' already keeps attention "
+     "outputs (the compiler's partitioner keeps what is costly to recompute); to hold them in CPU memory use "
+     "'unsloth-compile'."),
     (["--ignore-unknown"], "--ignore-unknown reads the gradseam keys out of a trainer config; it needs --config FILE."),
     (["--config", "missing.json"], "--config: cannot read 'missing.json': No such file or directory."),
     (["--backen", "torch"], "no such option: --backen. Did you mean --backend?"),
@@ -268,6 +334,74 @@ def test_report_path_per_rank(tmp_path):
     result = _run("--report", str(tmp_path), str(script))
     assert result.exit_code == 2 and "the program must not run" not in result.output
     assert result.stderr == f"gradseam run: error: Invalid value for '--report': {str(tmp_path)!r} is a directory; name a file.\n"
+
+
+def test_report_lands_where_the_command_said_though_the_program_changes_directory(tmp_path, monkeypatch):
+    """A hydra-style trainer moves into its own run directory; the report still goes to the path as
+    typed, relative to the directory ``gradseam run`` was started in."""
+    script = _script(tmp_path / "prog.py", """
+        import os
+        os.makedirs("outputs/run-1", exist_ok=True)
+        os.chdir("outputs/run-1")
+    """)
+    monkeypatch.chdir(tmp_path)  # restores the test's directory after the program moved it
+    result = _run("--report", "report.json", str(script))
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "report.json").read_text())["exit_code"] == 0
+    assert not (tmp_path / "outputs" / "run-1" / "report.json").exists()
+    assert f"wrote {tmp_path / 'report.json'}" in result.stderr  # says where, absolutely
+
+
+CLOSES_STREAMS = """
+import io, sys
+sys.stdout.close()
+sys.stdout = io.StringIO()
+sys.stderr.close()
+sys.stderr = io.StringIO()
+sys.stderr.close()
+"""
+
+
+@pytest.mark.parametrize(("tail", "code", "stderr"), [
+    ("", 0, None),
+    ("sys.exit(3)", 3, None),
+    ("raise ValueError('boom')", 1, "ValueError: boom"),
+], ids=["ok", "exit-3", "exception"])
+def test_a_program_that_closes_its_streams_keeps_its_exit_code(tmp_path, tail, code, stderr):
+    """Python exits with the program's status whatever it did to sys.stdout / sys.stderr; so does
+    ``gradseam run``, and its summary (and the program's last words) still reach the stderr it was
+    started with. A subprocess: only real file descriptors show this."""
+    script = _script(tmp_path / "prog.py", CLOSES_STREAMS + tail + "\n")
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=_env(), timeout=60)
+    assert plain.returncode == code
+    done = subprocess.run([sys.executable, "-m", "gradseam", "run", str(script)], capture_output=True, text=True,
+                          env=_env(), cwd=tmp_path, timeout=300)
+    assert done.returncode == code, done.stderr[-3000:]
+    assert f"[gradseam] exit code {code}; no model was patched" in done.stderr
+    if stderr is not None:  # the program's last words, on the stderr it had closed
+        assert stderr in done.stderr
+    if "Error" in (stderr or ""):  # the program's traceback, starting in the program
+        assert f'File "{script}", line ' in done.stderr and "launch.py" not in done.stderr
+    else:
+        assert "Traceback" not in done.stderr
+
+
+def test_kept_stream_writes_through_a_duplicate_once_the_stream_is_closed(tmp_path):
+    from gradseam.tools.launch import KeptStream
+
+    read, write = os.pipe()
+    stream = open(write, "w", encoding="utf-8")  # noqa: SIM115 - closed below, as a program would
+    kept = KeptStream(stream)
+    kept.write("before\n")
+    stream.close()  # closes the descriptor too; the kept duplicate stays open
+    kept.write("after\n")
+    kept.close()
+    with open(read, encoding="utf-8") as pipe:
+        assert pipe.read() == "before\nafter\n"
+    no_fd = KeptStream(io.StringIO())
+    no_fd.stream.close()
+    no_fd.write("dropped, not raised\n")  # nothing to fall back to: the line is lost, the launch is not
+    no_fd.close()
 
 
 # -- the real thing: subprocesses ------------------------------------------------------------------

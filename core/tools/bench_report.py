@@ -28,18 +28,20 @@ The JSON written by ``gradseam bench`` (see :func:`payload`)::
          "peak_gib": float | null, "step_ms": float | null, "pinned_gib": float | null,
          "status": str,        # "ok", "OOM", "needs CUDA", "ruled out: ...", "unsupported: ...", "error: ..."
          "pinned_allocations_after_warmup": int | null,
-         "vs_none": float | null, "vs_torch": float | null}  # step-time ratios at the same workload and depth
+         "vs_none": float | null, "vs_torch": float | null,  # step-time ratios at the same workload and depth
+         "step_times_ms": [float] | null}  # every timed step (step_ms is their median); null: not measured
       ]
     }
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from .depth import predict
-from .measure import GiB, MiB
+from .measure import GiB, MiB, noise_marks, noise_note, spread
 
 if TYPE_CHECKING:
     from .results import RealRun, Result
@@ -48,18 +50,51 @@ MEMORY_GPU = "activation peak: max_memory_allocated over the timed steps minus w
 MEMORY_CPU = "bytes autograd keeps between forward and backward (saved tensors, parameters excluded)"
 
 
-def with_ratios(results: list[Result]) -> list[dict[str, Any]]:
-    """Rows as dicts with ``vs_none`` and ``vs_torch`` step-time ratios at the same workload and depth."""
+def with_ratios(
+    results: list[Result], step_times: Sequence[Sequence[float] | None] | None = None,
+) -> list[dict[str, Any]]:
+    """Rows as dicts with ``vs_none`` and ``vs_torch`` step-time ratios at the same workload and depth,
+    and ``step_times_ms``, each row's timed steps (``step_times``, parallel to ``results``; the
+    records themselves keep only the median)."""
+    times = list(step_times) if step_times is not None else [None] * len(results)
     out = []
-    for r in results:
+    for r, steps in zip(results, times):
         same = [o for o in results if o.workload == r.workload and o.depth == r.depth]
         none = next((o.step_ms for o in same if o.strategy == "none"), None)
         torch_ms = next((o.step_ms for o in same if o.strategy == "torch"), None)
         row = asdict(r)
         row["vs_none"] = round(r.step_ms / none, 3) if r.step_ms and none else None
         row["vs_torch"] = round(r.step_ms / torch_ms, 3) if r.step_ms and torch_ms else None
+        row["step_times_ms"] = [round(t, 3) for t in steps] if steps and r.status == "ok" else None
         out.append(row)
     return out
+
+
+def noise(rows: list[dict[str, Any]]) -> list[str | None]:
+    """Per row, why its step time is within noise against no checkpointing at the same workload and
+    depth (:func:`gradseam.tools.measure.noise`), or None; rows without timed steps are never marked.
+
+    For the CPU table, where every row but ``none`` recomputes (the rows that would not, the
+    compiler's, need CUDA); a GPU table also holds compiled rows, which can beat eager ``none``.
+    """
+    marks: list[str | None] = [None] * len(rows)
+    groups: dict[tuple[Any, Any], list[int]] = {}
+    for i, r in enumerate(rows):
+        if r.get("step_times_ms"):
+            groups.setdefault((r["workload"], r.get("depth")), []).append(i)
+    for members in groups.values():
+        ref = next((i for i in members if rows[i]["strategy"] == "none"), None)
+        if ref is None:
+            continue
+        order = [ref, *(i for i in members if i != ref)]
+        for i, mark in zip(order, noise_marks([rows[i]["step_times_ms"] for i in order])):
+            marks[i] = mark
+    return marks
+
+
+def cpu_noise_note(rows: list[dict[str, Any]]) -> str | None:
+    """The sentence under a CPU table whose rows :func:`noise` marked; None when none is."""
+    return noise_note(noise(rows), exact="the memory column (bytes kept for backward)")
 
 
 def full_depth_rows(run: RealRun) -> list[dict[str, Any]]:
@@ -154,28 +189,38 @@ def full_depth_markdown(rows: list[dict[str, Any]], depth: dict[str, Any]) -> st
 
 
 def to_markdown(rows: list[dict[str, Any]], *, cpu: bool = False) -> str:
-    """The measured rows as a markdown table; ``cpu=True`` shows the MiB kept for backward instead of the GiB peak."""
+    """The measured rows as a markdown table.
+
+    ``cpu=True`` shows the MiB kept for backward instead of the GiB peak, each step time's spread
+    (``(slowest - fastest) / median`` of its timed steps), and marks with ``*`` a ``vs none`` ratio
+    that is within noise (:func:`noise`; :func:`cpu_noise_note` is the sentence that explains it):
+    on a small or busy CPU the times scatter by more than the strategies differ.
+    """
     memory = "kept for backward MiB (CPU)" if cpu else "act. peak GiB"
+    step_col = "step ms (spread)" if cpu else "step ms"
+    marks = noise(rows) if cpu else [None] * len(rows)
     with_depth = any(r.get("depth") is not None for r in rows)
     depth_col = " depth |" if with_depth else ""
     lines = [
-        f"| workload |{depth_col} strategy | {memory} | pinned host GiB | step ms | vs none | vs gradseam torch |",
+        f"| workload |{depth_col} strategy | {memory} | pinned host GiB | {step_col} | vs none | vs gradseam torch |",
         "|---|" + ("---:|" if with_depth else "") + "---|---:|---:|---:|---:|---:|",
     ]
     last = None
-    for r in rows:
+    for r, mark in zip(rows, marks):
         workload = r["workload"] if r["workload"] != last else ""
         last = r["workload"]
         depth = f" {r.get('depth')} ({r.get('blocks')}) |" if with_depth else ""
         if r["status"] != "ok":
             lines.append(f"| {workload} |{depth} {r['strategy']} | {r['status']} | | | | |")
             continue
-        vs_none = f"{r['vs_none']:.2f}" if r["vs_none"] is not None else ""
+        vs_none = (f"{r['vs_none']:.2f}" + ("*" if mark else "")) if r["vs_none"] is not None else ""
         vs_torch = f"{r['vs_torch']:.3f}" if r["vs_torch"] is not None else ""
         peak = r["peak_gib"] * GiB / MiB if cpu else r["peak_gib"]
+        scatter = spread(r.get("step_times_ms") or ())
+        step = f"{r['step_ms']:.1f}" + (f" ({scatter:.0%})" if cpu and scatter is not None else "")
         pinned = f"{r['pinned_gib']:.2f}" if r.get("pinned_gib") is not None else ""
         lines.append(
-            f"| {workload} |{depth} {r['strategy']} | {peak:.2f} | {pinned} | {r['step_ms']:.1f} | {vs_none} | {vs_torch} |"
+            f"| {workload} |{depth} {r['strategy']} | {peak:.2f} | {pinned} | {step} | {vs_none} | {vs_torch} |"
         )
     return "\n".join(lines)
 

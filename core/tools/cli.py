@@ -1,4 +1,4 @@
-"""The ``gradseam`` command: ``families``, ``demo``, ``bench``, ``advise`` and ``run``.
+"""The ``gradseam`` command: ``families``, ``demo``, ``bench``, ``advise`` and ``run`` (and ``--version``).
 
 Every option is checked before a command starts working (a benchmark that runs for minutes and
 then cannot write its results has wasted the minutes): values, combinations, the family and its
@@ -19,7 +19,8 @@ from rich.table import Table
 
 import gradseam
 
-from .cli_support import Command, Group, bad, console, fail, output_path
+from ..config import BACKENDS
+from .cli_support import PIPED_WIDTH, Command, Group, bad, console, fail, output_path
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -35,6 +36,22 @@ app = typer.Typer(
 )
 command = partial(app.command, cls=Command)
 DEVICES = ("cpu", "cuda")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"gradseam {gradseam.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option(
+        "--version", is_eager=True, callback=_print_version,
+        help="print gradseam's version and exit (what a bug report needs first)")] = False,
+) -> None:
+    # no docstring: the group's help is the Typer(help=...) text above
+    pass
 
 
 def _progress(out: Console) -> Progress:
@@ -59,6 +76,14 @@ def _device(device: str | None, option: str = "--device") -> str | None:
             bad(option, "cuda asked for, but torch sees no CUDA GPU here (torch.cuda.is_available() is False); "
                         "use --device cpu, or leave --device out.")
     return device
+
+
+def _at_least(option: str, value: int | list[int] | None, what: str, minimum: int = 1) -> None:
+    """Refuse a too small count with the value and what is allowed (typer's own ``min=`` check says
+    only "Input should be greater than or equal to 1", without the value or the quantity)."""
+    for item in value if isinstance(value, list) else [value]:
+        if item is not None and item < minimum:
+            bad(option, f"expected {what} >= {minimum}, got {item}.")
 
 
 def _default_device() -> str:
@@ -103,17 +128,16 @@ def _quiet_diffusers() -> None:
 # -- families -------------------------------------------------------------------------------------
 
 
-@command()
-def families() -> None:
-    """List installed families: who provides them, what they patch, and what they support."""
-    table = Table(title="gradseam families")
-    for column in ("family", "plugin (distribution)", "model classes", "block lists", "FFN cut",
-                   "interval/stride", "attention offload"):
-        table.add_column(column, overflow="fold")
+FAMILY_COLUMNS = ("family", "plugin (distribution)", "model classes", "block lists", "FFN cut",
+                  "interval/stride", "attention offload")
+
+
+def _family_rows() -> list[tuple[str, ...]]:
+    rows = []
     for item in gradseam.installed():
         fam = item.family
         dist = f"{item.plugin} ({item.distribution} {item.version})" if item.distribution else item.plugin
-        table.add_row(
+        rows.append((
             fam.name,
             dist,
             "\n".join(n.rsplit(".", 1)[-1] for n in fam.model_names),
@@ -121,8 +145,45 @@ def families() -> None:
             "yes" if fam.has_ffn else "no",
             "yes" if fam.supports_interval else "no",
             "yes" if fam.has_attention else "no",
-        )
-    console().print(table)
+        ))
+    return rows
+
+
+def print_families(out: Console) -> None:
+    """The families as a table where it fits the width whole, else one entry per family.
+
+    Class names and block paths are single words of up to ~30 characters; seven columns of them
+    need ~130 columns. Squeezed into an 80-column terminal, rich folds them mid-word
+    (``HunyuanVideo15Tr|ansformer3DModel``), which reads as two names and cannot be searched or
+    pasted. So the table is printed only where its narrowest layout, every word whole, fits;
+    otherwise each family is a short entry, wrapped between words.
+    """
+    from rich.measure import Measurement
+
+    rows = _family_rows()
+    table = Table(title="gradseam families")
+    for column in FAMILY_COLUMNS:
+        table.add_column(column)  # shown only where no word has to be cut (below)
+    for row in rows:
+        table.add_row(*row)
+    # measured without a width limit: Measurement.get clamps its result to the width it is given
+    if Measurement.get(out, out.options.update_width(PIPED_WIDTH), table).minimum <= out.width:
+        out.print(table)
+        return
+    out.print("gradseam families", markup=False, highlight=False)
+    for name, dist, classes, lists, ffn, interval, attention in rows:
+        out.print("", markup=False)
+        out.print(f"{name}: {dist}", markup=False, highlight=False)
+        for label, value in (("model classes", classes), ("block lists", lists)):
+            out.print(f"  {label}: {', '.join(value.splitlines())}", markup=False, highlight=False)
+        out.print(f"  FFN cut: {ffn}; interval/stride: {interval}; attention offload: {attention}",
+                  markup=False, highlight=False)
+
+
+@command()
+def families() -> None:
+    """List installed families: who provides them, what they patch, and what they support."""
+    print_families(console())
 
 
 # -- demo -----------------------------------------------------------------------------------------
@@ -131,13 +192,16 @@ def families() -> None:
 @command()
 def demo(
     tokens: Annotated[int | None, typer.Option(metavar="N", help="image tokens, a square number (default 4096 on GPU, 256 on CPU)")] = None,
-    steps: Annotated[int, typer.Option(min=1, metavar="N", help="timed steps per strategy")] = 3,
+    steps: Annotated[int, typer.Option(metavar="N", help="timed steps per strategy, after one warm-up step")] = 3,
     device: Annotated[str | None, typer.Option(metavar="cpu|cuda", help="default: cuda if available")] = None,
-    threads: Annotated[int | None, typer.Option(min=1, metavar="N", help="CPU: torch threads (default 1: steadier times on small or busy machines)")] = None,
+    threads: Annotated[int | None, typer.Option(metavar="N", help="CPU: torch threads (default 1: steadier times on small or busy machines)")] = None,
 ) -> None:
     """Patch a small built-in Flux with every strategy this machine supports and compare them."""
-    from .demo import check_tokens, run
+    from . import measure
+    from .demo import check_tokens, noise_marks, run
 
+    _at_least("--steps", steps, "a number of timed steps")
+    _at_least("--threads", threads, "a number of CPU threads")
     device = _device(device)
     if threads is not None and device != "cpu" and _default_device() != "cpu":
         fail("--threads sets the CPU's torch threads; the demo runs on the GPU here (add --device cpu).")
@@ -159,15 +223,20 @@ def demo(
 
         rows = run(device=device, image_tokens=tokens, steps=steps, progress=track, threads=threads)
     none = rows[0]
+    marks = noise_marks(rows)
     table = Table(title=f"small Flux ({rows[0].device}, {rows[0].tokens} image tokens): kept activations and step time")
-    for column in ("strategy", "kept MiB", "vs none", "step ms", "vs none", "max |grad - unpatched|"):
+    for column in ("strategy", "kept MiB", "vs none", "step ms", "spread", "vs none", "max |grad - unpatched|"):
         table.add_column(column, justify="right" if column != "strategy" else "left", overflow="fold")
-    for r in rows:
+    for r, mark in zip(rows, marks):
         table.add_row(
             r.strategy, f"{r.kept_mib:.1f}", f"{r.kept_mib / none.kept_mib:.2f}", f"{r.step_ms:.1f}",
-            f"{r.step_ms / none.step_ms:.2f}", f"{r.max_grad_diff:.1e}",
+            _spread_cell(r.spread), f"{r.step_ms / none.step_ms:.2f}" + ("*" if mark else ""), f"{r.max_grad_diff:.1e}",
         )
     out.print(table)
+    out.print(f"spread: (slowest - fastest) / median of the {steps} timed steps.", markup=False, highlight=False)
+    note = measure.noise_note(marks)
+    if note:
+        out.print(note, markup=False, highlight=False)
     out.print(
         "Practical rule (full-depth H200 measurements, docs/benchmarks.md): no checkpointing if it fits. "
         "At a few thousand tokens: the compiler's activation memory budget 0.05-0.1 on compiled blocks, or "
@@ -176,6 +245,10 @@ def demo(
         "recomputed; -ffn rows grow with every block). Interval >= 2 only to win speed back once it fits. "
         "`gradseam advise` finds the crossover for your model at its real depth."
     )
+
+
+def _spread_cell(spread: float | None) -> str:
+    return "-" if spread is None else f"{spread:.0%}"
 
 
 # -- bench ----------------------------------------------------------------------------------------
@@ -223,18 +296,19 @@ def bench(
     preset: Annotated[str | None, typer.Option(metavar="NAME", help="the family's preset (default: its first)")] = None,
     depths: Annotated[str | None, typer.Option(metavar="D1,D2", help="the two depths every row is measured at, in units of depth (default 2,4); the full-depth figures are fitted from them")] = None,
     full: Annotated[bool, typer.Option("--full", help="also measure at the full depth (needs the full model to fit the GPU); rows predicted not to fit the GPU or the host's pinnable memory are ruled out")] = False,
-    depth: Annotated[int | None, typer.Option(min=1, metavar="N", help="predict for this depth instead of the preset's real one (units of depth)")] = None,
+    depth: Annotated[int | None, typer.Option(metavar="N", help="predict for this depth instead of the preset's real one (units of depth)")] = None,
     full_rows: Annotated[list[str] | None, typer.Option("--full-row", metavar="LABEL", help="with --full: measure only this row at the full depth (repeat for several; compiling a full model per row is slow); the rest are predicted")] = None,
-    tokens: Annotated[list[int] | None, typer.Option(min=1, metavar="N", help="tokens per workload (repeat for several; default: the preset's, or the synthetic shapes)")] = None,
+    tokens: Annotated[list[int] | None, typer.Option(metavar="N", help="tokens per workload (repeat for several; default: the preset's, or the synthetic shapes)")] = None,
     rows: Annotated[list[str] | None, typer.Option("--row", metavar="LABEL", help="only this row, by label (repeat for several; default: every row)")] = None,
     skip_rows: Annotated[list[str] | None, typer.Option("--skip-row", metavar="LABEL", help="every row but this one (repeat for several)")] = None,
     synthetic: Annotated[bool, typer.Option("--synthetic", help="the synthetic block stack (the default without --family)")] = False,
-    blocks: Annotated[int | None, typer.Option(min=1, metavar="N", help="synthetic stack: number of blocks (default 8 on GPU, 2 on CPU)")] = None,
-    dim: Annotated[int | None, typer.Option(min=1, metavar="D", help="synthetic stack: model width, divisible by its head count max(dim // 128, 1) (default 3072 on GPU, 256 on CPU)")] = None,
+    blocks: Annotated[int | None, typer.Option(metavar="N", help="synthetic stack: number of blocks (default 8 on GPU, 2 on CPU)")] = None,
+    dim: Annotated[int | None, typer.Option(metavar="D", help="synthetic stack: model width, divisible by its head count max(dim // 128, 1) (default 3072 on GPU, 256 on CPU)")] = None,
     device: Annotated[str | None, typer.Option(metavar="cpu|cuda", help="synthetic stack: cpu or cuda (default: cuda if available)")] = None,
     json_path: Annotated[Path, typer.Option("--json", metavar="FILE", help="where to write the results (its directory is created)")] = Path("gradseam-bench.json"),
     png_path: Annotated[Path | None, typer.Option("--png", metavar="FILE", help="chart path (default: the JSON path with .png)")] = None,
-    steps: Annotated[int | None, typer.Option(min=1, metavar="N", help="timed steps per strategy, median reported (default 5 on GPU, 2 on CPU)")] = None,
+    steps: Annotated[int | None, typer.Option(metavar="N", help="timed steps per strategy, median reported (default 5 on GPU, 2 on CPU)")] = None,
+    threads: Annotated[int | None, typer.Option(metavar="N", help="synthetic stack on the CPU: torch threads (default: torch's, one per core; 1 gives steadier times on small or busy machines)")] = None,
 ) -> None:
     """Benchmark every strategy: memory, host memory and step time, side by side with the references.
 
@@ -245,6 +319,12 @@ def bench(
     family's real-size model with random bf16 weights built on the GPU (needs CUDA), measured at
     two depths; the table shows the figures at the model's real depth first (~ = predicted).
     """
+    _at_least("--steps", steps, "a number of timed steps")
+    _at_least("--threads", threads, "a number of CPU threads")
+    _at_least("--tokens", tokens, "a number of tokens")
+    _at_least("--blocks", blocks, "a number of blocks")
+    _at_least("--dim", dim, "a model width")
+    _at_least("--depth", depth, "a depth in units of depth")
     if synthetic and family:
         fail("--synthetic and --family exclude each other.")
     if family is None and (preset or depths or full or depth or rows or full_rows or skip_rows):
@@ -255,6 +335,8 @@ def bench(
         fail("--full-row names a row measured at the full depth; it needs --full.")
     if family is not None and (blocks or dim or device):
         fail("--blocks, --dim and --device are for the synthetic stack; they exclude --family.")
+    if family is not None and threads is not None:
+        fail("--threads sets the CPU's torch threads; this bench runs on the GPU: --family models always run there.")
     device = _device(device)
     if family is not None:
         fam, preset = _family(family, preset)
@@ -285,9 +367,12 @@ def bench(
         )
     from . import bench as b
     from . import bench_report as report
+    from . import measure
 
     dev = "cuda" if family is not None else (device or b.default_device())
     cpu = dev == "cpu"
+    if threads is not None and not cpu:
+        fail("--threads sets the CPU's torch threads; the synthetic stack runs on the GPU here (add --device cpu).")
     if steps is None:
         steps = b.CPU_STEPS if cpu else 5
     chosen = list(rows) if rows else None
@@ -305,7 +390,12 @@ def bench(
             default_blocks, default_tokens, default_dim = (b.CPU_SHAPES if cpu else b.SYNTHETIC_SHAPES)[0]
             shapes = [(blocks or default_blocks, t, dim or default_dim) for t in (tokens or [default_tokens])]
         title = b.synthetic_title(dev)
-    with _progress(out) as progress:
+    times: dict[int, tuple[float, ...]] = {}  # id(result) -> its timed steps (bench's records keep the median)
+
+    def steps_of(results: list) -> list[tuple[float, ...] | None]:
+        return [times.get(id(r)) for r in results]
+
+    with _progress(out) as progress, measure.recorded() as log:
         task = progress.add_task("building", total=None)
 
         done: list = []
@@ -314,7 +404,11 @@ def bench(
             # a sweep of a real model runs for many minutes: keep what it measured so far on disk,
             # so an interrupted run (Ctrl-C, a time limit) loses only the row in flight
             done.append(result)
-            partial = report.payload(report.with_ratios(done), f"{title} (partial: interrupted runs keep this)",
+            # a row that was measured reports right after its measurement: the log's last entry
+            if result.status == "ok" and log:
+                times[id(result)] = log[-1].step_times_ms
+            log.clear()
+            partial = report.payload(report.with_ratios(done, steps_of(done)), f"{title} (partial: interrupted runs keep this)",
                                      device=dev, family=family, preset=preset, steps=steps)
             json_path.write_text(json.dumps(partial, indent=1))
             progress.advance(task)
@@ -342,10 +436,10 @@ def bench(
             progress.update(task, total=len(shapes or (b.CPU_SHAPES if cpu else b.SYNTHETIC_SHAPES))
                             * len(b.synthetic_rows()), description="bench")
             try:
-                results = b.synthetic(shapes, steps=steps, on_row=on_row, device=dev)
+                results = b.synthetic(shapes, steps=steps, on_row=on_row, device=dev, threads=threads)
             except b.DeviceLostError as exc:  # a row broke the device: say which, keep the JSON
                 fail(str(exc), code=1)
-    measured = report.with_ratios(results)
+    measured = report.with_ratios(results, steps_of(results))
     deep = depth_info = None
     if run is not None:
         deep = report.full_depth_rows(run)
@@ -361,6 +455,10 @@ def bench(
     if cpu:
         out.print(f"memory: {report.MEMORY_CPU}; rows marked '{b.NEEDS_CUDA}' copy to pinned memory and need a GPU.",
                   markup=False)
+        out.print(f"spread: (slowest - fastest) / median of the {steps} timed steps.", markup=False)
+        note = report.cpu_noise_note(measured)
+        if note:
+            out.print(note, markup=False, highlight=False)
     out.print(f"wrote {json_path}", markup=False)
     if report.chart(deep if deep is not None else measured, png_path, title, cpu=cpu):
         out.print(f"wrote {png_path}", markup=False)
@@ -377,8 +475,8 @@ def advise(
     budget: Annotated[str, typer.Option(metavar="SIZE", help="GPU memory budget: '40GiB', '40 GB', '40960MiB' or GiB as a number")],
     preset: Annotated[str | None, typer.Option(metavar="NAME", help="the family's preset (default: its first)")] = None,
     depths: Annotated[str | None, typer.Option(metavar="D1,D2", help="the two depths each candidate is measured at, in units of depth (default 2,4)")] = None,
-    depth: Annotated[int | None, typer.Option(min=1, metavar="N", help="plan for this depth instead of the preset's real one (units of depth)")] = None,
-    tokens: Annotated[int | None, typer.Option(min=1, metavar="N", help="image/video tokens (default: the preset's)")] = None,
+    depth: Annotated[int | None, typer.Option(metavar="N", help="plan for this depth instead of the preset's real one (units of depth)")] = None,
+    tokens: Annotated[int | None, typer.Option(metavar="N", help="image/video tokens (default: the preset's)")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", metavar="FILE", help="also write every measurement here (its directory is created)")] = None,
 ) -> None:
     """Measure the strategy ladder at two depths and recommend the fastest config that fits at the real depth.
@@ -389,6 +487,8 @@ def advise(
     """
     from .advise import NoFitError, parse_budget
 
+    _at_least("--depth", depth, "a depth in units of depth")
+    _at_least("--tokens", tokens, "a number of tokens")
     try:
         budget_gib = parse_budget(budget)
     except ValueError as exc:
@@ -465,7 +565,7 @@ def run(
         "--checkpointing/--no-checkpointing",
         help="gradient_checkpointing (default: on; off leaves only attention offload)")] = None,
     backend: Annotated[str | None, typer.Option(
-        metavar="NAME", help="gradient_checkpointing_backend: torch | torch-ffn | unsloth | unsloth-ffn (default torch)")] = None,
+        metavar="NAME", help=f"gradient_checkpointing_backend: {' | '.join(BACKENDS)} (default torch)")] = None,
     interval: Annotated[str | None, typer.Option(
         metavar="N", help="gradient_checkpointing_interval: chunks of N blocks per region")] = None,
     segment_stride: Annotated[str | None, typer.Option(
@@ -476,6 +576,9 @@ def run(
         "--offload-pin-memory-max-buckets", metavar="N", help="gradient_checkpointing_offload_pin_memory_max_buckets")] = None,
     keep_attention: Annotated[bool | None, typer.Option(
         "--keep-attention/--no-keep-attention", help="gradient_checkpointing_keep_attention")] = None,
+    memory_budget: Annotated[str | None, typer.Option(
+        "--memory-budget", metavar="B", help="gradient_checkpointing_memory_budget: the compiler's activation "
+        "memory budget of the compiled backends, 0 < B <= 1 (default 0.1)")] = None,
     config: Annotated[Path | None, typer.Option(
         "--config", metavar="FILE", help="a JSON file of gradseam config keys; the options above override it")] = None,
     ignore_unknown: Annotated[bool, typer.Option(
@@ -496,6 +599,7 @@ def run(
         "--checkpointing": checkpointing, "--backend": backend, "--interval": interval,
         "--segment-stride": segment_stride, "--offload-attention": offload_attention,
         "--offload-pin-memory-max-buckets": offload_pin_memory_max_buckets, "--keep-attention": keep_attention,
+        "--memory-budget": memory_budget,
     }
     try:
         cfg = launch.build_config(config, ignore_unknown=ignore_unknown,

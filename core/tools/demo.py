@@ -61,6 +61,17 @@ class DemoRow:
     max_grad_diff: float  # against the unpatched model: 0.0 means bit-identical
     device: str = "cpu"
     tokens: int = 0
+    step_times_ms: tuple[float, ...] = ()  # every timed step; step_ms is their median
+
+    @property
+    def spread(self) -> float | None:
+        """(slowest - fastest) / median of the timed steps (None for a single step)."""
+        return measuring.spread(self.step_times_ms)
+
+
+def noise_marks(rows: list[DemoRow]) -> list[str | None]:
+    """Which rows' step times are within noise against the first row (no checkpointing), and why."""
+    return measuring.noise_marks([r.step_times_ms for r in rows])
 
 
 def _inputs(device: torch.device, dtype: torch.dtype, image_tokens: int, text_tokens: int) -> dict[str, Any]:
@@ -146,5 +157,5 @@ def _run(
             reference = grad.clone()
         diff = (grad.float() - reference.float()).abs().max().item()
         rows.append(DemoRow(name, got.peak_gib * measuring.GiB / measuring.MiB, got.step_ms, diff, dev.type,
-                            image_tokens))
+                            image_tokens, got.step_times_ms))
     return rows

@@ -27,16 +27,27 @@ loads with a diffusers loader comes out patched. Why it works the way it does:
   thread), and only models built by a loader: a model built with its constructor is the
   program's own to patch. The summary at exit says when nothing was patched.
 
+- **What the program does to the process does not move our output.** The report path is made
+  absolute when the launch is set up, so a program that changes directory (hydra-style run
+  directories) still gets its report where the command line said; and the lines printed here go
+  to the stderr ``gradseam run`` started with (:class:`KeptStream`), so a program that replaces or
+  closes ``sys.stdout``/``sys.stderr`` neither loses the summary nor turns its own exit status 0
+  into a crash of the launcher's.
+
 ``report`` writes a JSON file at exit (one per rank under a launcher): the config, the exit
 status, and each patched model as :mod:`gradseam.launch_report` describes it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import json
 import os
+import re
 import runpy
 import sys
+import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,8 +68,11 @@ FLAG_KEYS: dict[str, str] = {
     "--offload-attention": "gradient_checkpointing_offload_attention",
     "--offload-pin-memory-max-buckets": "gradient_checkpointing_offload_pin_memory_max_buckets",
     "--keep-attention": "gradient_checkpointing_keep_attention",
+    "--memory-budget": "gradient_checkpointing_memory_budget",
 }
-_NULLABLE = {"gradient_checkpointing_interval", "gradient_checkpointing_segment_stride"}
+# keys a flag may clear with "null"/"none" (back to their default)
+_NULLABLE = {"gradient_checkpointing_interval", "gradient_checkpointing_segment_stride",
+             "gradient_checkpointing_memory_budget"}
 
 
 class LaunchError(ValueError):
@@ -78,24 +92,22 @@ def build_config(
 
     ``gradient_checkpointing`` starts true because turning it on is what running under gradseam is
     for; a file or ``--no-checkpointing`` that says false still wins. Flag values go to
-    :class:`CheckpointConfig` as typed (it parses "2" and "true"), one flag at a time, so a bad value
-    is reported with the flag that carried it; "null"/"none" clear the interval or the stride.
+    :class:`CheckpointConfig` as typed (it parses "2", "0.3" and "true"), one flag at a time, so a bad
+    value is reported with the flag that carried it; "null"/"none" clear the interval, the stride or
+    the memory budget (``--memory-budget``, a float 0 < B <= 1; null is the compiled backends' default).
+    Settings the backend cannot run on any model (a memory budget without a compiled backend, an
+    interval or attention option with one) are refused here too, before the program starts.
+
+    Messages speak the command line's words: a value that came from a flag is named by its flag,
+    a key in the file by its config key (that is what the file holds), and the remedy for a
+    trainer config is ``--ignore-unknown``, not the Python API's ``ignore_unknown=True``.
     """
     keys: dict[str, Any] = {"gradient_checkpointing": True}
     if ignore_unknown and config_file is None:
         raise LaunchError("--ignore-unknown reads the gradseam keys out of a trainer config; it needs --config FILE.")
     if config_file is not None:
-        where = os.fspath(config_file)
-        try:
-            CheckpointConfig.from_json(where, ignore_unknown=ignore_unknown)  # every mistake in the file
-            data = json.loads(Path(where).read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise LaunchError(f"--config: cannot read {where!r}: {exc.strerror or exc}.") from None
-        except ValueError as exc:
-            hint = " (add --ignore-unknown to read a whole trainer config)" if "unknown gradseam" in str(exc) else ""
-            raise LaunchError(f"--config: {exc}{hint}") from None
-        known = set(CheckpointConfig.keys())  # noqa: SIM118 - a classmethod, not a dict
-        keys.update({k: v for k, v in data.items() if k in known})
+        keys.update(_file_keys(os.fspath(config_file), ignore_unknown))
+    flag_of: dict[str, str] = {}
     for flag, value in (flags or {}).items():
         key = FLAG_KEYS[flag]
         if key in _NULLABLE and isinstance(value, str) and value.strip().lower() in ("null", "none"):
@@ -103,12 +115,78 @@ def build_config(
         try:
             CheckpointConfig.from_dict({key: value})
         except ValueError as exc:
-            raise LaunchError(f"{flag} {value}: {exc}") from None
+            raise LaunchError(f"{flag} {value}: {str(exc).removeprefix(f'gradseam config key {key!r}: ')}") from None
         keys[key] = value
+        flag_of[key] = flag
     try:
-        return CheckpointConfig.from_dict(keys)
+        config = CheckpointConfig.from_dict(keys)
     except ValueError as exc:  # only combinations are left (a stride shorter than the interval)
-        raise LaunchError(str(exc)) from None
+        raise LaunchError(_in_flags(str(exc), flag_of)) from None
+    _refuse_for_every_model(config, flag_of)
+    return config
+
+
+def _refuse_for_every_model(config: CheckpointConfig, flag_of: Mapping[str, str]) -> None:
+    """Refuse, before the program starts, what the backend does not do whatever the model.
+
+    The planner refuses these when a model is patched; under ``gradseam run`` that would be inside the
+    program's first ``from_pretrained``, after it started. They depend on the config alone
+    (:func:`gradseam.planning.check_config`), so here they are one line and exit 2, in the command
+    line's words (a flag by its flag, a key of the file by its key).
+    """
+    from ..errors import UnsupportedStrategyError
+    from ..planning import check_config
+
+    try:
+        check_config(config)
+    except UnsupportedStrategyError as exc:
+        raise LaunchError(_in_flags(str(exc), flag_of)) from None
+
+
+def _file_keys(where: str, ignore_unknown: bool) -> dict[str, Any]:
+    """The gradseam keys of a ``--config`` file, every mistake in it reported in the CLI's words."""
+    try:
+        # every mistake in the file but an unknown key, which is worded here for the command line
+        CheckpointConfig.from_json(where, ignore_unknown=True)
+        data = json.loads(Path(where).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise LaunchError(f"--config: cannot read {where!r}: {exc.strerror or exc}.") from None
+    except ValueError as exc:
+        raise LaunchError(f"--config: {exc}") from None
+    known = CheckpointConfig.keys()
+    unknown = [k for k in data if k not in known]
+    if unknown and not ignore_unknown:
+        raise LaunchError(_unknown_key(where, unknown[0], known))
+    return {k: v for k, v in data.items() if k in known}
+
+
+def _unknown_key(where: str, key: str, known: tuple[str, ...]) -> str:
+    # a flag's name written as a key ("backend", "--segment-stride") is the likeliest slip here
+    flag = "--" + key.lstrip("-").replace("_", "-")
+    if flag in FLAG_KEYS or flag == "--no-checkpointing":
+        wanted = FLAG_KEYS.get(flag, "gradient_checkpointing")
+        hint = (f" Did you mean {wanted!r}? A config file holds the config keys; {key!r} is the name of "
+                f"the {flag} option.")
+    else:
+        close = difflib.get_close_matches(key, sorted(known), n=1, cutoff=0.6)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+    return (f"--config: {where!r} holds the unknown gradseam config key {key!r}.{hint} Valid keys: "
+            f"{sorted(known)}. Add --ignore-unknown to read the gradseam keys out of a whole trainer config.")
+
+
+_KEY_NAME = re.compile(r"(?:gradseam config key )?'?\b(gradient_checkpointing(?:_[a-z]+)*)\b'?")
+
+
+def _in_flags(message: str, flag_of: Mapping[str, str]) -> str:
+    """``message`` with every config key that a flag set named by its flag (the others stay keys:
+    they came from the file)."""
+    return _KEY_NAME.sub(lambda m: flag_of.get(m.group(1), m.group(0)), message)
+
+
+def flag_for_key(text: str) -> str | None:
+    """The flag of a config key written as an option (``--gradient_checkpointing_backend``), else None."""
+    key = text.lstrip("-").replace("-", "_")
+    return next((flag for flag, k in FLAG_KEYS.items() if k == key), None)
 
 
 # -- the program ----------------------------------------------------------------------------------
@@ -140,10 +218,13 @@ def parse_program(argv: list[str], known_flags: list[str] | None = None) -> Prog
             raise LaunchError(f"-m needs a module name; {usage}")
         return Program(name, tuple(rest), module=True)
     if head.startswith("-") and head != "-":
-        import difflib
-
-        close = difflib.get_close_matches(head.split("=")[0], known_flags or [], n=1, cutoff=0.6)
-        hint = f" Did you mean {close[0]}?" if close else ""
+        name = head.split("=")[0]
+        flag = flag_for_key(name)
+        if flag is not None:
+            hint = f" The option for config key {FLAG_KEYS[flag]!r} is {flag}."
+        else:
+            close = difflib.get_close_matches(name, known_flags or [], n=1, cutoff=0.6)
+            hint = f" Did you mean {close[0]}?" if close else ""
         raise LaunchError(f"no such option: {head}.{hint} (gradseam's options go before the program.)")
     path = Path(head)
     if not path.exists():
@@ -174,6 +255,71 @@ def report_path(template: str | os.PathLike[str], rank: int, world: int) -> Path
     return path
 
 
+def _usable(stream: Any) -> bool:
+    return stream is not None and not getattr(stream, "closed", False)
+
+
+def _write(stream: Any, text: str) -> bool:
+    """Write and flush; False (never an exception) where the stream is gone or fails."""
+    if not _usable(stream):
+        return False
+    try:
+        stream.write(text)
+        stream.flush()
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+class KeptStream:
+    """The stream ``gradseam run`` started with, kept usable whatever the program does to it.
+
+    A training script may replace ``sys.stderr`` (a logger's tee) or close it; the launcher's lines
+    after the program (the summary, the exit code, where the report went) must still reach the
+    terminal, and writing them must never raise, since the launcher's exit status is the program's.
+    So the object is kept (the program's later ``sys.stderr = ...`` does not touch it), and its file
+    descriptor is duplicated at start: when the object has been closed, or writing to it fails
+    (its descriptor closed under it), the line goes to the duplicate. A stream with no descriptor
+    (an in-process test runner's capture) has no duplicate, and a line it cannot take is dropped.
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self._fd: int | None = None
+        self._backup: TextIO | None = None
+        try:
+            self._fd = os.dup(stream.fileno())
+        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the last two
+            self._fd = None
+
+    def write(self, text: str) -> None:
+        """Write ``text`` and flush; never raises."""
+        if not _write(self.stream, text):
+            _write(self._open_backup(), text)
+
+    def _open_backup(self) -> TextIO | None:
+        if self._backup is None and self._fd is not None:
+            encoding = getattr(self.stream, "encoding", None) or "utf-8"
+            try:
+                self._backup = open(self._fd, "w", encoding=encoding, errors="backslashreplace",  # noqa: SIM115 - kept open until close()
+                                    closefd=True)
+            except (OSError, ValueError, LookupError):
+                return None
+            self._fd = None  # owned by the backup stream now
+        return self._backup
+
+    def close(self) -> None:
+        """Release the duplicate descriptor (the kept object is not ours to close)."""
+        if self._backup is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self._backup.close()
+            self._backup = None
+        elif self._fd is not None:
+            with contextlib.suppress(OSError, ValueError):
+                os.close(self._fd)
+        self._fd = None
+
+
 @dataclass
 class Launch:
     """One ``gradseam run``: the config, the program, and what happened to it."""
@@ -184,16 +330,23 @@ class Launch:
     rank: int = 0
     world: int = 1
     patched: list[Patched] = field(default_factory=list)
-    stream: TextIO | None = None
+    stream: KeptStream | None = None  # set by run(): stderr as it was before the program started
+
+    def __post_init__(self) -> None:
+        # resolved now, against the directory the command was typed in: the program may chdir
+        if self.report is not None:
+            self.report = Path(os.path.abspath(self.report))
 
     @property
     def prefix(self) -> str:
         return f"[gradseam rank {self.rank}/{self.world}]" if self.world > 1 else "[gradseam]"
 
     def say(self, text: str) -> None:
-        stream = self.stream or sys.stderr
-        for line in text.splitlines() or [""]:
-            print(f"{self.prefix} {line}", file=stream, flush=True)
+        text = "".join(f"{self.prefix} {line}\n" for line in text.splitlines() or [""])
+        if self.stream is not None:
+            self.stream.write(text)
+        else:  # outside run(): nothing to keep yet
+            _write(sys.stderr, text)
 
     def on_patch(self, handle: PatchHandle, component: str | None) -> None:
         item = Patched(handle, component)
@@ -208,12 +361,20 @@ class Launch:
             self.say(f"running {self.program.display} with {self.config.describe()}; models a family handles "
                      "are patched as they load")
 
-        with gradseam.patching(self.config, on_patch=self.on_patch):
-            code = _execute(self.program, start)  # a module is looked up in here: that imports its packages
-        if self.report is not None:  # the handles count every region's calls as they run
-            for item in self.patched:
-                item.runs = [r for r in item.handle.regions() if r.kind != "attention-offload"]
-        self.finish(code)
+        self.stream = KeptStream(sys.stderr)
+        try:
+            with gradseam.patching(self.config, on_patch=self.on_patch):
+                # a module is looked up in here: that imports its packages
+                code = _execute(self.program, start, self.stream)
+            if self.report is not None:  # the handles count every region's calls as they run
+                for item in self.patched:
+                    item.runs = [r for r in item.handle.regions() if r.kind != "attention-offload"]
+            try:
+                self.finish(code)
+            except Exception as exc:  # the program's exit status outranks our summary of it
+                self.say(f"exit code {code}; the summary failed: {type(exc).__name__}: {exc}")
+        finally:
+            self.stream.close()
         return code
 
     def finish(self, code: int) -> None:
@@ -261,13 +422,18 @@ class Launch:
 # -- running ----------------------------------------------------------------------------------------
 
 
-def _exit_status(code: object) -> int:
-    """Python's rule for ``SystemExit(code)``: None is 0, an int is itself, anything else is printed and 1."""
+def _exit_status(code: object, err: KeptStream | None = None) -> int:
+    """Python's rule for ``SystemExit(code)``: None is 0, an int is itself, anything else is printed and 1.
+
+    Printed to the program's ``sys.stderr`` as Python does; where the program closed it, to the
+    stderr the launch started with (``err``), rather than failing on the way out.
+    """
     if code is None:
         return 0
     if isinstance(code, int):
         return code
-    print(code, file=sys.stderr, flush=True)
+    if not _write(sys.stderr, f"{code}\n") and err is not None:
+        err.write(f"{code}\n")
     return 1
 
 
@@ -281,13 +447,25 @@ def _program_traceback(tb: Any) -> Any:
     return tb
 
 
-def _print_uncaught(exc: BaseException) -> None:
+def _print_uncaught(exc: BaseException, err: KeptStream | None = None) -> None:
+    """The traceback as Python would print it: through ``sys.excepthook``, so a hook the program
+    installed applies. Where the program closed ``sys.stderr`` (where the default hook writes, and
+    fails quietly), the traceback also goes to the stderr the launch started with (``err``): a run
+    that failed must not end without saying why."""
     # the default hook prints the exception's own __traceback__, not the one passed to it
     tb = _program_traceback(exc.__traceback__)
-    sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+    exc = exc.with_traceback(tb)
+    shown = False
+    try:
+        sys.excepthook(type(exc), exc, tb)
+        shown = _usable(sys.stderr)
+    except Exception:  # a hook that fails: fall back below
+        shown = False
+    if not shown and err is not None:
+        err.write("".join(traceback.format_exception(type(exc), exc, tb)))
 
 
-def _execute(program: Program, start: Callable[[], None] = lambda: None) -> int:
+def _execute(program: Program, start: Callable[[], None] = lambda: None, err: KeptStream | None = None) -> int:
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     try:
         if program.module:
@@ -304,12 +482,12 @@ def _execute(program: Program, start: Callable[[], None] = lambda: None) -> int:
                 runpy.run_path(program.target, run_name="__main__")
             return 0
         except SystemExit as exc:
-            return _exit_status(exc.code)
+            return _exit_status(exc.code, err)
         except KeyboardInterrupt as exc:
-            _print_uncaught(exc)
+            _print_uncaught(exc, err)
             return 130
         except BaseException as exc:  # whatever the program raised is printed as Python would print it
-            _print_uncaught(exc)
+            _print_uncaught(exc, err)
             return 1
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path

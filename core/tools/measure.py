@@ -9,7 +9,9 @@ beside a number in another. Now the protocol is written once:
 * ``warmup`` steps run untimed (allocator, kernels, the pinned pool, compiled graphs);
 * the activation peak is ``max_memory_allocated`` over the timed steps minus what was allocated
   before them (weights, inputs, optimizer state are not activations);
-* the step time is the median of the timed steps, each ended by a device synchronize;
+* the step time is the median of the timed steps, each ended by a device synchronize; every
+  timed step is kept (``Measurement.step_times_ms``), so a table can say how far apart they were
+  and whether a difference between two rows is larger than that (:func:`noise`);
 * host memory is what gradseam's pinned pool holds after the timed steps (the pool only grows,
   so that is its peak), and the pinned allocations it made after the warm-up (a healthy pool
   makes none). Not the CUDA host allocator's statistics: on torch 2.11 their peak did not reset
@@ -23,9 +25,9 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -33,6 +35,12 @@ from torch import nn
 
 GiB = 1 << 30
 MiB = 1 << 20
+
+# A row whose timed steps lie further apart than this fraction of their median says more about
+# the machine than about the strategy: on the 2-core CI machine with other jobs running, the demo's
+# rows scattered from 0.56x to 2.76x of no checkpointing between runs. On an idle machine its
+# steps agree within a few percent, so a fifth is well clear of ordinary jitter.
+NOISY_SPREAD = 0.2
 
 
 def is_oom(exc: BaseException) -> bool:
@@ -131,6 +139,109 @@ class Measurement:
     pinned_gib: float = 0.0  # pinned host memory gradseam's pool holds (0 for a row without one)
     pinned_allocations_after_warmup: int | None = None  # None: no gradseam pool in the row
     base_gib: float = 0.0  # allocated before the timed steps (weights, inputs, optimizer state)
+    step_times_ms: tuple[float, ...] = field(default=())  # every timed step, in order; step_ms is their median
+
+    @property
+    def spread(self) -> float | None:
+        """(slowest - fastest) / median of the timed steps; None with fewer than two."""
+        return spread(self.step_times_ms)
+
+
+def spread(times: Sequence[float]) -> float | None:
+    """How far apart repeated timings of one step lie: ``(max - min) / median``; None for fewer than
+    two timings (one step says nothing about the scatter) or a zero median."""
+    if len(times) < 2:
+        return None
+    middle = statistics.median(times)
+    return (max(times) - min(times)) / middle if middle > 0 else None
+
+
+def noise(times: Sequence[float], reference: Sequence[float], *, recomputes: bool = True) -> str | None:
+    """Why a row's step time cannot be read against the reference row's (no checkpointing), or None.
+
+    ``times`` and ``reference`` are the two rows' timed steps. A ratio of medians means something only
+    where the steps of each row agree with each other better than the rows differ, so a row is noise
+    when
+
+    * either row's timed steps lie more than :data:`NOISY_SPREAD` of their median apart ("scattered");
+    * the two rows' timed steps overlap: some step of the row was as fast as some step of the
+      reference and another as slow ("overlaps");
+    * the row is faster than the reference although it does more work (``recomputes``: a
+      checkpointed row runs a forward again, an offloaded one copies): that is the machine, not the
+      strategy ("faster than none").
+
+    Pure logic on the lists, so it is tested on made-up timings rather than on a timed run.
+    """
+    if not times or not reference:
+        return None
+    for got in (times, reference):
+        scatter = spread(got)
+        if scatter is not None and scatter > NOISY_SPREAD:
+            return "scattered"
+    if (len(times) > 1 or len(reference) > 1) and min(times) <= max(reference) and min(reference) <= max(times):
+        return "overlaps"
+    if recomputes and statistics.median(times) < statistics.median(reference):
+        return "faster than none"
+    return None
+
+
+def noise_marks(rows: Sequence[Sequence[float]], reference: int = 0) -> list[str | None]:
+    """:func:`noise` for every row of a table against its reference row (no checkpointing).
+
+    The reference row is only judged on its own scatter (it cannot overlap itself); every other row
+    is taken to do more work than it, which holds for every strategy the demo and bench's CPU table
+    show (recompute or copies, never less work).
+    """
+    ref = rows[reference] if rows else ()
+    marks: list[str | None] = []
+    for i, times in enumerate(rows):
+        if i == reference:
+            scatter = spread(times)
+            marks.append("scattered" if scatter is not None and scatter > NOISY_SPREAD else None)
+        else:
+            marks.append(noise(times, ref))
+    return marks
+
+
+_NOISE_CAUSES = {
+    "scattered": f"its timed steps lie more than {NOISY_SPREAD:.0%} of their median apart",
+    "overlaps": "its timed steps overlap those of no checkpointing",
+    "faster than none": "it ran faster than no checkpointing, which does less work",
+}
+
+
+def noise_note(marks: Sequence[str | None], exact: str = "the memory and gradient columns") -> str | None:
+    """The one sentence a table prints under rows :func:`noise_marks` marked, or None if none is.
+
+    A newcomer reads "0.56x" as "checkpointing is faster"; this says plainly that the times are the
+    machine's noise, and which figures do not depend on it (``exact``).
+    """
+    seen = [cause for cause in _NOISE_CAUSES if cause in marks]
+    if not seen:
+        return None
+    causes = "; ".join(_NOISE_CAUSES[c] for c in seen)
+    return (f"* step time within noise ({causes}): on this machine these timings cannot tell the marked rows "
+            f"from no checkpointing, so trust {exact}, which are exact, and compare speed on an idle machine or "
+            "with more --steps.")
+
+
+@contextmanager
+def recorded() -> Iterator[list[Measurement]]:
+    """Collect every :class:`Measurement` that :func:`measure` returns inside the block, in order.
+
+    For callers that see a sweep's results but not its measurements (``gradseam bench`` gets rows
+    from :mod:`gradseam.tools.bench`, whose records keep only the median): the last entry is the
+    measurement of the row just reported.
+    """
+    log: list[Measurement] = []
+    _recorders.append(log)
+    try:
+        yield log
+    finally:
+        _recorders.remove(log)
+
+
+_recorders: list[list[Measurement]] = []
 
 
 def measure(
@@ -167,7 +278,11 @@ def measure(
     else:
         peak = max(int(k or 0) for k in kept) / GiB
         pinned = 0.0
-    return Measurement(peak, statistics.median(times), pinned, allocations, base / GiB if cuda else 0.0)
+    got = Measurement(peak, statistics.median(times), pinned, allocations, base / GiB if cuda else 0.0,
+                      tuple(times))
+    for log in _recorders:
+        log.append(got)
+    return got
 
 
 def context_lost(device: str = "cuda") -> bool:
