@@ -16,10 +16,11 @@ from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from .backends import CATALOG, Backend
+from .backends import CATALOG
 
 BACKENDS: tuple[str, ...] = tuple(CATALOG)
 DEFAULT_PIN_BUCKETS = 12
+DEFAULT_MEMORY_BUDGET = 0.1  # the compiled backends' activation memory budget when none is given
 
 _TRUE_STRINGS = {"true": True, "false": False}
 
@@ -56,6 +57,23 @@ def _parse_int(key: str, value: Any, *, minimum: int, allow_none: bool) -> int |
         hint = " (use null to disable)" if allow_none else ""
         raise ValueError(f"{_where(key)}: must be >= {minimum}, got {value}{hint}.")
     return value
+
+
+def _parse_budget(key: str, value: Any) -> float | None:
+    """A fraction 0 < B <= 1, or None for the default; strings of a number pass (CLI, YAML)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            value = float(value.strip())
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{_where(key)}: expected a number 0 < B <= 1 or null, got {value!r} ({type(value).__name__}).")
+    if not 0 < value <= 1:
+        raise ValueError(
+            f"{_where(key)}: must be > 0 and <= 1, got {value!r}. It is the fraction of what a compiled block "
+            f"would keep without recomputing that it may keep (null = {DEFAULT_MEMORY_BUDGET})."
+        )
+    return float(value)
 
 
 def _parse_backend(value: Any) -> str:
@@ -173,6 +191,7 @@ class CheckpointConfig:
     gradient_checkpointing_offload_attention: bool = False
     gradient_checkpointing_offload_pin_memory_max_buckets: int = DEFAULT_PIN_BUCKETS
     gradient_checkpointing_keep_attention: bool = False
+    gradient_checkpointing_memory_budget: float | None = None
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalise through object.__setattr__ so the stored values are the parsed ones.
@@ -200,6 +219,11 @@ class CheckpointConfig:
             self,
             "gradient_checkpointing_offload_attention",
             _parse_bool("gradient_checkpointing_offload_attention", self.gradient_checkpointing_offload_attention),
+        )
+        set_(
+            self,
+            "gradient_checkpointing_memory_budget",
+            _parse_budget("gradient_checkpointing_memory_budget", self.gradient_checkpointing_memory_budget),
         )
         set_(
             self,
@@ -247,27 +271,10 @@ class CheckpointConfig:
         return self.gradient_checkpointing_keep_attention
 
     @property
-    def backend_spec(self) -> Backend:
-        return CATALOG[self.backend]
-
-    @property
-    def ffn_scope(self) -> bool:
-        return self.backend_spec.scope == "ffn"
-
-    @property
-    def offloads_regions(self) -> bool:
-        return self.backend_spec.offloads_inputs
-
-    @property
-    def kept_kernels(self) -> str:
-        """Where whole-block regions keep attention kernel outputs: "cpu", "gpu", or "" (recomputed)."""
-        if not self.enabled or self.ffn_scope:
-            return ""
-        return "cpu" if self.offload_attention else "gpu" if self.keep_attention else ""
-
-    @property
-    def needs_engine(self) -> bool:
-        return (self.enabled and self.offloads_regions) or self.offload_attention
+    def memory_budget(self) -> float:
+        """The compiled backends' activation memory budget (the default when the key is null)."""
+        budget = self.gradient_checkpointing_memory_budget
+        return DEFAULT_MEMORY_BUDGET if budget is None else budget
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -359,4 +366,6 @@ class CheckpointConfig:
             parts.append("attention offload")
         elif self.keep_attention:
             parts.append("attention kept")
+        if self.enabled and self.gradient_checkpointing_memory_budget is not None:
+            parts.append(f"memory budget {self.memory_budget:g}")
         return ", ".join(parts)

@@ -57,7 +57,7 @@ def register_attention_kernels(register: RegisterKernel) -> None:
     backend, gradseam keeps the outputs of attention kernels across the checkpoint instead of
     recomputing them, and it finds attention by operator: aten's scaled-dot-product kernels and
     the custom ops of the libraries diffusers' attention dispatcher routes to are built in
-    (:data:`gradseam.kernels.BUILTIN_KERNELS`). A model that calls another kernel registered as a
+    (:data:`gradseam.registry.BUILTIN_KERNELS`). A model that calls another kernel registered as a
     torch operator (``torch.library.custom_op("mylib::attention", ...)``) names it here; one whose
     kernel is not an operator (a bare Triton launch) is recomputed like any other op, exactly.
     A plugin may implement this hook alone. Example::

@@ -1,44 +1,174 @@
-"""The plan: which modules of a model become which regions, decided before anything is touched.
+"""The plan: which modules of a model become which regions, and what each region does, decided once.
 
 Planning is separate from installing so that a refused configuration (an ``-ffn`` backend on a
 family without an FFN boundary, say) raises while the model is still exactly as it was, and so
 that tools (the summary, the conformance kit, the advisor) can inspect a plan without patching.
+
+It is also the one place that turns a config into behaviour. :func:`strategy_of` reads the config
+and the backend catalog once (which scope, what is offloaded, where kept attention kernel outputs
+live); :func:`plan` copies that into an immutable :class:`RegionSpec` per region. The run layer
+(:mod:`gradseam.run.install`) turns specs into what runs, and the summary, ``handle.regions()``,
+bench, advise and the kit read the specs: none of them looks at a backend's name again.
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 from torch import nn
 
+from .backends import CATALOG, Backend, Offload, Scope
 from .config import CheckpointConfig
 from .errors import GradseamWarning, UnsupportedModelError, UnsupportedStrategyError, warn_once, warned  # noqa: F401 - GradseamWarning and warned are re-exported
-from .family import BlockClass, BlockList, Family
+from .family import BlockClass, BlockList, Carry, Family
 
-# -- planning ---------------------------------------------------------------------------------
+# -- what a region is -------------------------------------------------------------------------
 
 
-@dataclass
-class Region:
-    """One planned region: which modules, and what gradseam does with them."""
+class Kind(str, Enum):
+    """What a region is. A ``str`` enum, so ``kind == "chunk"`` reads as it always did."""
+
+    BLOCK = "block"  # one block, one checkpoint region
+    CHUNK = "chunk"  # consecutive blocks run as one checkpoint region (interval)
+    FFN = "ffn"  # a feed-forward seam inside a block
+    ATTENTION_OFFLOAD = "attention-offload"  # an attention submodule outside any region: its saved tensors offloaded
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Kept(str, Enum):
+    """Where a whole-block region keeps attention kernel outputs instead of recomputing them."""
+
+    NOWHERE = ""  # recomputed with the rest of the block
+    GPU = "gpu"
+    CPU = "cpu"  # in host memory, through the offload engine
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class LinkKind(str, Enum):
+    """How a region's later members are called from the previous one's output."""
+
+    NONE = "none"  # a region of one module
+    BLOCKS = "blocks"  # blocks of one list: the Carry says which outputs feed which parameters
+    SEAM = "seam"  # submodules of one FFN seam, each on the previous one's output
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """What a config asks of every region, resolved once from the config and the backend catalog.
+
+    ``backend`` is None when checkpointing is off. ``kept`` applies to whole-block regions;
+    ``attention_offload`` to attention submodules outside any region (beside the ``-ffn`` backends,
+    in blocks a stride leaves out, or alone).
+    """
+
+    backend: Backend | None
+    kept: Kept
+    attention_offload: bool
+
+    @property
+    def scope(self) -> Scope | None:
+        return self.backend.scope if self.backend is not None else None
+
+    @property
+    def offload(self) -> Offload:
+        return self.backend.offload if self.backend is not None else Offload.NOTHING
+
+    @property
+    def offload_inputs(self) -> bool:
+        return self.offload is Offload.INPUTS
+
+    @property
+    def needs_engine(self) -> bool:
+        """Something is moved to host memory: the model must be on a GPU (the offload engine)."""
+        return self.offload is not Offload.NOTHING or self.kept is Kept.CPU or self.attention_offload
+
+    @property
+    def cpu_measurable(self) -> bool:
+        """Whether the CPU tools can measure it: they count what saved-tensor hooks see, and kept kernel
+        outputs never pass through those hooks (the count would be too low)."""
+        return not self.needs_engine and self.kept is Kept.NOWHERE
+
+    def offloaded(self) -> list[str]:
+        """What moves activations to host memory, in the config's words (for errors and warnings)."""
+        wants = [f"backend {self.backend.name!r}"] if self.backend is not None and self.backend.offloads else []
+        if self.attention_offload:
+            wants.append("gradient_checkpointing_offload_attention")
+        return wants
+
+
+def strategy_of(config: CheckpointConfig) -> Strategy:
+    """The one reading of a config: scope, offload and kept kernels (model-free; tools use it too)."""
+    backend = CATALOG[config.backend] if config.enabled else None
+    whole = backend is not None and backend.scope is Scope.BLOCK
+    kept = Kept.NOWHERE
+    if whole and config.offload_attention:
+        kept = Kept.CPU
+    elif whole and config.keep_attention:
+        kept = Kept.GPU
+    return Strategy(backend, kept, config.offload_attention)
+
+
+@dataclass(frozen=True, eq=False)
+class RegionSpec:
+    """One planned region, resolved: which modules, and exactly how it runs. Never changed after planning.
+
+    ``modules`` are the modules as planned (a PEFT layer that later replaces a seam's Linear is
+    followed by the installed chain, not written back here). ``runner`` names the run layer's runner
+    (the backend's, or "attention-offload"); ``offload_inputs`` puts the region's inputs in host
+    memory; ``kept`` says where attention kernel outputs stay, matched by operator against
+    ``kernels`` (schema names); ``carry`` / ``per_block`` describe a chunk's link.
+    """
 
     list_path: str
     blocks: tuple[int, ...]  # indices in the block list
-    kind: str  # "block", "chunk", "ffn" or "attention-offload"
+    kind: Kind
     modules: tuple[nn.Module, ...]
     seam: tuple[str, ...] = ()  # submodule paths for ffn/attention regions
     block_class: str = ""
-    stats: Any = None  # the installed chain's counts (strategies.ChainStats); kept after remove()
+    runner: str = "checkpoint"
+    backend: str = ""  # the catalog entry's name, for words only
+    offload: Offload = Offload.NOTHING
+    budget: float | None = None  # the compiler's activation memory budget (compiled regions)
+    kept: Kept = Kept.NOWHERE
+    kernels: frozenset[str] = frozenset()
+    link: LinkKind = LinkKind.NONE
+    carry: Carry | None = None
+    per_block: tuple[str, ...] = ()
+    attention: tuple[str, ...] = ()  # the blocks' attention submodules, where kept kernels are looked for
+
+    @property
+    def label(self) -> str:
+        return f"{self.list_path}{list(self.blocks)}" + (f".{'→'.join(self.seam)}" if self.seam else "")
+
+    @property
+    def offload_inputs(self) -> bool:
+        return self.offload is Offload.INPUTS
+
+    @property
+    def offloads(self) -> bool:
+        """The region moves something to host memory (through the engine)."""
+        return self.offload is not Offload.NOTHING or self.kept is Kept.CPU
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
     family: Family
     config: CheckpointConfig
-    regions: list[Region] = field(default_factory=list)
-    plain: list[tuple[str, int, str]] = field(default_factory=list)  # blocks left as they are
+    strategy: Strategy
+    regions: tuple[RegionSpec, ...] = ()
+    plain: tuple[tuple[str, int, str], ...] = ()  # blocks left as they are
+
+    @property
+    def needs_engine(self) -> bool:
+        return any(r.offloads for r in self.regions)
+
 
 
 def resolve(root: nn.Module, path: str) -> Any:
@@ -66,10 +196,34 @@ def _blocks(model: nn.Module, family: Family) -> list[tuple[BlockList, list[nn.M
 
 
 def unwrap(module: nn.Module) -> nn.Module:
-    """The block inside torch's activation-checkpoint wrapper(s), or the module itself."""
-    while isinstance(getattr(module, "_checkpoint_wrapped_module", None), nn.Module):
-        module = module._checkpoint_wrapped_module
-    return module
+    """The block inside torch's activation-checkpoint wrapper(s) or ``torch.compile``'s ``OptimizedModule``
+    (``blocks[i] = torch.compile(blocks[i])``), or the module itself."""
+    while True:
+        inner = getattr(module, "_checkpoint_wrapped_module", None)
+        if not isinstance(inner, nn.Module):
+            inner = module._modules.get("_orig_mod") if _is_optimized(module) else None
+        if not isinstance(inner, nn.Module):
+            return module
+        module = inner
+
+
+def _is_optimized(module: nn.Module) -> bool:
+    return type(module).__name__ == "OptimizedModule" and type(module).__module__.startswith("torch._dynamo")
+
+
+def _refuse_user_compiled(model: nn.Module, family: Family, backend: Backend) -> None:
+    """A block the user compiled already would be traced whole by their compiler, seams included: the
+    compiled backends' own compile (and their offload group outside it) could not take effect."""
+    for block_list in family.block_lists:
+        for index, outer in enumerate(resolve(model, block_list.path) or ()):
+            if _is_optimized(outer) or getattr(unwrap(outer), "_compiled_call_impl", None) is not None:
+                raise UnsupportedStrategyError(
+                    f"{type(model).__name__}.{block_list.path}[{index}] is already compiled with torch.compile "
+                    f"(torch.compile(block), block.compile() or compile_repeated_blocks), and backend "
+                    f"{backend.name!r} compiles each block itself, under its memory budget. Patch the uncompiled "
+                    "model and let the backend compile (remove your torch.compile of the blocks), or keep your "
+                    "compile with a non-compiling backend such as 'torch'."
+                )
 
 
 def _externally_checkpointed(model: nn.Module) -> set[int]:
@@ -152,34 +306,83 @@ def _check_carry(family: Family, block_list: BlockList, block: nn.Module) -> Non
             )
 
 
-def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
-    """Decide every region without touching the model."""
-    result = Plan(family, config)
-    whole = config.enabled and not config.ffn_scope
-    if config.enabled and config.ffn_scope and not family.has_ffn:
-        missing = [bc.name.rsplit(".", 1)[-1] for bc in family.block_classes if not bc.ffn]
+def _refuse_shared(model: nn.Module, family: Family, lists: list[tuple[BlockList, list[nn.Module]]]) -> None:
+    """One block instance at several positions (weight sharing) would get one seam for two regions:
+    the second position's recompute would run through the first one's region. Refused by name."""
+    seen: dict[int, str] = {}
+    for block_list, blocks in lists:
+        for index, block in enumerate(blocks):
+            where = f"{block_list.path}[{index}]"
+            first = seen.setdefault(id(block), where)
+            if first != where:
+                raise UnsupportedStrategyError(
+                    f"{type(model).__name__}.{where} is the same {type(block).__name__} instance as {first} "
+                    f"(family {family.name!r}): one module at several positions of the block lists (shared "
+                    "weights) cannot be patched, since its single forward would stand for two regions. Give each "
+                    "position its own module (copy.deepcopy), or leave this model unpatched."
+                )
+
+
+def check_config(config: CheckpointConfig) -> None:
+    """Refuse a setting the backend does not do, whatever the model (its catalog entry says): never
+    silently ignored. Model-free, so ``gradseam run`` refuses these before the program starts."""
+    backend = strategy_of(config).backend
+    if config.gradient_checkpointing_memory_budget is not None and (backend is None or not backend.budget):
+        users = [b.name for b in CATALOG.values() if b.budget]
         raise UnsupportedStrategyError(
-            f"backend {config.backend!r} needs an FFN boundary, but family {family.name!r} declares none "
-            f"for {missing}; gradseam will not silently run another scope. Use "
-            f"'{config.backend.replace('-ffn', '')}' (whole-block) instead."
+            f"gradient_checkpointing_memory_budget={config.gradient_checkpointing_memory_budget:g} is the compiler's "
+            f"activation memory budget for compiled blocks; backend "
+            f"{backend.name if backend else 'none (checkpointing is off)'!r} compiles nothing. Use it with {users}, "
+            "or remove the key."
+        )
+    if backend is None:
+        return
+    if not backend.chunks and config.gradient_checkpointing_interval and config.interval > 1:
+        raise UnsupportedStrategyError(
+            f"gradient_checkpointing_interval={config.interval}: backend {backend.name!r} makes every compiled block "
+            "its own region (the compiler decides what each keeps), so blocks cannot be chunked. Remove the "
+            "interval (gradient_checkpointing_segment_stride still selects which blocks are compiled)."
+        )
+    if not backend.kept_attention and (config.keep_attention or config.offload_attention):
+        key = ("gradient_checkpointing_offload_attention" if config.offload_attention
+               else "gradient_checkpointing_keep_attention")
+        offloading = next((b.name for b in CATALOG.values() if b.runner == backend.runner and b.offloads), None)
+        raise UnsupportedStrategyError(
+            f"{key}: backend {backend.name!r} already keeps attention outputs (the compiler's partitioner keeps "
+            f"what is costly to recompute){'' if backend.offloads or offloading is None else f'; to hold them in CPU memory use {offloading!r}'}. "
+            "Remove the key."
+        )
+
+
+def _check_strategy(family: Family, config: CheckpointConfig, strategy: Strategy) -> None:
+    """Refuse what the family cannot run, and warn for settings that cannot take effect as written."""
+    backend = strategy.backend
+    check_config(config)
+    if backend is not None and backend.scope is Scope.FFN and not family.has_ffn:
+        missing = [bc.name.rsplit(".", 1)[-1] for bc in family.block_classes if not bc.ffn]
+        whole = next((b.name for b in CATALOG.values() if b.scope is Scope.BLOCK and b.offload is backend.offload),
+                     "torch")
+        raise UnsupportedStrategyError(
+            f"backend {backend.name!r} needs an FFN boundary, but family {family.name!r} declares none "
+            f"for {missing}; gradseam will not silently run another scope. Use {whole!r} (whole-block) instead."
         )
     if config.offload_attention and not family.has_attention:
         raise UnsupportedStrategyError(
             f"gradient_checkpointing_offload_attention needs an attention side, but family {family.name!r} "
             "declares none; turn attention offload off for this model."
         )
-    if config.keep_attention and not config.kept_kernels:
-        why = ("no checkpointing runs" if not config.enabled else
-               f"backend {config.backend!r} never recomputes attention (it only checkpoints the feed-forward side)")
+    if config.keep_attention and strategy.kept is Kept.NOWHERE:
+        why = ("no checkpointing runs" if backend is None else
+               f"backend {backend.name!r} never recomputes attention (it only checkpoints the feed-forward side)")
         warn_once(
             f"gradient_checkpointing_keep_attention has no effect here: {why}. It keeps attention kernel "
-            "outputs inside whole-block regions (backends 'torch' / 'unsloth')."
+            "outputs on the GPU inside whole-block regions (backends 'torch' / 'unsloth')."
         )
-    if config.enabled and config.gradient_checkpointing_interval and config.interval > 1:
-        if config.ffn_scope and config.stride is None:
+    if backend is not None and config.gradient_checkpointing_interval and config.interval > 1:
+        if backend.scope is Scope.FFN and config.stride is None:
             warn_once(
                 f"gradient_checkpointing_interval={config.interval} does not group FFN regions (attention "
-                f"sits between them); with {config.backend!r} the interval only selects blocks through "
+                f"sits between them); with {backend.name!r} the interval only selects blocks through "
                 "gradient_checkpointing_segment_stride."
             )
         elif not family.supports_interval:
@@ -188,24 +391,49 @@ def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
                 f"interval={config.interval} and checkpointing every selected block on its own."
             )
 
-    wrapped = _externally_checkpointed(model) if config.enabled else set()
-    skipped: list[str] = []
-    for block_list, blocks in _blocks(model, family):
-        chunk: list[int] = []
 
-        def flush(chunk: list[int], block_list: BlockList = block_list, blocks: list[nn.Module] = blocks) -> None:
+def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
+    """Decide every region, and how it runs, without touching the model."""
+    strategy = strategy_of(config)
+    _check_strategy(family, config, strategy)
+    backend = strategy.backend
+    whole = backend is not None and backend.scope is Scope.BLOCK
+    kernels: frozenset[str] = frozenset()
+    if strategy.kept is not Kept.NOWHERE:
+        from .registry import REGISTRY
+
+        kernels = REGISTRY.attention_kernels()
+    common: dict[str, Any] = {}
+    if backend is not None:
+        common = {"runner": backend.runner, "backend": backend.name, "offload": backend.offload,
+                  "budget": config.memory_budget if backend.budget else None}
+
+    lists = _blocks(model, family)
+    if backend is not None or strategy.attention_offload:
+        _refuse_shared(model, family, lists)
+    if backend is not None and backend.budget:
+        _refuse_user_compiled(model, family, backend)
+    wrapped = _externally_checkpointed(model) if backend is not None else set()
+    regions: list[RegionSpec] = []
+    plain: list[tuple[str, int, str]] = []
+    skipped: list[str] = []
+    for block_list, blocks in lists:
+        chunk: list[int] = []
+        declared_of: dict[int, BlockClass] = {}
+
+        def flush(chunk: list[int], block_list: BlockList = block_list, blocks: list[nn.Module] = blocks,
+                  declared_of: dict[int, BlockClass] = declared_of) -> None:
             if not chunk:
                 return
-            kind = "chunk" if len(chunk) > 1 else "block"
-            result.regions.append(
-                Region(
-                    block_list.path,
-                    tuple(chunk),
-                    kind,
-                    tuple(blocks[i] for i in chunk),
-                    block_class=type(blocks[chunk[0]]).__qualname__,
-                )
-            )
+            several = len(chunk) > 1
+            attention = tuple(dict.fromkeys(p for i in chunk for p in declared_of[i].attention))
+            regions.append(RegionSpec(
+                block_list.path, tuple(chunk), Kind.CHUNK if several else Kind.BLOCK,
+                tuple(blocks[i] for i in chunk), block_class=type(blocks[chunk[0]]).__qualname__,
+                kept=strategy.kept, kernels=kernels, link=LinkKind.BLOCKS if several else LinkKind.NONE,
+                carry=block_list.carry if several else None, per_block=block_list.per_block if several else (),
+                attention=attention, **common,
+            ))
             chunk.clear()
 
         group = config.interval if block_list.carry is not None else 1
@@ -214,8 +442,8 @@ def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
                 _check_carry(family, block_list, cls)
         for index, block in enumerate(blocks):
             where = f"{block_list.path}[{index}]"
-            declared = _block_class(family, block, where)
-            selected = config.enabled and _selected(index, config)
+            declared = declared_of[index] = _block_class(family, block, where)
+            selected = backend is not None and _selected(index, config)
             if selected and wrapped and any(id(m) in wrapped for m in block.modules()):
                 selected = False  # torch's checkpoint wrapper already checkpoints it (or part of it)
                 skipped.append(where)
@@ -232,21 +460,22 @@ def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
                     if _absent(block, seam, declared):
                         continue  # declared optional, and this instance has none
                     subs = tuple(_submodule(block, p, family, where) for p in seam)
-                    result.regions.append(
-                        Region(block_list.path, (index,), "ffn", subs, seam, type(block).__qualname__)
-                    )
+                    regions.append(RegionSpec(
+                        block_list.path, (index,), Kind.FFN, subs, seam, type(block).__qualname__,
+                        link=LinkKind.SEAM if len(subs) > 1 else LinkKind.NONE, **common,
+                    ))
             if not selected or not whole:
-                if config.offload_attention:
+                if strategy.attention_offload:
                     for path in declared.attention:
                         if _absent(block, (path,), declared):
                             continue
                         sub = _submodule(block, path, family, where)
-                        result.regions.append(
-                            Region(block_list.path, (index,), "attention-offload", (sub,), (path,),
-                                   type(block).__qualname__)
-                        )
-                if not selected and not config.offload_attention:
-                    result.plain.append((block_list.path, index, type(block).__qualname__))
+                        regions.append(RegionSpec(
+                            block_list.path, (index,), Kind.ATTENTION_OFFLOAD, (sub,), (path,),
+                            type(block).__qualname__, runner="attention-offload", offload=Offload.SAVED,
+                        ))
+                if not selected and not strategy.attention_offload:
+                    plain.append((block_list.path, index, type(block).__qualname__))
         if whole:
             flush(chunk)
     if skipped:
@@ -257,4 +486,4 @@ def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
             f"it); gradseam leaves them to it and does not checkpoint them again (backend {config.backend!r} "
             "is off for them; attention offload, if set, still applies)."
         )
-    return result
+    return Plan(family, config, strategy, tuple(regions), tuple(plain))

@@ -27,9 +27,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
-import sys
 import threading
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -43,14 +41,36 @@ from .errors import (
     PluginError,
     PluginTypeError,
     PluginValueError,
-    PluginWarning,
 )
+from .errors import warn_plugin as _warn  # at the first frame outside gradseam
 from .family import Family, bare_name
 
 ENTRY_POINT_GROUP = "gradseam"
 PLUGINS_ENV = "GRADSEAM_PLUGINS"
 BUILTIN_DISTRIBUTION = "gradseam"
-_HOOKS = ("register_families", "register_attention_kernels")
+# the hooks gradseam.hookspecs declares, read from it (a hook added there is known here at once)
+_HOOKS = tuple(name for name, f in vars(hookspecs).items() if callable(f) and hasattr(f, f"{hookspecs.PROJECT}_spec"))
+
+# The attention kernels gradseam knows without a plugin, as operator schema names: aten's kernels are
+# what F.scaled_dot_product_attention and diffusers' "native" backends reach; the rest are the custom ops
+# of libraries diffusers' attention dispatcher can use. Plugins add theirs (register_attention_kernels);
+# attention_kernels() is the one place the whole set is assembled.
+BUILTIN_KERNELS: frozenset[str] = frozenset(
+    {
+        "aten::_scaled_dot_product_flash_attention",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_scaled_dot_product_efficient_attention",
+        "aten::_scaled_dot_product_cudnn_attention",
+        "aten::_scaled_dot_product_fused_attention_overrideable",
+        "aten::_flash_attention_forward",
+        "aten::_efficient_attention_forward",
+        "flash_attn::_flash_attn_forward",
+        "flash_attn::_flash_attn_varlen_forward",
+        "_diffusers_flash_attn_3::_flash_attn_forward",
+        "xformers_flash::flash_fwd",
+        "xformers::efficient_attention_forward_cutlass",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -145,15 +165,6 @@ def _same_class(a: str, b: str) -> bool:
     if a == b:
         return True
     return ("." not in a or "." not in b) and bare_name(a) == bare_name(b)
-
-
-def _warn(message: str) -> None:
-    # Point the warning at the first frame outside gradseam's core, whichever public call got here.
-    here = os.path.dirname(os.path.abspath(__file__))
-    frame, level = sys._getframe(0), 1
-    while frame is not None and os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == here:
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, PluginWarning, stacklevel=level)
 
 
 def _dist_of(ep: Any) -> tuple[str | None, str | None]:
@@ -491,8 +502,6 @@ class Registry:
 
     def attention_kernels(self) -> frozenset[str]:
         """Operator names that count as attention kernels: the built-in ones and every plugin's."""
-        from .kernels import BUILTIN_KERNELS
-
         self.ensure_loaded()
         return BUILTIN_KERNELS.union(*self._kernels.values())
 

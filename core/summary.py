@@ -2,11 +2,67 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from .backends import Offload
+from .planning import Kept, Kind, Plan, RegionSpec
+
 if TYPE_CHECKING:
-    from .patcher import PatchHandle, RegionView
+    from .run.chains import ChainStats
+
+
+@dataclass(frozen=True)
+class RegionView:
+    """One region a handle installed, as tools and tests may read it (``handle.regions()``).
+
+    The first fields are the plan's spec (what the region is and how it runs); the rest count how
+    it ran. ``calls`` counts, per member module, the calls made with gradients enabled (for an
+    attention-offload region: the offloaded calls of its submodule); ``runs`` the checkpoint regions
+    computed (a whole chunk counts once); ``chunk_calls`` the calls that ran a whole chunk and
+    ``served`` the later members answered from it; ``fallbacks`` maps each reason a member had to
+    compute on its own (or a kept kernel output had to be computed again) to how often it happened.
+    """
+
+    list_path: str
+    blocks: tuple[int, ...]
+    kind: Kind
+    block_class: str
+    seam: tuple[str, ...]
+    calls: tuple[int, ...] = ()
+    runs: int = 0
+    chunk_calls: int = 0
+    served: int = 0
+    fallbacks: Mapping[str, int] = field(default_factory=dict)
+    runner: str = ""
+    offload: Offload = Offload.NOTHING
+    kept: Kept = Kept.NOWHERE
+
+    @classmethod
+    def of(cls, spec: RegionSpec, stats: ChainStats | None) -> RegionView:
+        s = stats
+        return cls(
+            spec.list_path, spec.blocks, spec.kind, spec.block_class, spec.seam,
+            calls=tuple(s.member_calls) if s else (), runs=s.runs if s else 0,
+            chunk_calls=s.chunk_calls if s else 0, served=s.served if s else 0,
+            fallbacks=dict(s.fallbacks) if s else {}, runner=spec.runner, offload=spec.offload,
+            kept=spec.kept,
+        )
+
+    @property
+    def label(self) -> str:
+        return f"{self.list_path}{list(self.blocks)}" + (f".{'→'.join(self.seam)}" if self.seam else "")
+
+    @property
+    def ran(self) -> bool:
+        return bool(self.calls) and self.calls[0] > 0
+
+    @property
+    def whole(self) -> bool:
+        """Every call of the region computed it as one region (a chunk's later members were served)."""
+        first = self.calls[0] if self.calls else 0
+        return not self.fallbacks and self.runs == first and all(c == first for c in self.calls)
 
 
 @dataclass(frozen=True)
@@ -30,17 +86,14 @@ class Summary:
         self.notes = notes or []  # how regions have run so far: chunk fallbacks, pending offload
 
     @classmethod
-    def of(cls, handle: PatchHandle, component: str = "") -> Summary:
-        cfg = handle.config
-        pending = handle.offload_pending()
-        where = " (pending: the model is on the CPU)" if pending else ""
-        backend = cfg.backend_spec
+    def of(cls, plan: Plan, views: tuple[RegionView, ...], *, pending: bool = False, model_name: str = "",
+           component: str = "") -> Summary:
+        """The rows of one patched model: its plan's specs, and notes from how the regions ran."""
         merged: dict[tuple[str, tuple[int, ...]], list[str]] = {}
         classes: dict[tuple[str, tuple[int, ...]], str] = {}
-        for region in handle.plan.regions:
-            if region.kind in ("block", "chunk"):
-                unit = f"chunks of {len(region.blocks)} blocks" if region.kind == "chunk" else "each block"
-                what = backend.describe(unit, kernels=cfg.kept_kernels, pending=pending)
+        for region in plan.regions:
+            what = describe(region, pending=pending)
+            if region.kind in (Kind.BLOCK, Kind.CHUNK):
                 for i in region.blocks:
                     key = (region.list_path, (i,))
                     classes[key] = region.block_class
@@ -48,17 +101,15 @@ class Summary:
                 continue
             key = (region.list_path, region.blocks)
             classes[key] = region.block_class
-            if region.kind == "ffn":
-                merged.setdefault(key, []).append(backend.describe("→".join(region.seam), pending=pending))
-            else:
-                merged.setdefault(key, []).append(f"offload {region.seam[0]} saved tensors{where}")
-        for path, index, block_class in handle.plan.plain:
+            merged.setdefault(key, []).append(what)
+        for path, index, block_class in plan.plain:
             key = (path, (index,))
             classes[key] = block_class
             merged.setdefault(key, []).append("none (activations kept on GPU)")
         rows = []
         # Collapse consecutive blocks with the same strategy into one row.
-        ordered = sorted(merged, key=lambda k: (_list_order(handle, k[0]), k[1]))
+        paths = [bl.path for bl in plan.family.block_lists]
+        ordered = sorted(merged, key=lambda k: (paths.index(k[0]) if k[0] in paths else len(paths), k[1]))
         run: list[tuple[str, tuple[int, ...]]] = []
 
         def emit() -> None:
@@ -73,12 +124,12 @@ class Summary:
                 emit()
             run.append(key)
         emit()
-        notes = [_fallback_note(r) for r in handle.regions() if r.fallbacks]
+        notes = [_fallback_note(r) for r in views if r.fallbacks]
         if pending:
-            notes.append(f"offload pending: {type(handle.model).__name__} is on the CPU; offloading starts "
+            notes.append(f"offload pending: {model_name or 'the model'} is on the CPU; offloading starts "
                          "once it is on a GPU")
-        return cls(f"{handle.family.name}: {cfg.describe()}", rows, [f"{component}: {n}" if component else n
-                                                                   for n in notes])
+        return cls(f"{plan.family.name}: {plan.config.describe()}", rows, [f"{component}: {n}" if component else n
+                                                                        for n in notes])
 
     @classmethod
     def merge(cls, parts: dict[str, Summary]) -> Summary:
@@ -109,6 +160,22 @@ def _fallback_note(region: RegionView) -> str:
             f"fell back to one region per block because {why}")
 
 
-def _list_order(handle: PatchHandle, path: str) -> int:
-    paths = [bl.path for bl in handle.family.block_lists]
-    return paths.index(path) if path in paths else len(paths)
+def describe(region: RegionSpec, *, pending: bool = False) -> str:
+    """What a region does, in words, from its spec alone."""
+    later = " (pending: the model is on the CPU)" if pending and region.offloads else ""
+    if region.kind is Kind.ATTENTION_OFFLOAD:
+        return f"offload {region.seam[0]} saved tensors{later}"
+    if region.budget is not None:
+        where = "CPU" if region.offload is Offload.SAVED else "GPU"
+        return (f"{region.backend}: compiled, the compiler recomputes under memory budget {region.budget:g}; "
+                f"what it keeps in {where} memory{later}")
+    if region.kind is Kind.FFN:
+        unit = "→".join(region.seam)
+    else:
+        unit = f"chunks of {len(region.blocks)} blocks" if region.kind is Kind.CHUNK else "each block"
+    what = f"{region.backend}: recompute {unit}"
+    if region.kept is not Kept.NOWHERE:
+        what += f" except attention kernels (outputs kept in {'CPU' if region.kept is Kept.CPU else 'GPU'} memory)"
+    if region.offload_inputs:
+        what += " + CPU offload of region inputs"
+    return what + later

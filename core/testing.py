@@ -18,16 +18,24 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
+from .backends import CATALOG, Offload, Scope
 from .config import CheckpointConfig
+from .planning import Kept, Kind, strategy_of
+from .summary import RegionView
 from .tools.measure import count_saved_bytes
+from .tools.named_strategies import INTERVAL, KEEP, OFFLOAD_ATTENTION, ON, STRIDE
 
 Inputs = dict[str, Any]
+
+# Relative and absolute tolerance for backends that are not bit-identical to eager (the compiled ones,
+# whose compiler sums gradient contributions in its own order): fp32 on the CPU differs by ~1e-8 there.
+COMPILED_TOLERANCE = 1e-5
 
 
 def randn(g: torch.Generator, *shape: int, grad: bool = False) -> torch.Tensor:
@@ -113,67 +121,54 @@ def assert_same_step(expected: Step, got: Step, *, atol: float = 0.0, what: str 
         assert close(a, b), f"{prefix}gradient of parameter {name!r} differs by {(a - b).abs().max().item():.3e}"
 
 
-@dataclass
-class RegionRun:
-    """How one planned region behaved while the model ran (see :func:`record_regions`).
-
-    ``calls`` counts how often the model called each member module; ``runs`` counts the
-    checkpoint regions the chain actually computed in forward. A region *ran whole* when every
-    member was called as often as the first and each call of the first computed exactly one
-    region: the later members were served from it instead of computing on their own.
-    """
-
-    label: str  # "transformer_blocks[2, 3]" or "transformer_blocks[0].ff"
-    kind: str  # "block", "chunk" or "ffn"
-    calls: list[int]
-    runs: int
-    fallback: bool
-    fallbacks: dict[str, int] = field(default_factory=dict)  # why members computed alone, and how often
-
-    @property
-    def ran(self) -> bool:
-        return self.calls[0] > 0
-
-    @property
-    def whole(self) -> bool:
-        first = self.calls[0]
-        return not self.fallback and self.runs == first and all(c == first for c in self.calls)
+# What a region did during a step is a RegionView of the handle with its counts taken over the step.
+RegionRun = RegionView
 
 
 @contextmanager
-def record_regions(handle: Any) -> Iterator[list[RegionRun]]:
-    """Count, while the block is active, how each checkpoint region of ``handle`` runs.
+def record_regions(handle: Any) -> Iterator[list[RegionView]]:
+    """Count, while the block is active, how each region of ``handle`` runs.
 
-    Yields a list that is filled with one :class:`RegionRun` per region when the block exits,
-    from the counts the handle keeps (:meth:`gradseam.patcher.PatchHandle.regions`).
-    Attention-offload regions are not regions of recompute and are not listed.
+    Yields a list that is filled when the block exits with one :class:`~gradseam.handle.RegionView`
+    per region, its counts taken over the block only (:meth:`gradseam.handle.PatchHandle.regions`).
+    Attention-offload regions are listed too: their ``calls`` count the offloaded calls.
     """
     before = {r.label: r for r in handle.regions()}
-    found: list[RegionRun] = []
+    found: list[RegionView] = []
     try:
         yield found
     finally:
         for r in handle.regions():
-            if r.kind == "attention-offload":
-                continue
             old = before.get(r.label)
-            calls = [c - (old.calls[i] if old and old.calls else 0) for i, c in enumerate(r.calls)]
+            calls = tuple(c - (old.calls[i] if old and old.calls else 0) for i, c in enumerate(r.calls))
             fallbacks = {k: v - (old.fallbacks.get(k, 0) if old else 0) for k, v in r.fallbacks.items()}
-            fallbacks = {k: v for k, v in fallbacks.items() if v}
-            runs = r.runs - (old.runs if old else 0)
-            found.append(RegionRun(r.label, r.kind, calls, runs, bool(fallbacks), fallbacks))
+            found.append(replace(
+                r, calls=calls, runs=r.runs - (old.runs if old else 0),
+                chunk_calls=r.chunk_calls - (old.chunk_calls if old else 0),
+                served=r.served - (old.served if old else 0), fallbacks={k: v for k, v in fallbacks.items() if v},
+            ))
 
 
-def assert_regions_whole(regions: list[RegionRun], *, what: str = "") -> None:
-    """Every region ran during the step, and every chunk or multi-module seam ran as one region."""
+def assert_regions_ran(regions: list[RegionView], *, what: str = "") -> None:
+    """Every planned region ran during the step: a seam the model never calls is trivially exact and
+    saves nothing, so an adapter declaring one is wrong."""
     prefix = f"{what}: " if what else ""
     for r in regions:
+        thing = ("attention submodule, so offloading it saves nothing. The family declares an attention side"
+                 if r.kind is Kind.ATTENTION_OFFLOAD else
+                 "module, so checkpointing it saves nothing. The family declares a block list or FFN seam")
         assert r.ran, (
-            f"{prefix}region {r.label} ({r.kind}) never ran: the model did not call that module during the step, "
-            "so checkpointing it saves nothing. The family declares a block list or FFN seam that this "
+            f"{prefix}region {r.label} ({r.kind}) never ran: the model did not call that {thing} that this "
             "model's forward does not use."
         )
-        if r.whole:
+
+
+def assert_regions_whole(regions: list[RegionView], *, what: str = "") -> None:
+    """Every region ran during the step, and every chunk or multi-module seam ran as one region."""
+    prefix = f"{what}: " if what else ""
+    assert_regions_ran(regions, what=what)
+    for r in regions:
+        if r.whole or r.kind is Kind.ATTENTION_OFFLOAD:
             continue
         if r.kind == "chunk":
             why = (
@@ -189,21 +184,21 @@ def assert_regions_whole(regions: list[RegionRun], *, what: str = "") -> None:
         raise AssertionError(
             f"{prefix}region {r.label} ({r.kind}) did not run as one region: its members were called "
             f"{r.calls} times and it computed {r.runs} region(s)"
-            f"{', and members computed alone because ' + '; '.join(r.fallbacks) if r.fallback else ''}. "
+            f"{', and members computed alone because ' + '; '.join(r.fallbacks) if r.fallbacks else ''}. "
             f"Results stay exact, but {why}."
         )
 
 
 @contextmanager
 def count_kernels() -> Iterator[list[int]]:
-    """How many attention kernel calls (:mod:`gradseam.kernels`) really run in the block.
+    """How many attention kernel calls (:mod:`gradseam.run.kernels`) really run in the block.
 
     An outermost dispatch mode: a kernel answered from kept outputs in a recompute never reaches
     it, so with attention kept a patched step counts exactly what an unpatched step counts.
     """
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from .patcher import attention_kernels
+    from .run.kernels import attention_kernels
 
     kernels = attention_kernels()
     count = [0]
@@ -245,29 +240,37 @@ def check_strategy(
     import gradseam
 
     cfg = CheckpointConfig.coerce(config)
+    strategy = strategy_of(cfg)
+    if strategy.backend is not None and not strategy.backend.bitwise:
+        atol = max(atol, COMPILED_TOLERANCE)  # the compiler orders gradient sums its own way
     what = f"{case.name} {cfg.describe()}"
     torch.manual_seed(case.seed)
     model = case.build()
     before_dicts = {name: set(m.__dict__) for name, m in model.named_modules()}
     keys_before = list(model.state_dict().keys())
-    with count_kernels() as unpatched_kernels:
+    # Kernel counts need a dispatch mode, under which torch.compile cannot compile: only where kept kernels are checked.
+    counting = count_kernels if strategy.kept is not Kept.NOWHERE else lambda: nullcontext([0])
+    with counting() as unpatched_kernels:
         reference = run_step(model, case)
     handle = gradseam.patch(model, cfg)
     try:
         assert list(model.state_dict().keys()) == keys_before, "patching changed state_dict() keys"
-        with record_regions(handle) as regions, count_kernels() as patched_kernels:
+        assert handle.plan.regions, f"{what}: the plan holds no region: nothing of the model is patched"
+        with record_regions(handle) as regions, counting() as patched_kernels:
             patched = run_step(model, case)
         # (a chunk that falls back computes its later blocks twice in forward: only whole runs compare)
-        if cfg.kept_kernels and unpatched_kernels[0] and not any(r.fallback for r in regions):
+        if strategy.kept is not Kept.NOWHERE and unpatched_kernels[0] and not any(r.fallbacks for r in regions):
             assert patched_kernels[0] == unpatched_kernels[0], (
                 f"{what}: attention kernels ran {patched_kernels[0]} times in a step, unpatched "
                 f"{unpatched_kernels[0]}: with attention kept they must not be recomputed"
             )
-            engine = getattr(handle, "engine", None)
-            if engine is not None and not getattr(engine, "min_bytes", 0):
-                assert engine.copies > 0, f"{what}: the offload strategy moved nothing"
-            # a second step must be exact too (chains keep state between calls)
+            # a second step must be exact too (chains and kept outputs keep state between calls)
             assert_same_step(reference, run_step(model, case), atol=atol, what=f"{what} step 2")
+        engine = handle.engine
+        if strategy.needs_engine:
+            assert engine is not None, f"{what}: an offload configuration installed no offload engine"
+            if not engine.min_bytes:  # the CPU test mode moves every tensor, however small
+                assert engine.offloaded_bytes > 0, f"{what}: the offload strategy moved nothing to host memory"
     finally:
         handle.remove()
     assert_same_step(reference, patched, atol=atol, what=what)
@@ -280,6 +283,7 @@ def check_strategy(
             f"{what}: kept {patched.saved_bytes} bytes between forward and backward, "
             f"not fewer than unpatched ({reference.saved_bytes})"
         )
+    assert_regions_ran(regions, what=what)
     if whole:
         assert_regions_whole(regions, what=what)
     return ParityReport(cfg, reference, patched, after, regions)
@@ -304,49 +308,78 @@ def check_no_grad(case: Case, config: CheckpointConfig | dict[str, Any] | None =
 
 
 def cpu_configs(*, ffn: bool = True, interval: bool = True, stride: bool = True) -> list[dict[str, Any]]:
-    """The CPU matrix every adapter passes: backends x interval {1, 2} x stride {none, 4}."""
-    backends = ["torch"] + (["torch-ffn"] if ffn else [])
-    out = []
-    for backend in backends:
-        for n in [None, 2] if interval else [None]:
-            for s in [None, 4] if stride else [None]:
-                out.append(
-                    {
-                        "gradient_checkpointing": True,
-                        "gradient_checkpointing_backend": backend,
-                        "gradient_checkpointing_interval": n,
-                        "gradient_checkpointing_segment_stride": s,
-                    }
-                )
-    # whole blocks that never recompute attention (its kernel outputs kept on the device)
-    out.append({"gradient_checkpointing": True, "gradient_checkpointing_keep_attention": True,
-                "gradient_checkpointing_interval": 2 if interval else None})
-    return out
+    """The CPU matrix every adapter passes: each catalog backend that moves nothing, x interval {1, 2}
+    x stride {none, 4} where the backend chunks, and whole blocks that keep attention kernel outputs."""
+    out, kept, compiled = [], [], []
+    for b in CATALOG.values():
+        if b.offload is not Offload.NOTHING or (b.scope is Scope.FFN and not ffn):
+            continue
+        if b.budget:  # compiled blocks: one row, at the end (see COMPILED_MARK)
+            compiled.append({**ON, "gradient_checkpointing_backend": b.name})
+            continue
+        chunked = b.chunks and (interval or b.scope is Scope.FFN)
+        for n in [None, 2] if chunked and interval else [None]:
+            for s in [None, 4] if stride and b.chunks else [None]:
+                out.append({**ON, "gradient_checkpointing_backend": b.name, INTERVAL: n, STRIDE: s})
+        if b.scope is Scope.BLOCK and b.kept_attention:
+            kept.append({**ON, "gradient_checkpointing_backend": b.name, KEEP: True,
+                         INTERVAL: 2 if interval and b.chunks else None})
+    return out + kept + compiled
 
 
 def offload_configs(*, ffn: bool = True, interval: bool = True, attention: bool = True) -> list[dict[str, Any]]:
     """Offload configurations; run them inside :func:`gradseam.offload.cpu_test_mode` on the CPU,
-    where every offloaded byte goes through host buffers and back exactly as on a GPU."""
-    on = {"gradient_checkpointing": True}
-    out: list[dict[str, Any]] = [{**on, "gradient_checkpointing_backend": "unsloth"}]
-    if interval:
-        out.append({**on, "gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_interval": 2,
-                    "gradient_checkpointing_segment_stride": 4})
-    if ffn:
-        out.append({**on, "gradient_checkpointing_backend": "unsloth-ffn"})
+    where every offloaded byte goes through host buffers and back exactly as on a GPU: each catalog
+    backend that offloads (with interval 2 + stride 4 where it chunks), attention offload alone and
+    beside every backend that supports it, and with a stride that leaves blocks out."""
+    out: list[dict[str, Any]] = []
+    compiled: list[dict[str, Any]] = []
+    for b in CATALOG.values():
+        if b.scope is Scope.FFN and not ffn:
+            continue
+        if b.offload is not Offload.NOTHING and b.budget:  # compiled blocks: at the end (see COMPILED_MARK)
+            compiled.append({**ON, "gradient_checkpointing_backend": b.name})
+        elif b.offload is not Offload.NOTHING:
+            out.append({**ON, "gradient_checkpointing_backend": b.name})
+            if interval and b.chunks and b.scope is Scope.BLOCK:
+                out.append({**ON, "gradient_checkpointing_backend": b.name, INTERVAL: 2, STRIDE: 4})
     if attention:
-        # whole blocks whose attention kernel outputs live in host memory, with and without region inputs
-        out.append({**on, "gradient_checkpointing_offload_attention": True})
-        out.append({**on, "gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_offload_attention": True,
-                    "gradient_checkpointing_interval": 2 if interval else None})
-        out.append({"gradient_checkpointing_offload_attention": True})
-        out.append({**on, "gradient_checkpointing_segment_stride": 3, "gradient_checkpointing_offload_attention": True})
-        if ffn:
-            out.append({**on, "gradient_checkpointing_backend": "torch-ffn",
-                        "gradient_checkpointing_offload_attention": True})
-            out.append({**on, "gradient_checkpointing_backend": "unsloth-ffn",
-                        "gradient_checkpointing_offload_attention": True})
-    return out
+        # (in the order the suites' reduced matrices were written against: whole blocks, alone, strided, FFN)
+        offloaders = [b for b in CATALOG.values() if not b.budget and not (b.scope is Scope.FFN and not ffn)]
+        for b in offloaders:
+            if b.scope is Scope.BLOCK and b.kept_attention:
+                n = 2 if interval and b.chunks and b.offload is not Offload.NOTHING else None
+                out.append({**ON, "gradient_checkpointing_backend": b.name, OFFLOAD_ATTENTION: True, INTERVAL: n})
+        out.append({OFFLOAD_ATTENTION: True})
+        # a stride leaves blocks out: their attention is offloaded beside the checkpointed blocks' kept kernels
+        out.append({**ON, STRIDE: 3, OFFLOAD_ATTENTION: True})
+        out += [{**ON, "gradient_checkpointing_backend": b.name, OFFLOAD_ATTENTION: True}
+                for b in offloaders if b.scope is Scope.FFN]
+    return out + compiled
+
+
+def pick(configs: list[dict[str, Any]], *wanted: dict[str, Any]) -> list[dict[str, Any]]:
+    """The configs of a kit matrix with exactly these settings, in the order asked, found by content (not by
+    position, which follows the backend catalog): each ``wanted`` is the keys a config sets besides
+    ``gradient_checkpointing: True``, e.g. ``{"gradient_checkpointing_backend": "torch", INTERVAL: 2}``.
+    For a reduced matrix over a case's input variants."""
+    def set_keys(c: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in c.items() if v is not None}
+
+    found = []
+    for w in wanted:
+        match = [c for c in configs if set_keys(c) == {**ON, **w}]
+        assert match, f"the kit's matrix has no config {w}"
+        found.append(copy.deepcopy(match[0]))
+    return found
+
+
+def _compiles(config: dict[str, Any]) -> bool:
+    """Rows of a compiled backend: the kit marks them ``compiled``. Compiling each family's tiny model costs
+    5-90 s on a CPU, so a project's quick runs may deselect them (``-m "not compiled"``); run them with
+    ``-m compiled``."""
+    backend = strategy_of(CheckpointConfig.coerce(config)).backend
+    return backend is not None and backend.budget
 
 
 def config_id(config: dict[str, Any]) -> str:
@@ -420,14 +453,33 @@ class ConformanceSuite:
         kind = getattr(metafunc.function, "conformance_configs", None)
         if kind is None or "config" not in metafunc.fixturenames:
             return
-        configs = self.strategy_configs() if kind == "strategy" else self.offload_configs()
-        metafunc.parametrize("config", [copy.deepcopy(c) for c in configs], ids=[config_id(c) for c in configs])
+        import pytest
 
-    def test_family_is_installed(self) -> None:
-        import gradseam
+        configs = self.strategy_configs() if kind == "strategy" else self.offload_configs()
+        params = [pytest.param(copy.deepcopy(c), marks=[pytest.mark.compiled] if _compiles(c) else [])
+                  for c in configs]
+        metafunc.parametrize("config", params, ids=[config_id(c) for c in configs])
+
+    def test_declaration_matches_the_model(self) -> None:
+        """Every block list the family declares for this model is found and every block is planned:
+        a list path or block class that does not match the installed diffusers fails here by name."""
+        from .planning import plan, resolve
 
         family = self.family()
-        assert family.name in {f.name for f in gradseam.families()}
+        torch.manual_seed(self.case.seed)
+        model = self.case.build()
+        planned = plan(model, family, CheckpointConfig(gradient_checkpointing=True))
+        for block_list in family.block_lists:
+            blocks = resolve(model, block_list.path)
+            if blocks is None:
+                assert block_list.optional, f"{self.case.name}: block list {block_list.path!r} is missing"
+                continue
+            covered = {i for r in planned.regions if r.list_path == block_list.path for i in r.blocks}
+            assert covered == set(range(len(blocks))), (
+                f"{self.case.name}: blocks {sorted(set(range(len(blocks))) - covered)} of {block_list.path!r} "
+                "are not planned"
+            )
+        assert planned.regions, f"{self.case.name}: the family plans no region for this model"
 
     @_over("strategy")
     def test_strategy(self, config: dict[str, Any]) -> None:
@@ -447,22 +499,30 @@ class ConformanceSuite:
         check_no_grad(self.case)
 
     def test_refuses_what_it_cannot_do(self) -> None:
-        """Options the family cannot run are refused, with the model left untouched."""
+        """Options the family cannot run, or this machine cannot, are refused with the model left untouched:
+        offload on a CPU model (outside the test mode) for every family, the ``-ffn`` backends without an
+        FFN seam, attention offload without an attention side."""
         import gradseam
 
         from .errors import UnsupportedStrategyError
 
         family = self.family()
-        refused = []
+        refused: list[dict[str, Any]] = [{**ON, "gradient_checkpointing_backend": b.name}
+                                         for b in CATALOG.values() if b.offload is not Offload.NOTHING]
+        refused.append({OFFLOAD_ATTENTION: True})
         if not family.has_ffn:
-            refused.append({"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"})
-        if not family.has_attention:
-            refused.append({"gradient_checkpointing_offload_attention": True})
+            refused += [{**ON, "gradient_checkpointing_backend": b.name} for b in CATALOG.values()
+                        if b.scope is Scope.FFN]
         for config in refused:
+            torch.manual_seed(self.case.seed)
             model = self.case.build()
+            before = {name: set(m.__dict__) for name, m in model.named_modules()}
             try:
                 gradseam.patch(model, config)
             except UnsupportedStrategyError:
                 assert gradseam.handle_of(model) is None
+                assert {name: set(m.__dict__) for name, m in model.named_modules()} == before, (
+                    f"{self.case.name}: refusing {config_id(config)} left the model changed"
+                )
             else:
-                raise AssertionError(f"{self.case.name}: {config_id(config)} was accepted by a family that cannot run it")
+                raise AssertionError(f"{self.case.name}: {config_id(config)} was accepted, though it cannot run here")

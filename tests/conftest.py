@@ -36,7 +36,7 @@ def _fresh_warnings():
 @pytest.fixture
 def checkpoint_calls(monkeypatch):
     """Counts the checkpoint regions gradseam opens (each call of torch.utils.checkpoint by gradseam)."""
-    from gradseam import strategies
+    from gradseam.run import chains as strategies
 
     calls: list[int] = []
     real = strategies.checkpoint
@@ -47,3 +47,13 @@ def checkpoint_calls(monkeypatch):
 
     monkeypatch.setattr(strategies, "checkpoint", counting)
     return calls
+
+
+def builtin_plugins() -> list[str]:
+    """The built-in plugins' entry-point names, as pyproject.toml declares them (sorted)."""
+    from pathlib import Path
+
+    import tomllib
+
+    data = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    return sorted(data["project"]["entry-points"]["gradseam"])

@@ -17,8 +17,33 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 KIT = "testing"
 FACADE = {"__init__", "__main__"}  # the package's entry points may name a tool (gradseam.advise, the CLI)
-RUNTIME = {p.stem for p in (ROOT / "core").glob("*.py")} - FACADE - {KIT}
+SUBPACKAGES = ("run", "offload")  # the run layer and the offload engine, folders of the runtime
+RUNTIME = ({p.stem for p in (ROOT / "core").glob("*.py")} - FACADE - {KIT}) | set(SUBPACKAGES)
 TOOLS = {p.stem for p in (ROOT / "core" / "tools").glob("*.py")} - {"__init__"}
+
+# The runtime's layers, lowest first: a module imports only from its own layer or below, so the
+# arrows run one way (contract -> config and catalog -> plan -> run -> engine; the API on top).
+# The engine sits at the bottom: it knows nothing of families, configs or plans.
+LAYERS: dict[str, int] = {
+    "offload": 0,
+    "errors": 1, "family": 1, "hookspecs": 1, "inputs": 1,
+    "backends": 2, "config": 2, "registry": 2,
+    "planning": 3,
+    "run": 4,
+    "summary": 5, "handle": 5, "patcher": 5, "loading": 5,
+}
+
+
+def _runtime_files() -> list[tuple[Path, str]]:
+    """(file, its package relative to gradseam) for every runtime module, subpackages included."""
+    files = [(p, "") for p in (ROOT / "core").glob("*.py") if p.stem not in FACADE | {KIT}]
+    for sub in SUBPACKAGES:
+        files += [(p, sub) for p in (ROOT / "core" / sub).glob("*.py")]
+    return sorted(files)
+
+
+def _layer_of(path: Path, package: str) -> str:
+    return package or path.stem
 
 
 def _imports(path: Path, package: str) -> list[str]:
@@ -54,16 +79,57 @@ def test_runtime_and_tools_are_apart_on_disk():
 
 
 def test_the_runtime_imports_no_tool_and_not_the_kit():
-    for name in sorted(RUNTIME):
-        for module in _imports(ROOT / "core" / f"{name}.py", ""):
+    for path, package in _runtime_files():
+        for module in _imports(path, package):
             head = module.split(".")[0]
-            assert head not in ("tools", KIT), f"core/{name}.py imports gradseam.{module} (a tool or the kit)"
+            assert head not in ("tools", KIT), f"{path.relative_to(ROOT)} imports gradseam.{module} (a tool or the kit)"
+
+
+def test_every_runtime_module_has_a_layer():
+    assert {_layer_of(p, pkg) for p, pkg in _runtime_files()} == set(LAYERS)
+
+
+def test_the_runtime_imports_only_downwards():
+    """Config and the catalog import no execution module, the plan imports no run layer, the engine
+    imports nothing of gradseam: every import goes to the module's own layer or one below it."""
+    for path, package in _runtime_files():
+        own = LAYERS[_layer_of(path, package)]
+        for module in _imports(path, package):
+            head = module.split(".")[0]
+            if head in LAYERS:
+                assert LAYERS[head] <= own, (
+                    f"{path.relative_to(ROOT)} (layer {own}) imports gradseam.{module} (layer {LAYERS[head]}): "
+                    "arrows must run one way"
+                )
+
+
+def test_no_import_circle_between_runtime_modules():
+    graph: dict[str, set[str]] = {}
+    for path, package in _runtime_files():
+        name = ".".join(p for p in (package, path.stem) if p and p != "__init__") or path.stem
+        known = {".".join(x for x in (pkg, q.stem) if x and x != "__init__") for q, pkg in _runtime_files()}
+        graph[name] = {m for m in _imports(path, package) if m in known and m != name}
+    seen: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        if seen.get(node) == 1:
+            raise AssertionError(f"import circle: {' -> '.join([*trail[trail.index(node):], node])}")
+        if seen.get(node) == 2:
+            return
+        seen[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, [*trail, node])
+        seen[node] = 2
+
+    for node in sorted(graph):
+        visit(node, [])
 
 
 def test_patching_a_model_loads_no_tool():
     code = (
         "import sys, gradseam\n"
-        "from gradseam import patcher, offload, strategies, planning, registry, loading, summary\n"
+        "from gradseam import patcher, offload, planning, registry, loading, summary\n"
+        "from gradseam.run import chains, install, kernels, scopes\n"
         "print(sorted(m for m in sys.modules if m.startswith('gradseam.tools') or m == 'gradseam.testing'))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -72,6 +138,7 @@ def test_patching_a_model_loads_no_tool():
 
 def test_no_module_imports_private_names_of_another():
     paths = [(p, "") for p in (ROOT / "core").glob("*.py")] + [(p, "tools") for p in (ROOT / "core" / "tools").glob("*.py")]
+    paths += [(p, sub) for sub in SUBPACKAGES for p in (ROOT / "core" / sub).glob("*.py")]
     paths += [(p, "adapters") for p in (ROOT / "adapters").glob("*.py")]
     for path, package in sorted(paths):
         for module in _imports(path, package):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import gradseam
+from gradseam.backends import CATALOG
 from gradseam.tools import bench as b
 from gradseam.tools import bench_report as report
 from gradseam.tools.advise import GiB, advise
@@ -19,7 +20,7 @@ TINY = [(2, 64, 128)]  # blocks, tokens, dim
 MEASURED = ["none", "ref: torch.utils.checkpoint", "ref: torch.utils.checkpoint (FFN)", "torch", "torch-ffn",
             "torch, interval 2"]
 ROW_KEYS = {"workload", "tokens", "strategy", "peak_gib", "step_ms", "status", "pinned_allocations_after_warmup",
-            "pinned_gib", "depth", "blocks", "vs_none", "vs_torch"}
+            "pinned_gib", "depth", "blocks", "vs_none", "vs_torch", "step_times_ms"}
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,7 @@ def _cpu_measure(blocks: int = 4, tokens: int = 64, dim: int = 128):
 
     def measure(config):
         backend = config.get("gradient_checkpointing_backend", "")
-        if config.get("compile_blocks"):
+        if config.get("compile_blocks") or (backend and CATALOG[backend].budget):
             raise gradseam.UnsupportedStrategyError("inductor's memory budget is measured on the GPU")
         if backend.startswith("unsloth") or config.get("gradient_checkpointing_offload_attention"):
             raise gradseam.UnsupportedStrategyError("pinned-memory offload needs CUDA")

@@ -16,7 +16,7 @@ from test_stack import SMALL, _compiled_step
 from torch._dynamo.utils import counters
 
 import gradseam
-from gradseam.strategies import inside_region
+from gradseam.run.chains import inside_region
 from gradseam.testing import assert_same_step
 
 TORCH = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch"}
@@ -66,7 +66,7 @@ def test_whole_block_regions_compile(case):
 
 
 def test_region_scope_still_counts_eagerly():
-    from gradseam.strategies import Runner
+    from gradseam.run.chains import Runner
 
     seen = []
     x = torch.ones(2, requires_grad=True)

@@ -8,7 +8,9 @@ import pytest
 
 import gradseam
 from gradseam import BACKENDS, CheckpointConfig
+from gradseam.backends import Offload, Scope
 from gradseam.config import DEFAULT_PIN_BUCKETS
+from gradseam.planning import strategy_of
 
 KEYS = (
     "gradient_checkpointing",
@@ -18,6 +20,7 @@ KEYS = (
     "gradient_checkpointing_offload_attention",
     "gradient_checkpointing_offload_pin_memory_max_buckets",
     "gradient_checkpointing_keep_attention",
+    "gradient_checkpointing_memory_budget",
 )
 
 # One non-default value for every key, as a trainer would write it.
@@ -29,6 +32,7 @@ FULL = {
     "gradient_checkpointing_offload_attention": True,
     "gradient_checkpointing_offload_pin_memory_max_buckets": 3,
     "gradient_checkpointing_keep_attention": True,
+    "gradient_checkpointing_memory_budget": 0.3,
 }
 
 
@@ -43,7 +47,8 @@ def _assert_full(cfg: CheckpointConfig) -> None:
     assert (cfg.enabled, cfg.backend, cfg.interval, cfg.stride, cfg.offload_attention, cfg.pin_buckets) == (
         True, "unsloth-ffn", 2, 5, True, 3,
     )
-    assert cfg.ffn_scope and cfg.offloads_regions
+    strategy = strategy_of(cfg)
+    assert strategy.scope is Scope.FFN and strategy.offload_inputs
 
 
 def _write(tmp_path, text: str, name: str = "gradseam.json"):
@@ -69,7 +74,7 @@ def test_defaults():
     assert cfg.gradient_checkpointing_offload_attention is False
     assert cfg.gradient_checkpointing_offload_pin_memory_max_buckets == DEFAULT_PIN_BUCKETS == 12
     assert cfg.interval == 1 and cfg.stride is None
-    assert not cfg.ffn_scope and not cfg.offloads_regions
+    assert strategy_of(cfg).backend is None and not strategy_of(cfg).needs_engine  # checkpointing off
     assert cfg.describe() == "no checkpointing"
     assert CheckpointConfig.from_dict({}) == cfg
     assert CheckpointConfig.coerce() == cfg
@@ -112,8 +117,9 @@ def test_json_null_for_optional_ints(tmp_path):
 def test_every_backend_accepted(backend):
     cfg = CheckpointConfig(gradient_checkpointing=True, gradient_checkpointing_backend=backend)
     assert cfg.backend == backend
-    assert cfg.ffn_scope == backend.endswith("-ffn")
-    assert cfg.offloads_regions == backend.startswith("unsloth")
+    strategy = strategy_of(cfg)
+    assert (strategy.scope is Scope.FFN) == backend.endswith("-ffn")
+    assert (strategy.offload is not Offload.NOTHING) == backend.startswith("unsloth")
 
 
 def test_to_dict_round_trip(tmp_path):
@@ -142,7 +148,7 @@ def test_config_is_frozen():
 
 
 def test_describe():
-    assert CheckpointConfig(**FULL).describe() == "unsloth-ffn, interval 2, stride 5, attention offload"
+    assert CheckpointConfig(**FULL).describe() == "unsloth-ffn, interval 2, stride 5, attention offload, memory budget 0.3"
     assert CheckpointConfig(gradient_checkpointing=True).describe() == "torch"
 
 
@@ -566,4 +572,4 @@ def test_json_long_integer_within_the_limit_parses(tmp_path):
 
 def test_package_exports():
     assert gradseam.CheckpointConfig is CheckpointConfig
-    assert gradseam.BACKENDS == ("torch", "torch-ffn", "unsloth", "unsloth-ffn")
+    assert gradseam.BACKENDS == ("torch", "torch-ffn", "unsloth", "unsloth-ffn", "compile", "unsloth-compile")

@@ -108,3 +108,102 @@ def test_messages_point_at_existing_sections():
     kit = (ROOT / "core" / "testing.py").read_text(encoding="utf-8")
     for section in re.findall(r"see '([^']+)' in docs/plugins\.md", kit):
         assert section in headings, f"gradseam.testing points to a section {section!r} that docs/plugins.md lacks"
+
+
+# -- what a newcomer reads first: the pages agree with the code and with each other ------------------
+
+NUMBER_WORDS = {5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine", 10: "ten"}
+
+
+def _table_first_cells(page: str, header: str) -> list[str]:
+    """The first column of the markdown table whose header row starts with ``| header |``."""
+    lines = (DOCS / page).read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {header} |"))
+    cells = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells.append(line.split("|")[1].strip())
+    return cells
+
+
+def test_options_table_lists_every_key_and_counts_them():
+    keys = CheckpointConfig.keys()  # noqa: SIM118 - a classmethod, not a dict
+    assert sorted(_table_first_cells("options.md", "key")) == sorted(f"`{k}`" for k in keys)
+    text = (DOCS / "options.md").read_text(encoding="utf-8")
+    assert f"gradseam reads {NUMBER_WORDS[len(keys)]} keys" in text
+    # the interval's default is said once, in the table, and as what it does
+    assert "null (one block per region)" in text and "(= 1)" not in text
+
+
+def test_trainer_table_lists_every_run_flag():
+    from gradseam.tools.launch import FLAG_KEYS
+
+    rows = _table_first_cells("trainer.md", "option")
+    text = (DOCS / "trainer.md").read_text(encoding="utf-8")
+    for flag, key in FLAG_KEYS.items():
+        row = next((r for r in rows if r.startswith(f"`{flag}")), None)
+        assert row is not None, f"docs/trainer.md's option table lacks {flag}"
+        assert f"| {row} | `{key}` |" in text, f"{flag} is not shown with its key {key}"
+
+
+def _code_lines(text: str, lang: str = "bash") -> list[str]:
+    blocks = re.findall(rf"```{lang}\n(.*?)```", text, re.DOTALL)
+    return [line.strip() for block in blocks for line in block.splitlines() if line.strip()]
+
+
+def test_getting_started_installs_and_tests_as_the_readme_does():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = readme.index("## Two commands")
+    two = _code_lines(readme[start:readme.index("\n## ", start + 1)])
+    assert len(two) == 2 and two[0].startswith("pip install -e ") and "pytest" in two[1]
+    guide = _code_lines((DOCS / "getting-started.md").read_text(encoding="utf-8"))
+    for line in two:
+        assert line in guide, f"docs/getting-started.md lacks the README's {line!r}"
+    installs = [line for line in guide if line.startswith("pip install")]
+    tests = [line for line in guide if "pytest" in line and "-m cuda" not in line.split("#")[0]]
+    assert installs == [two[0]] and tests == [two[1]], (installs, tests)
+
+
+def test_readme_says_the_demos_real_step_count():
+    from gradseam.tools import cli, demo
+
+    default = inspect.signature(cli.demo).parameters["steps"].default
+    assert default == inspect.signature(demo.run).parameters["steps"].default
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert f"one warm-up step and {default} timed steps" in readme
+    assert "x 4 training steps" not in readme
+
+
+def test_readme_names_every_error_type_a_config_can_raise():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "Every mistake is a `ValueError`" not in readme
+    for name in ("`ValueError`", "`TypeError`", "UnsupportedStrategyError", "UnsupportedModelError"):
+        assert name in readme
+
+
+def test_strategies_page_opens_with_a_backend_guide_before_any_figure():
+    from gradseam.backends import CATALOG
+
+    text = (DOCS / "strategies.md").read_text(encoding="utf-8")
+    guide = text.index("## Which backend?")
+    figure = r"\d(\.\d+)?x\b|\d(\.\d+)? GiB"  # a measured ratio or size, e.g. "1.13x", "9.64 GiB"
+    first_figure = re.search(figure, text)
+    assert first_figure is not None and guide < first_figure.start(), "the guide must come before the numbers"
+    section = text[guide:text.index("\n## ", guide + 1)]
+    assert "benchmarks.md" in section and not re.search(figure, section)  # the figures are linked, not copied
+    for backend in CATALOG:
+        assert f"`{backend}`" in section, f"the backend guide does not mention {backend}"
+    assert "gradient_checkpointing_offload_attention" in section and "no CUDA" in section
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md"])
+def test_gpu_requirements_and_tested_versions(page):
+    text = (ROOT / page).read_text(encoding="utf-8")
+    assert "## What needs a GPU, and which torch" in text
+    section = text[text.index("## What needs a GPU"):]
+    floor = re.search(r'"torch>=([\d.]+)"', (ROOT / "pyproject.toml").read_text(encoding="utf-8")).group(1)
+    assert f"torch ≥ {floor}" in section, "the page must state pyproject's torch floor"
+    assert re.search(r"[Tt]ested on", section) and "2.13" in section and "2.11" in section
+    for needs_cuda in ("`unsloth`", "`unsloth-ffn`", "`gradient_checkpointing_offload_attention`"):
+        assert needs_cuda in section

@@ -16,9 +16,9 @@ from torch import nn
 import gradseam
 from gradseam import BlockClass, BlockList, Carry, Family, hookimpl
 from gradseam.errors import UnsupportedModelError, UnsupportedStrategyError
-from gradseam.links import ARGUMENTS, RANDOM, VERSION
 from gradseam.offload import cpu_test_mode
 from gradseam.patcher import GradseamWarning
+from gradseam.run.links import ARGUMENTS, RANDOM, VERSION
 from gradseam.testing import Case, assert_same_step, run_step
 
 CHUNKS = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
@@ -373,8 +373,8 @@ def test_pipeline_patch_checks_every_device_before_installing(monkeypatch):
     from gradseam import patcher
 
     pipe = TwoTransformers()
-    real = patcher._model_device
-    monkeypatch.setattr(patcher, "_model_device", lambda m: "cuda" if m is pipe.transformer else real(m))
+    real = patcher.model_device
+    monkeypatch.setattr(patcher, "model_device", lambda m: "cuda" if m is pipe.transformer else real(m))
     with pytest.raises(UnsupportedStrategyError, match="WanTransformer3DModel is on the CPU"):
         gradseam.patch(pipe, gradient_checkpointing=True, gradient_checkpointing_backend="unsloth")
     for model in pipe.components.values():

@@ -409,7 +409,7 @@ def _flux2_layers(cache) -> list:
 def test_flux2_kv_extract_with_interval_chunks_is_exact(config) -> None:
     """Chunks must not run their later blocks ahead with the first block's cache layer (they would
     store their K/V in it): with per_block declared, every layer of the returned cache is exact."""
-    from gradseam.links import PER_BLOCK
+    from gradseam.run.links import PER_BLOCK
     from gradseam.testing import assert_same_step
 
     model = _flux2_kv_model()
@@ -424,7 +424,7 @@ def test_flux2_kv_extract_with_interval_chunks_is_exact(config) -> None:
     expected_chunks = 2 if config.get("gradient_checkpointing_segment_stride") else 3
     assert len(chunks) == expected_chunks
     for r in chunks:  # refused up front: each block computed once, as its own region
-        assert r.fallbacks == {PER_BLOCK: 1} and r.calls == [1, 1] and r.runs == 2, r
+        assert r.fallbacks == {PER_BLOCK: 1} and r.calls == (1, 1) and r.runs == 2, r
     assert summary.count(f"1 call(s) fell back to one region per block because 1x {PER_BLOCK}") == expected_chunks
 
 
@@ -466,7 +466,7 @@ def test_per_block_names_find_the_state_where_the_loop_puts_it() -> None:
     from types import SimpleNamespace
 
     from gradseam.family import Carry
-    from gradseam.links import PER_BLOCK, BlockLink, signature_of
+    from gradseam.run.links import PER_BLOCK, BlockLink, signature_of
 
     class Bagged(torch.nn.Module):
         def forward(self, hidden_states, **kwargs):

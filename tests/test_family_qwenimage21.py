@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import gradseam
-from gradseam.links import PER_BLOCK
 from gradseam.patcher import family_for, plan
+from gradseam.run.links import PER_BLOCK
 from gradseam.testing import (
     Case,
     ConformanceSuite,
@@ -249,7 +249,7 @@ def test_extract_mode_with_interval_chunks_fills_the_cache_exactly(config: dict)
     chunks = [r for r in regions if r.kind == "chunk"]
     assert chunks, "the config formed no chunk"
     for r in chunks:  # every chunk call was refused up front, and each block ran once as its own region
-        assert r.fallbacks == {PER_BLOCK: 1} and r.calls == [1, 1] and r.runs == 2, r
+        assert r.fallbacks == {PER_BLOCK: 1} and r.calls == (1, 1) and r.runs == 2, r
     assert PER_BLOCK in summary and "ran as one chunk 0 of 1 calls" in summary
 
 

@@ -42,7 +42,7 @@ REDUCED_OFFLOAD = _reduced(offload_configs(), [1, 2, 5])
 
 def test_reduced_matrices_are_what_they_say():
     describe = [gradseam.CheckpointConfig.coerce(c).describe() for c in REDUCED_CPU + REDUCED_OFFLOAD]
-    assert [c.get("gradient_checkpointing_backend") for c in REDUCED_CPU] == ["torch", "torch-ffn", None]
+    assert [c.get("gradient_checkpointing_backend") for c in REDUCED_CPU] == ["torch", "torch-ffn", "torch"]
     assert REDUCED_CPU[0]["gradient_checkpointing_interval"] == 2
     assert REDUCED_CPU[2]["gradient_checkpointing_keep_attention"]
     assert [c.get("gradient_checkpointing_backend") for c in REDUCED_OFFLOAD] == ["unsloth", "unsloth-ffn", None]

@@ -23,10 +23,10 @@ from cases import STRATEGIES as CONFIGS
 from torch import nn
 
 import gradseam
-from gradseam import seams
-from gradseam.links import PRE_HOOKS
 from gradseam.offload import cpu_test_mode
-from gradseam.strategies import inside_region
+from gradseam.run import seams
+from gradseam.run.chains import inside_region
+from gradseam.run.links import PRE_HOOKS
 from gradseam.testing import Case, Step, assert_same_step
 
 RECOMPUTES_ATTENTION = {"torch", "torch-interval2", "unsloth", "unsloth-interval2"}

@@ -30,7 +30,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 import gradseam
 from gradseam.offload import cpu_test_mode
 from gradseam.patcher import GradseamWarning
-from gradseam.seams import installed_seam
+from gradseam.run.seams import installed_seam
 from gradseam.testing import assert_same_step, run_step
 
 TORCH = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch"}
@@ -169,7 +169,7 @@ def _sharded_worker(rank: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    from gradseam import strategies
+    from gradseam.run import chains as strategies
 
     calls = [0]
     checkpoint = strategies.checkpoint

@@ -62,18 +62,64 @@ MATRIX = [(case, cfg) for case in ALL for cfg in GPU_CONFIGS]
 
 
 def _new_families() -> list[Case]:
+    from test_family_cosmos import COSMOS
+    from test_family_ernie_image import ERNIE
+    from test_family_flux3 import FLUX3_EDIT
+    from test_family_hidream import HIDREAM
+    from test_family_hunyuanimage import HUNYUANIMAGE
+    from test_family_hunyuanvideo import HUNYUANVIDEO
+    from test_family_hunyuanvideo_framepack import FRAMEPACK
+    from test_family_ideogram4 import IDEOGRAM4
     from test_family_image2 import FLUX2, QWEN
+    from test_family_kandinsky5 import KANDINSKY5
+    from test_family_longcat_image import LONGCAT
+    from test_family_lumina2 import LUMINA2
+    from test_family_minimax_h3 import MINIMAX_H3
+    from test_family_omnigen import OMNIGEN
     from test_family_qwenimage21 import QWEN21
     from test_family_sd3_sana import SANA, SANA_VIDEO, SD3
+    from test_family_skyreels_v2 import SKYREELS_V2_DF
     from test_family_video2 import HV15, LTXV, VACE
+    from test_family_wan_animate import WAN_ANIMATE
 
-    return [FLUX2, QWEN, QWEN21, SD3, SANA, SANA_VIDEO, HV15, LTXV, VACE]
+    return [FLUX2, QWEN, QWEN21, SD3, SANA, SANA_VIDEO, HV15, LTXV, VACE, COSMOS, ERNIE, FLUX3_EDIT, HIDREAM,
+            HUNYUANIMAGE, HUNYUANVIDEO, FRAMEPACK, IDEOGRAM4, KANDINSKY5, LONGCAT, LUMINA2, MINIMAX_H3, OMNIGEN,
+            SKYREELS_V2_DF, WAN_ANIMATE]
 
 
 # The families added later: every offload mechanism once (region inputs with kept kernels, FFN inputs
 # with attention seams, attention seams alone, kept kernels with whole blocks)
 NEW_GPU_CONFIGS = [GPU_CONFIGS[i] for i in (1, 3, 4, 6)]
 MATRIX += [(case, cfg) for case in _new_families() for cfg in NEW_GPU_CONFIGS]
+
+
+# The compiled backends (inductor on the GPU) on every representative family: within the compiled
+# tolerance of the eager model in fp32 (docs/reliability.md), and offloading what they keep changes nothing.
+COMPILED = [{"gradient_checkpointing": True, "gradient_checkpointing_backend": b} for b in ("compile", "unsloth-compile")]
+
+
+@pytest.mark.parametrize("case", [FLUX, WAN], ids=lambda c: c.name)
+def test_gpu_compiled_backends_fp32(case):
+    gpu = _on_cuda(case)
+    steps = {}
+    for config in [None, *COMPILED]:
+        torch._dynamo.reset()
+        torch.manual_seed(case.seed)
+        model = gpu.build()
+        handle = gradseam.patch(model, config) if config else None
+        if handle is not None and handle.engine is not None:
+            handle.engine.min_bytes = 0
+        try:
+            steps[config_id(config or {})] = [run_step(model, gpu, count_bytes=False) for _ in range(2)]
+            if handle is not None and handle.engine is not None:
+                assert handle.engine.copies > 0
+        finally:
+            if handle is not None:
+                handle.remove()
+    reference, kept, moved = steps.values()
+    for a, b, c in zip(reference, kept, moved):
+        assert_same_step(a, b, atol=1e-5, what=f"{case.name} compile vs eager")
+        assert_same_step(b, c, what=f"{case.name} unsloth-compile vs compile")  # offload: bit for bit
 
 
 @pytest.mark.parametrize(("case", "config"), MATRIX, ids=[f"{c.name}-{config_id(k)}" for c, k in MATRIX])
@@ -93,7 +139,7 @@ def test_gpu_parity_fp32(case, config):
         for _ in range(2):
             with count_kernels() as patched:
                 assert_same_step(reference, run_step(model, gpu), atol=1e-6, what=f"{case.name} {config}")
-            if handle.config.kept_kernels and not any(r.fallbacks for r in handle.regions()):
+            if handle.plan.strategy.kept.value and not any(r.fallbacks for r in handle.regions()):
                 assert unpatched[0] > 0 and patched[0] == unpatched[0], (unpatched, patched)  # never recomputed
         assert handle.engine is None or handle.engine.copies > 0
     finally:
@@ -300,7 +346,7 @@ def test_oom_while_reloading_is_the_normal_error_with_a_hint_and_a_smaller_step_
 
 def test_reload_oom_surfaces_even_when_injected_at_the_copy():
     """The same path without depending on the allocator's layout: the reload's allocation raises."""
-    import gradseam.offload as offload
+    import gradseam.offload.engine as offload
 
     model, step = _attention_only(2048)
     x = torch.randn(1, 2048, 1024, device="cuda")

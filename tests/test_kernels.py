@@ -114,7 +114,7 @@ def _kernel_calls(config: dict) -> tuple[int, int]:
 
 def test_unknown_kernels_are_recomputed_exactly(family):
     assert _kernel_calls(KEEP) == (0, 0)  # not an attention kernel for gradseam: not even counted
-    from gradseam.patcher import attention_kernels
+    from gradseam.run.kernels import attention_kernels
 
     assert "gradseam_test::attention" not in attention_kernels().names
 
@@ -256,7 +256,7 @@ def test_attention_dropout_is_recomputed_with_the_same_masks():
 
 def test_cross_attention_to_few_keys_is_recomputed():
     """Keeping pays where recomputing is dear: self-attention yes, attention to a short context no."""
-    from gradseam.patcher import attention_kernels
+    from gradseam.run.kernels import attention_kernels
 
     kernels = attention_kernels()
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default

@@ -23,7 +23,7 @@ from torch import nn
 
 import gradseam
 from gradseam.offload import cpu_test_mode
-from gradseam.seams import installed_seam
+from gradseam.run.seams import installed_seam
 from gradseam.testing import Case, assert_same_step, run_step
 
 NAMES = list(CONFIGS)

@@ -11,7 +11,7 @@ from cases import FAMILIES as ALL
 import gradseam
 from gradseam.errors import UnsupportedStrategyError
 from gradseam.offload import OffloadEngine, cpu_test_mode
-from gradseam.pinned import PinnedPool, size_class
+from gradseam.offload.pinned import PinnedPool, size_class
 from gradseam.testing import check_strategy, config_id
 
 OFFLOAD_CONFIGS = [

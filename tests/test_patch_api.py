@@ -21,7 +21,7 @@ from gradseam import (
     hookimpl,
 )
 from gradseam.patcher import GradseamWarning, PatchHandle, PipelineHandle
-from gradseam.seams import installed_seam
+from gradseam.run.seams import installed_seam
 from gradseam.testing import Case, assert_same_step, check_strategy, run_step
 
 TRAIN = {"gradient_checkpointing": True}

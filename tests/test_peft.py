@@ -20,7 +20,7 @@ from peft.tuners.tuners_utils import BaseTunerLayer
 
 import gradseam
 from gradseam.offload import cpu_test_mode
-from gradseam.seams import installed_seam
+from gradseam.run.seams import installed_seam
 from gradseam.testing import assert_same_step, config_id, record_regions, run_step
 
 TARGETS = {
@@ -90,7 +90,7 @@ def test_lora_outputs_and_gradients_match_unpatched(case, how, when, config):
     assert_same_step(reference, patched, what=what)
     assert_same_step(reference, second, what=what + " (step 2)")
     assert patched.saved_bytes < reference.saved_bytes
-    assert regions and not [r.label for r in regions if r.fallback], f"{what}: a chain fell back"
+    assert regions and not [r.label for r in regions if r.fallbacks], f"{what}: a chain fell back"
     handle.remove()
     assert_same_step(reference, run_step(top, case), what=what + " after remove()")
     assert not [n for n, m in model.named_modules() if installed_seam(m) is not None]

@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from conftest import builtin_plugins
 from torch import nn
 
 import gradseam
@@ -696,7 +697,7 @@ def family_module(name: str, model: str = "", extra: str = "") -> str:
         """
 
 
-BUILTINS = ["chroma", "flux", "flux2", "hunyuanvideo15", "krea2", "ltx2", "ltxvideo", "mageflow", "qwenimage", "qwenimage21", "sana", "sana-video", "sd3", "wan", "wan-vace", "zimage"]
+BUILTINS = builtin_plugins()  # pyproject.toml's [project.entry-points.gradseam], sorted
 EMPTY = ([], [], [], [], False)
 
 

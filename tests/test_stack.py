@@ -41,7 +41,7 @@ from diffusers.hooks import group_offloading as diffusers_group_offloading
 
 import gradseam
 from gradseam.offload import cpu_test_mode
-from gradseam.seams import installed_seam
+from gradseam.run.seams import installed_seam
 from gradseam.testing import Case, Step, assert_same_step, config_id, run_step
 
 TORCH = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch"}

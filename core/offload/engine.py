@@ -1,13 +1,13 @@
 """Saved-tensor offload: move what autograd keeps for backward to host memory, and back in time.
 
 This module knows nothing of diffusers or families. An engine packs tensors into *groups* (one
-per region call) and unpacks them in backward; :mod:`gradseam.scopes` decides what is packed:
+per region call) and unpacks them in backward; :mod:`gradseam.run.scopes` decides what is packed:
 
 * around a checkpoint call, saved-tensor hooks see only the checkpoint's inputs (non-reentrant
   checkpoint saves them through ``save_for_backward``), so offloading there is the *unsloth* strategy;
 * around an un-checkpointed attention call, they see everything attention saves;
 * inside a checkpointed region, the attention kernels' outputs are packed as they are produced and
-  handed back when backward recomputes the region (:mod:`gradseam.kernels`).
+  handed back when backward recomputes the region (:mod:`gradseam.run.kernels`).
 
 How the copies stay off the critical path (each point is a decision, not an accident):
 
@@ -162,11 +162,16 @@ class OffloadEngine:
         self.offloaded_bytes = 0
         self.copies = 0
         self.loads = 0
+        # The watched model (weakly) and the storages of its parameters and buffers (see watch()).
+        self._model: weakref.ref[nn.Module] | None = None
+        self._key_refs: list[weakref.ref[torch.Tensor]] | None = None  # the first few, to notice moves
+        self._excluded_key: tuple[int, ...] = ()
+        self._excluded: set[int] = set()
 
     def __reduce__(self) -> tuple[Any, ...]:
         # A deep-copied or unpickled model gets a fresh engine with the same settings: buffers,
         # streams, locks and in-flight groups belong to the process and the steps that made them.
-        model = self._model() if getattr(self, "_model", None) is not None else None
+        model = self._model() if self._model is not None else None
         return (_fresh_engine, (self.pool.max_buckets, self.min_bytes, self.test_mode, model))
 
     # -- streams ---------------------------------------------------------------------------
@@ -182,9 +187,7 @@ class OffloadEngine:
     def watch(self, model: nn.Module) -> None:
         """Never offload this model's parameters or buffers (they stay on the GPU regardless)."""
         self._model = weakref.ref(model)
-        self._key_refs: list[weakref.ref[torch.Tensor]] | None = None  # the first few, to notice moves
-        self._excluded_key: tuple[int, ...] = ()
-        self._excluded: set[int] = set()
+        self._key_refs, self._excluded_key, self._excluded = None, (), set()
 
     def refresh(self) -> None:
         """A model forward starts: list the parameters again at the next group (the patcher calls this).
@@ -197,7 +200,7 @@ class OffloadEngine:
         self._key_refs = None
 
     def state_storages(self) -> set[int]:
-        model = self._model() if getattr(self, "_model", None) is not None else None
+        model = self._model() if self._model is not None else None
         if model is None:
             return set()
         # Parameters move (``.to()``, loading weights): the set is re-read when the first ones changed
@@ -235,9 +238,6 @@ class OffloadEngine:
     def unpack(self, packed: Any) -> torch.Tensor:
         """The tensor a :meth:`pack` result stands for, back on its device (waiting for it if needed)."""
         return self._unpack(packed)
-
-    def close(self, group: _Group) -> None:
-        self._close(group)
 
     @contextmanager
     def group(self, select: Callable[[torch.Tensor], bool] | None = None, *, hooks: bool = True) -> Iterator[_Group]:
@@ -419,32 +419,3 @@ def _fresh_engine(max_buckets: int, min_bytes: int, device_test_mode: bool, mode
     if model is not None:  # the copy of the watched model (deepcopy and pickle map it through their memo)
         engine.watch(model)
     return engine
-
-
-# -- the CPU stand-in used by tests -----------------------------------------------------------
-
-_cpu_test_mode: list[int] = []  # a stack of min_bytes values while active
-
-
-@contextmanager
-def cpu_test_mode(min_bytes: int = 0) -> Iterator[None]:
-    """Let offload strategies run on a CPU model, copying into host buffers as a GPU run would.
-
-    For tests only: on a real CPU model offloading is pointless, so outside this block gradseam
-    refuses the offload options there.
-    """
-    _cpu_test_mode.append(min_bytes)
-    try:
-        yield
-    finally:
-        _cpu_test_mode.pop()
-
-
-def engine_for(max_buckets: int) -> OffloadEngine:
-    if _cpu_test_mode:
-        return OffloadEngine(max_buckets, min_bytes=_cpu_test_mode[-1], device_test_mode=True)
-    return OffloadEngine(max_buckets)
-
-
-def cpu_allowed() -> bool:
-    return bool(_cpu_test_mode)

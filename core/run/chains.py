@@ -21,7 +21,7 @@ object the members were handed. So a head call holding a per-block state object 
 family declares ``per_block``: a KV-cache layer the attention writes into) does not run ahead at
 all: every member computes as its own region for that call.
 
-The checks themselves live in :mod:`gradseam.links`. Any mismatch makes that member, and the rest
+The checks themselves live in :mod:`gradseam.run.links`. Any mismatch makes that member, and the rest
 of the chain in this call, compute on their own:
 exact either way. The next call tries the chunk again. Each cause warns once and is counted
 (:attr:`Chain.stats`), so ``summary()`` says how many calls ran as chunks and why others did not.
@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .errors import warn_once
+from ..errors import warn_once
 from .links import (
     ORDER,
     PRE_HOOKS,
@@ -84,7 +84,7 @@ class _RegionScope:
 class Runner:
     """Runs a callable as one non-reentrant checkpoint region.
 
-    ``scope`` (when set) is entered around each region call (:class:`gradseam.scopes.RegionScope`):
+    ``scope`` (when set) is entered around each region call (:class:`gradseam.run.scopes.RegionScope`):
     it may open saved-tensor hooks, which around a non-reentrant checkpoint see only what the
     checkpoint keeps across the region (its inputs: what the unsloth backends move to the CPU), and
     it yields the checkpoint's ``context_fn`` (attention kernels kept instead of recomputed) or None.
@@ -166,14 +166,15 @@ class _Flight:
 class Chain:
     """A checkpoint region spanning one or more modules; see the module docstring."""
 
-    def __init__(self, members: Sequence[nn.Module], link: Link | None, runner: Runner, label: str) -> None:
+    def __init__(self, members: Sequence[nn.Module], link: Link | None, runner: Runner, label: str,
+                 stats: ChainStats | None = None) -> None:
         if len(members) > 1 and link is None:
             raise ValueError("a chain of several modules needs a link")
         self.members = list(members)
         self.link = link
         self.runner = runner
         self.label = label
-        self.stats = ChainStats([0] * len(self.members))
+        self.stats = stats if stats is not None else ChainStats([0] * len(self.members))
         self._originals: list[Original | None] = [None] * len(members)
         self._flight: _Flight | None = None
 

@@ -13,17 +13,25 @@ adds it by name (:func:`gradseam.hookspecs.register_attention_kernels`). An op t
 installed simply never matches. Math attention (``_scaled_dot_product_attention_math``) is a
 composite: it reaches the dispatcher as matmuls and a softmax, so it is recomputed, exactly.
 
-Two ``TorchDispatchMode`` s carry the kept outputs from the checkpoint's forward to its recompute
-(``torch.utils.checkpoint``'s ``context_fn``): :class:`_Keep` hands each kernel output to a
-``pack`` function as it is produced (the offload engine's pack, which copies it to host memory on a
-side stream; or a plain detach, keeping it on the GPU); :class:`_Replay` answers the same kernel
-call in the recompute with ``unpack`` of what was kept, in order, without running it. Under
-``torch.compile`` a Python dispatch mode cannot be traced, so compiled regions use torch's own
-selective checkpoint with the same kernels marked must-save: kept on the GPU, not offloaded.
+A :class:`Tape` carries the kept outputs from the checkpoint's forward to its recompute. The
+checkpoint's ``context_fn`` makes the tape current on the thread (recording in the forward,
+replaying in the recompute); the run layer installs a pass-through on each attention submodule the
+family declares, which enters a ``TorchDispatchMode`` only while a tape is current. So Python runs
+per aten op inside attention only, not for every op of the block (the whole block under a dispatch
+mode made Flux at 1k tokens 1.6x slower than ``torch``). A family that declares no attention side is
+taped block-wide. Each kept output remembers the call it came from (op, shapes, dtypes) and its
+version counter; a replay that finds another call, or an output changed in place since (an
+attention processor editing its result), runs the kernel for real and counts it, so the recompute
+always computes what the forward did. A call made with gradients off (a one-time calibration under
+``no_grad``) is told apart from the real calls by that, so skipping it keeps the replay in step. Under ``torch.compile`` a Python
+dispatch mode cannot be traced, so compiled regions use torch's own selective checkpoint with the
+same kernels marked must-save: kept on the GPU, not offloaded.
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
@@ -32,24 +40,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
-# Operator schema names. aten's kernels are what F.scaled_dot_product_attention and diffusers'
-# "native" backends reach; the rest are the custom ops of libraries diffusers' dispatcher can use.
-BUILTIN_KERNELS: frozenset[str] = frozenset(
-    {
-        "aten::_scaled_dot_product_flash_attention",
-        "aten::_scaled_dot_product_flash_attention_for_cpu",
-        "aten::_scaled_dot_product_efficient_attention",
-        "aten::_scaled_dot_product_cudnn_attention",
-        "aten::_scaled_dot_product_fused_attention_overrideable",
-        "aten::_flash_attention_forward",
-        "aten::_efficient_attention_forward",
-        "flash_attn::_flash_attn_forward",
-        "flash_attn::_flash_attn_varlen_forward",
-        "_diffusers_flash_attn_3::_flash_attn_forward",
-        "xformers_flash::flash_fwd",
-        "xformers::efficient_attention_forward_cutlass",
-    }
-)
+from ..registry import BUILTIN_KERNELS  # noqa: F401 - re-exported: the built-in names live with the plugins' ones
 
 
 class KernelSet:
@@ -116,37 +107,154 @@ def _enough_keys(func: Any, args: tuple) -> bool:
     return 4 * k.shape[dim] >= q.shape[dim]
 
 
-class _Keep(TorchDispatchMode):
-    """The checkpoint's forward: run every op, and hand each kernel output to ``pack``."""
+_sets: dict[frozenset[str], KernelSet] = {}
 
-    def __init__(self, kernels: KernelSet, kept: list[Any], pack: Callable[[torch.Tensor], Any]) -> None:
+
+def kernel_set(names: frozenset[str]) -> KernelSet:
+    """One memoised matcher per set of names (it caches its answer per op object)."""
+    found = _sets.get(names)
+    if found is None:
+        found = _sets[names] = KernelSet(names)
+    return found
+
+
+def attention_kernels() -> KernelSet:
+    """The matcher for every attention kernel installed plugins name (and the built-in ones)."""
+    from ..registry import REGISTRY
+
+    return kernel_set(REGISTRY.attention_kernels())
+
+
+def _meta(func: Any, args: tuple) -> tuple[Any, ...]:
+    """What identifies a kernel call for its replay: the op, whether gradients were on (a call made under
+    ``no_grad`` in forward only, such as a one-time calibration, is then never mistaken for a real one),
+    and each tensor argument's shape and dtype."""
+    return (func, torch.is_grad_enabled(), *((a.shape, a.dtype) for a in args if isinstance(a, torch.Tensor)))
+
+
+class _Entry:
+    __slots__ = ("meta", "out", "versions")
+
+    def __init__(self, meta: tuple[Any, ...], out: Any, versions: tuple[tuple[Any, int], ...]) -> None:
+        self.meta, self.out, self.versions = meta, out, versions
+
+
+_current = threading.local()
+
+
+def current_tape() -> Tape | None:
+    stack = getattr(_current, "stack", None)
+    return stack[-1] if stack else None
+
+
+class Tape:
+    """Kept kernel outputs of one region call: recorded in its forward, replayed in its recompute.
+
+    ``pack`` stores an output (the engine's pack, or a detach that keeps it on the GPU) and
+    ``unpack`` gives it back. ``scoped``: only the attention submodules enter the dispatch mode
+    (:meth:`mode`); otherwise the checkpoint's contexts enter it for the whole region.
+    """
+
+    def __init__(self, kernels: KernelSet, pack: Callable[[torch.Tensor], Any] | None = None,
+                 unpack: Callable[[Any], torch.Tensor] | None = None, *, scoped: bool = True,
+                 missed: Callable[[], None] | None = None) -> None:
+        self.kernels, self.scoped = kernels, scoped
+        self.pack, self.unpack = pack or _detach, unpack or _detach
+        self.kept: list[_Entry] = []
+        self.next = 0
+        self.replaying = False
+        self.missed = missed or (lambda: None)  # a replay that had to run the kernel for real
+
+    # -- the checkpoint's two contexts ------------------------------------------------------
+    def contexts(self) -> tuple[_Context, _Context]:
+        """(forward, recompute) contexts; re-enterable, as a second backward recomputes again."""
+        return _Context(self, replaying=False), _Context(self, replaying=True)
+
+    def mode(self) -> TorchDispatchMode:
+        return _Replay(self) if self.replaying else _Keep(self)
+
+    # -- what the modes do ------------------------------------------------------------------
+    def keep(self, func: Any, args: tuple, kwargs: dict | None, out: Any) -> None:
+        if not self.kernels.keeps(func, args, kwargs):
+            return
+        versions = tuple((t, t._version) for t in _tensors(out))
+        self.kept.append(_Entry(_meta(func, args), tree_map_only(torch.Tensor, self.pack, out),
+                                tuple((weakref.ref(t), v) for t, v in versions)))
+
+    def answer(self, func: Any, args: tuple, kwargs: dict | None) -> Any:
+        if not self.kernels.keeps(func, args, kwargs):
+            return func(*args, **(kwargs or {}))
+        meta = _meta(func, args)
+        for i in range(self.next, len(self.kept)):  # entries skipped over were calls made in forward only
+            entry = self.kept[i]
+            if entry.meta == meta:
+                self.next = i + 1
+                if any((t := ref()) is not None and t._version != v for ref, v in entry.versions):
+                    break  # the output was changed in place after the forward used it: compute it again
+                return _map_kept(self.unpack, entry.out)
+        self.missed()
+        return func(*args, **(kwargs or {}))
+
+
+class _Context:
+    """Makes a tape current on this thread, recording or replaying (and, block-wide, enters its mode)."""
+
+    def __init__(self, tape: Tape, *, replaying: bool) -> None:
+        self.tape, self.replaying = tape, replaying
+        self._mode: TorchDispatchMode | None = None
+
+    def __enter__(self) -> None:
+        tape = self.tape
+        tape.replaying = self.replaying
+        if self.replaying:
+            tape.next = 0  # each recompute (a second backward too) replays from the start
+        stack = getattr(_current, "stack", None)
+        if stack is None:
+            stack = _current.stack = []
+        stack.append(tape)
+        if not tape.scoped:
+            self._mode = tape.mode()
+            self._mode.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        if self._mode is not None:
+            mode, self._mode = self._mode, None
+            mode.__exit__(*exc)
+        _current.stack.pop()
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    return []
+
+
+class _Keep(TorchDispatchMode):
+    """The checkpoint's forward: run every op, and keep each kernel output on the tape."""
+
+    def __init__(self, tape: Tape) -> None:
         super().__init__()
-        self.kernels, self.kept, self.pack = kernels, kept, pack
+        self.tape = tape
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if self.kernels.keeps(func, args, kwargs):
-            self.kept.append(tree_map_only(torch.Tensor, self.pack, out))
+        if self.tape.kernels(func):
+            self.tape.keep(func, args, kwargs, out)
         return out
 
 
 class _Replay(TorchDispatchMode):
-    """The checkpoint's recompute: answer each kernel call with what the forward kept, in order."""
+    """The checkpoint's recompute: answer each kernel call with what the forward kept, checked."""
 
-    def __init__(self, kernels: KernelSet, kept: list[Any], unpack: Callable[[Any], torch.Tensor]) -> None:
+    def __init__(self, tape: Tape) -> None:
         super().__init__()
-        self.kernels, self.kept, self.unpack = kernels, kept, unpack
-        self.next = 0
-
-    def __enter__(self) -> _Replay:
-        self.next = 0  # each recompute (a second backward included) replays from the start
-        return super().__enter__()
+        self.tape = tape
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if self.next < len(self.kept) and self.kernels.keeps(func, args, kwargs):
-            kept = self.kept[self.next]
-            self.next += 1
-            return _map_kept(self.unpack, kept)
+        if self.tape.kernels(func):
+            return self.tape.answer(func, args, kwargs)
         return func(*args, **(kwargs or {}))
 
 
@@ -158,16 +266,28 @@ def _map_kept(unpack: Callable[[Any], torch.Tensor], kept: Any) -> Any:
     return unpack(kept)
 
 
-def _on_device(t: torch.Tensor) -> torch.Tensor:
-    return t.detach()
+def _detach(t: Any) -> Any:
+    # Kept on the device: an alias whose version counter is the output's own (an in-place edit shows).
+    # In replay, a fresh alias per call: autograd gives each recompute's output its own node.
+    return t.detach() if isinstance(t, torch.Tensor) else t
 
 
-def _alias(t: torch.Tensor) -> torch.Tensor:
-    return t.detach()  # a fresh alias per replay: autograd gives each recompute's output its own node
+class TapeSite:
+    """Installed on an attention submodule: while a tape is current, run the module under its mode."""
+
+    __slots__ = ()
+
+    def __call__(self, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        tape = current_tape()
+        if tape is None or not tape.scoped or torch.compiler.is_compiling():
+            return call(*args, **kwargs)
+        with tape.mode():
+            return call(*args, **kwargs)
 
 
 def context_fn(kernels: KernelSet, pack: Callable[[torch.Tensor], Any] | None = None,
-               unpack: Callable[[Any], torch.Tensor] | None = None) -> Callable[[], tuple[Any, Any]]:
+               unpack: Callable[[Any], torch.Tensor] | None = None, *, scoped: bool = True,
+               missed: Callable[[], None] | None = None) -> Callable[[], tuple[Any, Any]]:
     """A ``context_fn`` for ``torch.utils.checkpoint``: kernels kept by ``pack`` (default: on the GPU)."""
     if torch.compiler.is_compiling():
         from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -176,6 +296,5 @@ def context_fn(kernels: KernelSet, pack: Callable[[torch.Tensor], Any] | None = 
             return CheckpointPolicy.MUST_SAVE if kernels.keeps(func, args, kwargs) else CheckpointPolicy.PREFER_RECOMPUTE
 
         return partial(create_selective_checkpoint_contexts, policy)
-    kept: list[Any] = []
-    modes = (_Keep(kernels, kept, pack or _on_device), _Replay(kernels, kept, unpack or _alias))
-    return lambda: modes
+    tape = Tape(kernels, pack, unpack, scoped=scoped, missed=missed)
+    return tape.contexts

@@ -5,7 +5,7 @@ hook) does between two blocks must be noticed before a later block is served fro
 carried value replaced or edited in place, another argument, random numbers drawn in between.
 This module holds those checks (:class:`Link` and its two kinds) and what they compare with:
 signatures read once per class, snapshots of arguments that a later in-place edit cannot change,
-and the generators' states. :mod:`gradseam.strategies` runs the chains.
+and the generators' states. :mod:`gradseam.run.chains` runs the chains.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .errors import UnsupportedModelError
-from .family import Carry
+from ..errors import UnsupportedModelError
+from ..family import Carry
 
 
 @dataclass(frozen=True)

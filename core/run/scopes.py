@@ -3,7 +3,7 @@
 * :class:`RegionScope` wraps one checkpoint region call. With ``inputs`` it opens saved-tensor
   hooks around the non-reentrant checkpoint, which then see only the region's inputs (the unsloth
   backends). With ``kernels`` it gives the checkpoint a ``context_fn`` that keeps the attention
-  kernels' outputs instead of recomputing them (:mod:`gradseam.kernels`), in host memory through
+  kernels' outputs instead of recomputing them (:mod:`gradseam.run.kernels`), in host memory through
   the engine when there is one, else on the GPU. Both go into one engine group per call, so
   backward brings a region's inputs and its kernel outputs back together, and prefetches the
   region before it.
@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from .errors import UnsupportedStrategyError
+from ..errors import UnsupportedStrategyError
+from ..offload import OffloadEngine
+from .chains import inside_region
 from .kernels import KernelSet, context_fn
-from .offload import OffloadEngine
-from .strategies import inside_region
 
 
 def refuse_transforms(what: str) -> None:
@@ -53,18 +53,25 @@ class RegionScope:
     GPU: the model's loop references it anyway, so offloading it would cost copies and free nothing.
     """
 
-    def __init__(self, engine: OffloadEngine | None, *, inputs: bool, kernels: KernelSet | None) -> None:
-        if inputs and engine is None:
-            raise ValueError("offloading region inputs needs an engine")
-        self.engine, self.inputs, self.kernels = engine, inputs, kernels
+    def __init__(self, engine: OffloadEngine | None, *, inputs: bool, kernels: KernelSet | None,
+                 scoped: bool = True, missed: Callable[[], None] | None = None) -> None:
+        # the install step builds a scope only from a spec that needs one: inputs imply an engine
+        assert engine is not None or not inputs, "offloading region inputs needs an engine"
+        self.engine, self.inputs, self.kernels, self.scoped, self.missed = engine, inputs, kernels, scoped, missed
         self.what = "gradseam's unsloth backends (region inputs offloaded)" if inputs else (
             "gradient_checkpointing_offload_attention")
+
+    def _context_fn(self, pack: Callable[[torch.Tensor], Any] | None = None,
+                    unpack: Callable[[Any], torch.Tensor] | None = None) -> Callable[[], tuple[Any, Any]] | None:
+        if self.kernels is None:
+            return None
+        return context_fn(self.kernels, pack, unpack, scoped=self.scoped, missed=self.missed)
 
     @contextmanager
     def __call__(self, args: tuple, kwargs: dict) -> Iterator[Callable[[], tuple[Any, Any]] | None]:
         engine = self.engine
         if engine is None:  # kernel outputs kept on the GPU: nothing to move
-            yield context_fn(self.kernels) if self.kernels is not None else None
+            yield self._context_fn()
             return
         refuse_transforms(self.what)
         select = None
@@ -91,18 +98,20 @@ class RegionScope:
                 out = engine.unpack(packed)
                 return out.detach() if out is packed else out
 
-            yield context_fn(self.kernels, keep, give)
+            yield self._context_fn(keep, give)
 
 
 class AttentionOffload:
     """Handler installed as an attention submodule's forward: offload everything it saves."""
 
-    def __init__(self, engine: OffloadEngine) -> None:
+    def __init__(self, engine: OffloadEngine, calls: list[int] | None = None) -> None:
         self.engine = engine
+        self.calls = calls if calls is not None else [0]  # offloaded calls, for handle.regions() and the kit
 
     def __call__(self, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         if not torch.is_grad_enabled() or inside_region():
             return call(*args, **kwargs)
         refuse_transforms("gradient_checkpointing_offload_attention")
+        self.calls[0] += 1
         with self.engine.group():
             return call(*args, **kwargs)

@@ -26,7 +26,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..backends import Scope
+from ..config import CheckpointConfig
 from ..errors import GradseamError, UnsupportedStrategyError
+from ..planning import strategy_of
 from .compiled import BUDGETS, budget_config, budget_name, compiled_rows, gradseam_keys
 from .named_strategies import rows
 
@@ -64,7 +67,8 @@ def parse_budget(value: str | float | int) -> float:
 LADDER: list[tuple[str, dict[str, Any]]] = [("none", {"gradient_checkpointing": False})] + rows(
     "torch-ffn", "torch", "torch + attention kept", "unsloth-ffn", "unsloth", "attention offload",
     "torch-ffn + attention offload", "unsloth-ffn + attention offload", "torch + attention offload",
-    "unsloth + attention offload",
+    "unsloth + attention offload", "compile", "unsloth-compile, budget 0.3", "unsloth-compile",
+    "unsloth-compile, budget 0.05",
 ) + [
     (budget_name(b), {"gradient_checkpointing": False, **budget_config(b)}) for b in BUDGETS
 ] + compiled_rows(rows("torch + attention kept", "unsloth + attention offload"))
@@ -245,9 +249,9 @@ def run_ladder(
     base = min(fits, key=lambda t: t.step_ms or 0.0)
 
     if base.config.get("gradient_checkpointing") and not base.config.get("compile_blocks"):
-        backend = base.config["gradient_checkpointing_backend"]
-        steps = list(STRIDE_STEPS)
-        if supports_interval and not backend.endswith("-ffn"):
+        chosen_backend = strategy_of(CheckpointConfig.from_dict(base.config)).backend
+        steps = list(STRIDE_STEPS) if chosen_backend is not None and chosen_backend.chunks else []
+        if supports_interval and steps and chosen_backend is not None and chosen_backend.scope is Scope.BLOCK:
             steps.insert(0, INTERVAL_STEP)
         stopped = False
         for label, extra in steps:
@@ -303,7 +307,6 @@ def depth_measure(
     plan = plan or plan_for(model, family)  # a truncated workload passes its full model's plan
     target = target or plan.full
     if depths is None and plan.full < 2:
-        depths = None
         note = f"the model as given ({plan.describe(plan.full)}), measured directly"
     else:
         depths = depths or parse_depths(None, plan.full)

@@ -45,7 +45,8 @@ NEEDS_CUDA = "needs CUDA"
 GRADSEAM_ROWS: list[tuple[str, dict[str, Any]]] = rows(
     "torch", "torch-ffn", "unsloth", "unsloth-ffn", "attention offload", "torch-ffn + attention offload",
     "unsloth-ffn + attention offload", "torch + attention kept", "torch + attention offload",
-    "unsloth + attention offload", "torch, interval 2",
+    "unsloth + attention offload", "torch, interval 2", "compile", "unsloth-compile, budget 0.3", "unsloth-compile",
+    "unsloth-compile, budget 0.05",
 )
 # gradseam's rows that are also measured with compiled blocks on a real model
 COMPILED_ROWS = compiled_rows(rows("torch + attention kept", "unsloth + attention offload"))
@@ -266,11 +267,23 @@ def synthetic(
     steps: int | None = None,
     on_row: Callable[[Result], None] | None = None,
     device: str | None = None,
+    threads: int | None = None,
 ) -> list[Result]:
-    """Every row on the synthetic stack: bf16 on the GPU, or float32 at :data:`CPU_SHAPES` on the CPU."""
+    """Every row on the synthetic stack: bf16 on the GPU, or float32 at :data:`CPU_SHAPES` on the CPU.
+
+    ``threads``: torch's CPU threads for the sweep (restored after it); None keeps torch's setting.
+    On a small or busy machine one thread gives steadier times than one per core (see the demo).
+    """
+    device = device or default_device()
+    if threads is not None and device == "cpu":
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return synthetic(shapes, rows, steps, on_row, device)
+        finally:
+            torch.set_num_threads(before)
     from .synthetic import SyntheticStack, ensure_registered
 
-    device = device or default_device()
     cpu = device == "cpu"
     if shapes is None:
         shapes = CPU_SHAPES if cpu else SYNTHETIC_SHAPES

@@ -1,0 +1,247 @@
+"""A patched model's handle: what was planned and installed, how it has run, and how to undo it.
+
+:class:`PatchHandle` owns the lifecycle: it takes over the model's own checkpointing flag, makes
+the offload engine a plan needs, installs the plan (:mod:`gradseam.run.install`), notices blocks
+replaced under it, and ``remove()`` restores the model exactly. ``regions()`` and ``summary()``
+read the plan's specs and the installed chains' counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .errors import warn_once
+from .planning import Plan, plan, resolve
+from .summary import RegionView, Summary
+
+if TYPE_CHECKING:
+    from .run.install import Installation
+
+
+def model_device(model: nn.Module) -> str:
+    for p in model.parameters():
+        return p.device.type
+    return "cpu"
+
+
+class _GuardedEnable:
+    """Stands in for ``model.enable_gradient_checkpointing`` while gradseam owns checkpointing.
+
+    Calling the built-in flag on top of gradseam would checkpoint twice (and, on Chroma's single
+    blocks, drop the attention mask), so the call is recorded and replayed only on ``remove()``.
+    """
+
+    def __init__(self, handle: PatchHandle, enable: bool) -> None:
+        self.handle = handle
+        self.enable = enable
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        what = "enable" if self.enable else "disable"
+        warn_once(
+            f"{what}_gradient_checkpointing() called on a model patched by gradseam; gradseam owns "
+            "checkpointing while the patch is active, so the call is deferred until handle.remove()."
+        )
+        self.handle._deferred = (self.enable, args, kwargs)
+
+
+class _ModelHooks:
+    """A forward pre-hook and always-called forward hook on the patched model itself.
+
+    It ties the model to its handle: :func:`handle_of` finds it among the model's hooks. Living
+    in the model, it goes wherever the model goes: ``copy.deepcopy`` and pickling give a patched
+    copy its own handle (re-patching the copy replaces, never stacks), and nothing global keeps
+    a patched model alive. Around every forward it also resets each chain, dropping what a chain
+    holds between its head and its later members: when a forward stops in between (an exception
+    in a hook, or in the model's code between two blocks), those outputs, and through their
+    graph the step's activations, would otherwise stay referenced until the chain next runs.
+    An exception resets at once; a ``KeyboardInterrupt`` (torch runs always-called hooks for
+    ``Exception`` only) at the start of the next forward.
+    """
+
+    def __init__(self, handle: PatchHandle) -> None:
+        self.handle = handle
+
+    def __call__(self, module: nn.Module, args: tuple, output: Any = None) -> None:
+        handle = self.handle
+        for chain in handle._chains:
+            chain.reset()
+        if output is None:  # before the forward
+            if handle._blocks_replaced():
+                handle._replan()
+            handle._follow()
+            if handle.engine is not None:
+                handle.engine.refresh()
+                if handle.offload_pending() and torch.is_grad_enabled():
+                    warn_once(
+                        f"gradseam: {type(handle.model).__name__} is training on the CPU with "
+                        f"{handle._offload_what()}; nothing is offloaded until the model is on a GPU "
+                        "(model.to('cuda')). On the CPU the step runs as with the 'torch' / 'torch-ffn' "
+                        "backend; summary() says 'offload pending' until then."
+                    )
+
+
+class PatchHandle:
+    """A patched model: ``.remove()`` undoes everything, ``.summary()`` says what was done."""
+
+    def __init__(self, model: nn.Module, plan: Plan) -> None:
+        self.model = model
+        self.plan = plan
+        self.family = plan.family
+        self.config = plan.config
+        self._flags: list[tuple[nn.Module, bool]] = []
+        self._installed: Installation | None = None
+        self._removed: list[Any] = []  # what the last installation held, for regions() after remove()
+        self._hooks: list[Any] = []
+        self._deferred: tuple[bool, tuple, dict] | None = None
+        self._entries: list[tuple[str, int, nn.Module]] = []  # what sat in each block list when planned
+        self.engine: Any = None  # the OffloadEngine, for offload configurations
+        self.deferred_device = False  # load-time patching: offload starts once the model is on a GPU
+        self.active = False
+
+    def _install(self) -> None:
+        model, config = self.model, self.config
+        # Own checkpointing: the model's built-in flag would nest a second checkpoint around ours.
+        for module in model.modules():
+            if getattr(module, "gradient_checkpointing", False) is True:
+                self._flags.append((module, True))
+                module.gradient_checkpointing = False
+        for name, enable in (("enable_gradient_checkpointing", True), ("disable_gradient_checkpointing", False)):
+            if hasattr(model, name):
+                setattr(model, name, _GuardedEnable(self, enable))
+        if self.plan.needs_engine:
+            from .offload import engine_for  # only offload configs pay for it
+
+            self.engine = engine_for(config.pin_buckets)
+            self.engine.watch(model)
+        self._install_regions()
+        hooks = _ModelHooks(self)
+        self._hooks = [model.register_forward_pre_hook(hooks), model.register_forward_hook(hooks, always_call=True)]
+        self.active = True
+
+    def _install_regions(self) -> None:
+        from .run.install import Installation
+
+        self._installed = Installation(self.plan, self.model, self.engine)
+        self._entries = [
+            (bl.path, i, m) for bl in self.family.block_lists
+            if isinstance(lst := resolve(self.model, bl.path), nn.ModuleList) for i, m in enumerate(lst)
+        ]
+
+    def _uninstall_regions(self) -> None:
+        if self._installed is not None:
+            self._removed = self._installed.regions  # their counts stay readable after remove()
+            self._installed.remove()
+            self._installed = None
+
+    @property
+    def _chains(self) -> list[Any]:
+        return self._installed.chains if self._installed is not None else []
+
+    def _blocks_replaced(self) -> bool:
+        """Whether something replaced a block since planning (torch's ``apply_activation_checkpointing``
+        wraps blocks in a ``CheckpointWrapper`` by setting them on their list): one identity check per block."""
+        lists: dict[str, Any] = {}
+        for path, index, module in self._entries:
+            lst = lists[path] if path in lists else lists.setdefault(path, resolve(self.model, path))
+            if lst is None or index >= len(lst) or lst[index] is not module:
+                return True
+        return False
+
+    def _replan(self) -> None:
+        """Plan again around replaced blocks and reinstall; a block now inside torch's checkpoint wrapper
+        is left to it (planning warns once), exactly as when the wrapper came before gradseam."""
+        new_plan = plan(self.model, self.family, self.config)
+        self._uninstall_regions()
+        self.plan = new_plan
+        self._install_regions()
+
+    def offload_pending(self) -> bool:
+        """True while an offload configuration cannot offload yet: the model is still on the CPU."""
+        from .offload import cpu_allowed
+
+        return self.engine is not None and model_device(self.model) == "cpu" and not cpu_allowed()
+
+    def _offload_what(self) -> str:
+        return " and ".join(self.plan.strategy.offloaded())
+
+    def regions(self) -> tuple[RegionView, ...]:
+        """What this handle installed, region by region, with how each has run so far (read-only;
+        the counts stay readable after ``remove()``)."""
+        installed = self._installed.regions if self._installed is not None else self._removed
+        return tuple(RegionView.of(done.spec, done.stats) for done in installed)
+
+    def _follow(self) -> None:
+        if self._installed is not None:
+            self._installed.follow()
+
+    def remove(self) -> None:
+        """Restore the model exactly as it was (idempotent)."""
+        if not self.active:
+            return
+        self._uninstall_regions()
+        for name in ("enable_gradient_checkpointing", "disable_gradient_checkpointing"):
+            if isinstance(self.model.__dict__.get(name), _GuardedEnable):
+                delattr(self.model, name)
+        for module, value in self._flags:
+            module.gradient_checkpointing = value
+        self._flags.clear()
+        if self._deferred is not None:
+            enable, args, kwargs = self._deferred
+            getattr(self.model, "enable_gradient_checkpointing" if enable else "disable_gradient_checkpointing")(
+                *args, **kwargs
+            )
+            self._deferred = None
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self.active = False
+
+    def __enter__(self) -> PatchHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def summary(self) -> Summary:
+        return Summary.of(self.plan, self.regions(), pending=self.offload_pending(),
+                          model_name=type(self.model).__name__)
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else "removed"
+        return f"<gradseam patch {self.family.name} [{self.config.describe()}] {state}>"
+
+
+class PipelineHandle:
+    """Handles for every patched component of a pipeline."""
+
+    def __init__(self, pipeline: Any, handles: Mapping[str, PatchHandle]) -> None:
+        self.pipeline = pipeline
+        self.handles = dict(handles)
+
+    def remove(self) -> None:
+        for handle in self.handles.values():
+            handle.remove()
+
+    def summary(self) -> Summary:
+        return Summary.merge({name: h.summary() for name, h in self.handles.items()})
+
+    def __getitem__(self, name: str) -> PatchHandle:
+        return self.handles[name]
+
+    def __enter__(self) -> PipelineHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def handle_of(model: nn.Module) -> PatchHandle | None:
+    """The active gradseam handle of a model, if it is patched."""
+    for hook in getattr(model, "_forward_pre_hooks", {}).values():
+        if isinstance(hook, _ModelHooks) and hook.handle.active and hook.handle.model is model:
+            return hook.handle
+    return None

@@ -1,0 +1,306 @@
+"""The compiled backends (``compile``, ``unsloth-compile``) on the CPU, where ``aot_eager`` runs the same
+partitioner under the same memory budget: what a real training stack does with them.
+
+The conformance kit runs both backends on every family (exact to the compiled tolerance against the
+unpatched eager model). Here: offloading changes nothing (bit for bit against the same compiled
+blocks without offload), the budget really decides what is kept and is scoped to gradseam's calls,
+``remove()`` drops every compiled state, and the settings these backends cannot honour are refused.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch._functorch.config as functorch_config
+from cases import FLUX, WAN
+
+import gradseam
+from gradseam.errors import UnsupportedStrategyError
+from gradseam.offload import cpu_test_mode
+from gradseam.testing import COMPILED_TOLERANCE, Case, assert_same_step, run_step
+
+ON = {"gradient_checkpointing": True}
+COMPILE = {**ON, "gradient_checkpointing_backend": "compile"}
+OFFLOADED = {**ON, "gradient_checkpointing_backend": "unsloth-compile"}
+
+
+def _step(case: Case, config: dict | None, *, steps: int = 1, seed: int = 1):
+    torch.manual_seed(case.seed)
+    model = case.build()
+    handle = gradseam.patch(model, config) if config else None
+    try:
+        results = [run_step(model, case, seed=seed + i) for i in range(steps)]
+    finally:
+        if handle is not None:
+            handle.remove()
+    return results
+
+
+@pytest.mark.parametrize("case", [FLUX, WAN], ids=lambda c: c.name)
+@pytest.mark.parametrize("budget", [0.05, 0.3])
+def test_offloading_what_compiled_blocks_keep_changes_nothing(case, budget):
+    torch._dynamo.reset()
+    kept = _step(case, {**COMPILE, "gradient_checkpointing_memory_budget": budget}, steps=2)
+    with cpu_test_mode():
+        moved = _step(case, {**OFFLOADED, "gradient_checkpointing_memory_budget": budget}, steps=2)
+    for a, b in zip(kept, moved):
+        assert_same_step(a, b, what=f"{case.name} unsloth-compile vs compile, budget {budget}")  # bit for bit
+
+
+def test_the_budget_decides_what_is_kept():
+    torch._dynamo.reset()
+    (reference,) = _step(WAN, None)
+    (loose,) = _step(WAN, {**COMPILE, "gradient_checkpointing_memory_budget": 1.0})
+    (tight,) = _step(WAN, {**COMPILE, "gradient_checkpointing_memory_budget": 0.05})
+    assert tight.saved_bytes < loose.saved_bytes <= reference.saved_bytes
+    assert_same_step(reference, tight, atol=COMPILED_TOLERANCE)
+
+
+def test_offload_moves_what_the_compiled_blocks_keep():
+    torch._dynamo.reset()
+    with cpu_test_mode():
+        torch.manual_seed(0)
+        model = FLUX.build()
+        with gradseam.patch(model, OFFLOADED) as handle:
+            step = run_step(model, FLUX)
+            stats = handle.engine.stats()
+    assert stats["offloaded_bytes"] > 0 and stats["copies"] > 0
+    # in the test mode every tensor goes to host memory: what stays counted is only the block inputs' handles
+    (compiled,) = _step(FLUX, COMPILE)
+    assert step.saved_bytes < compiled.saved_bytes
+
+
+def test_the_budget_is_scoped_to_gradseams_calls():
+    """The user's own compiled code partitions under its own budget, before, during and after a patch."""
+    torch._dynamo.reset()
+    default = functorch_config.activation_memory_budget
+    torch.manual_seed(0)
+    model = WAN.build()
+    handle = gradseam.patch(model, {**COMPILE, "gradient_checkpointing_memory_budget": 0.05})
+    run_step(model, WAN)
+    assert functorch_config.activation_memory_budget == default
+
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    from gradseam.tools.measure import count_saved_bytes
+
+    def saved(fn) -> int:
+        x = torch.randn(128, 64, requires_grad=True)
+        with count_saved_bytes({id(p) for p in mlp.parameters()}) as got:
+            fn(x).sum().backward()
+        return got[0]
+
+    eager = saved(mlp)
+    users = saved(torch.compile(lambda x: mlp(x), backend="aot_eager"))
+    handle.remove()
+    assert users == pytest.approx(eager, rel=0.25)  # not the 0.05 budget's recompute: it would keep far less
+
+
+def test_two_models_keep_their_own_budgets():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    a, b = WAN.build(), WAN.build()
+    with gradseam.patch(a, {**COMPILE, "gradient_checkpointing_memory_budget": 1.0}), \
+            gradseam.patch(b, {**COMPILE, "gradient_checkpointing_memory_budget": 0.05}):
+        first_a, first_b = run_step(a, WAN), run_step(b, WAN)
+        again_a = run_step(a, WAN)
+    assert first_b.saved_bytes < first_a.saved_bytes == again_a.saved_bytes
+
+
+def test_remove_leaves_no_compiled_state_and_the_exact_model():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = FLUX.build()
+    keys = list(model.state_dict())
+    (reference,) = _step(FLUX, None)
+    handle = gradseam.patch(model, COMPILE)
+    assert list(model.state_dict()) == keys  # no _orig_mod. prefix: no module is wrapped
+    run_step(model, FLUX)
+    compiled = [weakref.ref(c) for blocks in handle._installed.compiled.values() for c in blocks.functions()]
+    assert compiled
+    handle.remove()
+    gc.collect()
+    assert all(ref() is None for ref in compiled), "remove() left a compiled function alive"
+    assert_same_step(reference, run_step(model, FLUX))  # eager again: bit for bit
+
+
+def test_no_grad_validation_between_steps_runs_eagerly_and_exactly():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = WAN.build()
+    reference = WAN.build()
+    reference.load_state_dict(model.state_dict())
+    with gradseam.patch(model, COMPILE):
+        run_step(model, WAN)
+        counters.clear()
+        with torch.no_grad():
+            got = model(**WAN.inputs(torch.Generator().manual_seed(5)))[0]
+            want = reference(**WAN.inputs(torch.Generator().manual_seed(5)))[0]
+        assert torch.equal(got, want)
+        assert not counters["stats"].get("calls_captured")  # nothing compiled for the validation pass
+        run_step(model, WAN)
+
+
+def test_new_shapes_and_batch_sizes_between_steps_stay_exact():
+    """Aspect buckets: each new shape compiles once (or goes dynamic), and every step stays exact."""
+    torch._dynamo.reset()
+
+    def shaped(frames: int, batch: int) -> Case:
+        def inputs(g):
+            from gradseam.testing import randn
+
+            return {"hidden_states": randn(g, batch, 4, frames, 4, 4, grad=True),
+                    "timestep": torch.tensor([500] * batch),
+                    "encoder_hidden_states": randn(g, batch, 6, 16, grad=True)}
+
+        return Case(f"wan-{frames}f-b{batch}", WAN.build, inputs)
+
+    torch.manual_seed(0)
+    model = WAN.build()
+    reference = WAN.build()
+    reference.load_state_dict(model.state_dict())
+    with gradseam.patch(model, COMPILE):
+        for frames, batch in [(2, 1), (3, 1), (2, 2), (4, 1), (2, 1)]:
+            case = shaped(frames, batch)
+            assert_same_step(run_step(reference, case), run_step(model, case), atol=COMPILED_TOLERANCE,
+                             what=case.name)
+
+
+def test_gradient_accumulation_matches_unpatched():
+    torch._dynamo.reset()
+
+    def accumulate(config):
+        torch.manual_seed(0)
+        model = WAN.build()
+        handle = gradseam.patch(model, config) if config else None
+        model.zero_grad()
+        for seed in (1, 2):
+            out = model(**WAN.inputs(torch.Generator().manual_seed(seed)))[0]
+            out.float().square().mean().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        if handle:
+            handle.remove()
+        return grads
+
+    want, got = accumulate(None), accumulate(COMPILE)
+    assert want.keys() == got.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=COMPILED_TOLERANCE, rtol=COMPILED_TOLERANCE)
+
+
+def test_peft_lora_before_and_after_patching_then_merge_after_remove():
+    peft = pytest.importorskip("peft")
+    torch._dynamo.reset()
+    lora = peft.LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v"], init_lora_weights=False)
+
+    def build(order: str):
+        torch.manual_seed(0)
+        model = FLUX.build().requires_grad_(False)
+        handle = None
+        if order == "after":
+            handle = gradseam.patch(model, COMPILE)
+        model.add_adapter(lora)
+        if order == "before":
+            handle = gradseam.patch(model, COMPILE)
+        return model, handle
+
+    def reference():
+        torch.manual_seed(0)
+        model = FLUX.build().requires_grad_(False)
+        model.add_adapter(lora)
+        return model
+
+    want = run_step(reference(), FLUX)
+    for order in ("before", "after"):
+        model, handle = build(order)
+        assert_same_step(want, run_step(model, FLUX), atol=COMPILED_TOLERANCE, what=f"LoRA added {order}")
+        handle.remove()
+        assert_same_step(want, run_step(model, FLUX), what=f"LoRA added {order}, after remove()")  # eager: exact
+        # the adapter fuses into the weights as on a model never patched
+        fused, plain = model, reference()
+        fused.fuse_lora()
+        plain.fuse_lora()
+        with torch.no_grad():
+            x = FLUX.inputs(torch.Generator().manual_seed(3))
+            assert torch.equal(fused(**x)[0], plain(**FLUX.inputs(torch.Generator().manual_seed(3)))[0])
+
+
+@pytest.mark.parametrize(("extra", "names"), [
+    ({"gradient_checkpointing_interval": 2}, "gradient_checkpointing_interval"),
+    ({"gradient_checkpointing_offload_attention": True}, "gradient_checkpointing_offload_attention"),
+    ({"gradient_checkpointing_keep_attention": True}, "gradient_checkpointing_keep_attention"),
+])
+def test_settings_compiled_blocks_cannot_honour_are_refused(extra, names):
+    model = FLUX.build()
+    with pytest.raises(UnsupportedStrategyError, match=names):
+        gradseam.patch(model, {**COMPILE, **extra})
+    assert gradseam.handle_of(model) is None
+
+
+def test_a_memory_budget_without_a_compiled_backend_is_refused():
+    with pytest.raises(UnsupportedStrategyError, match="gradient_checkpointing_memory_budget=0.2.*'compile'"):
+        gradseam.patch(FLUX.build(), {**ON, "gradient_checkpointing_memory_budget": 0.2})
+
+
+@pytest.mark.parametrize("value", [0, -0.1, 1.5, "half", True])
+def test_a_budget_outside_0_1_names_the_key(value):
+    with pytest.raises(ValueError, match="gradient_checkpointing_memory_budget"):
+        gradseam.CheckpointConfig(gradient_checkpointing_memory_budget=value)
+
+
+def test_a_stride_selects_the_compiled_blocks():
+    torch._dynamo.reset()
+    model = WAN.build()
+    with gradseam.patch(model, {**COMPILE, "gradient_checkpointing_segment_stride": 2}) as handle:
+        compiled = sorted(i for r in handle.regions() for i in r.blocks)
+    assert compiled == [0, 2, 4]
+
+
+@pytest.mark.parametrize("idiom", ["torch.compile(block)", "block.compile()"])
+def test_blocks_the_user_compiled_are_refused_by_the_compiled_backends(idiom):
+    model = WAN.build()
+    if idiom == "block.compile()":
+        for block in model.blocks:
+            block.compile(backend="aot_eager")
+    else:
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block, backend="aot_eager")
+    with pytest.raises(UnsupportedStrategyError, match=r"torch\.compile.*remove your torch\.compile"):
+        gradseam.patch(model, COMPILE)
+
+
+def test_a_block_list_compiled_with_torch_compile_patches_with_eager_backends():
+    """``blocks[i] = torch.compile(blocks[i])`` used to fail as 'no block class for OptimizedModule'."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = WAN.build()
+    reference = WAN.build()
+    reference.load_state_dict(model.state_dict())
+    for m in (model, reference):  # the same idiom on both (it renames parameters: _orig_mod.)
+        for i, block in enumerate(m.blocks):
+            m.blocks[i] = torch.compile(block, backend="aot_eager")
+    with gradseam.patch(model, ON) as handle:
+        assert [r.block_class for r in handle.regions()] == ["WanTransformerBlock"] * 5
+        assert_same_step(run_step(reference, WAN), run_step(model, WAN), atol=1e-6)
+
+
+def test_in_place_edit_of_a_saved_tensor_raises_as_autograd_would():
+    torch._dynamo.reset()
+    block = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    from gradseam.offload import engine_for
+    from gradseam.run.compiled import CompiledBlocks
+
+    with cpu_test_mode():
+        engine = engine_for(4)
+    blocks = CompiledBlocks(1.0, engine)
+    x = torch.randn(16, 32, requires_grad=True)
+    with engine.group():
+        out = blocks.compiled("cpu")(type(block).forward, block, (x,), {})
+    with torch.no_grad():
+        x.mul_(2)  # the first Linear saved x for its weight gradient
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
