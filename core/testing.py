@@ -258,6 +258,7 @@ def check_strategy(
         assert handle.plan.regions, f"{what}: the plan holds no region: nothing of the model is patched"
         with record_regions(handle) as regions, counting() as patched_kernels:
             patched = run_step(model, case)
+        assert_regions_ran(regions, what=what)  # first: a dead seam explains every check below that fails
         # (a chunk that falls back computes its later blocks twice in forward: only whole runs compare)
         if strategy.kept is not Kept.NOWHERE and unpatched_kernels[0] and not any(r.fallbacks for r in regions):
             assert patched_kernels[0] == unpatched_kernels[0], (
@@ -283,7 +284,6 @@ def check_strategy(
             f"{what}: kept {patched.saved_bytes} bytes between forward and backward, "
             f"not fewer than unpatched ({reference.saved_bytes})"
         )
-    assert_regions_ran(regions, what=what)
     if whole:
         assert_regions_whole(regions, what=what)
     return ParityReport(cfg, reference, patched, after, regions)
