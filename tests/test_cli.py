@@ -62,6 +62,8 @@ def test_families_never_cuts_a_word_in_an_80_column_terminal(monkeypatch):
     assert max(len(line) for line in result.output.splitlines()) <= 80
     words = _words(result.output)
     for item in gradseam.installed():
+        if item.distribution is None:
+            continue  # registered at runtime by an earlier test in this process (bench's synthetic family)
         fam = item.family
         wanted = [fam.name, *(n.rsplit(".", 1)[-1] for n in fam.model_names), *(bl.path for bl in fam.block_lists)]
         assert not [w for w in wanted if w not in words], f"{fam.name}: cut or missing in\n{result.output}"
