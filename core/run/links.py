@@ -29,6 +29,8 @@ class Signature:
     signature: inspect.Signature
     receiver: str  # the first parameter, whatever the class calls it ("self" by convention only)
     var_keyword: str | None  # the name of ``**kwargs``, if the forward has one
+    positional: tuple[str, ...] = ()  # parameters that must go in by position: up to ``*args``, or positional-only
+    var_positional: str | None = None  # the name of ``*args``, if the forward has one
 
     def bind(self, module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
         """Every parameter by name (defaults applied), the receiver left out."""
@@ -38,12 +40,20 @@ class Signature:
         del arguments[self.receiver]
         return arguments
 
-    def spread(self, arguments: dict[str, Any]) -> dict[str, Any]:
-        """Keyword arguments for a call, with a ``**kwargs`` bag spread back out."""
-        flat = {k: v for k, v in arguments.items() if k != self.var_keyword}
+    def spread(self, arguments: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Positional and keyword arguments for a call of what :meth:`bind` read.
+
+        ``*args`` and ``**kwargs`` bags are spread back out; what stands before a ``*args`` (and any
+        positional-only parameter) goes in by position, as a keyword could not reach it.
+        """
+        args = tuple(arguments[name] for name in self.positional)
+        if self.var_positional is not None:
+            args += tuple(arguments.get(self.var_positional) or ())
+        skip = {*self.positional, self.var_positional, self.var_keyword}
+        flat = {k: v for k, v in arguments.items() if k not in skip}
         if self.var_keyword is not None:
             flat.update(arguments.get(self.var_keyword) or {})
-        return flat
+        return args, flat
 
 
 _signatures: dict[type, Signature] = {}
@@ -57,7 +67,13 @@ def signature_of(cls: type) -> Signature:
         if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
             raise UnsupportedModelError(f"{cls.__qualname__}.forward takes no receiver parameter; cannot chain it.")
         var_kw = next((p.name for p in params if p.kind is p.VAR_KEYWORD), None)
-        found = _signatures[cls] = Signature(sig, params[0].name, var_kw)
+        var_pos = next((p.name for p in params if p.kind is p.VAR_POSITIONAL), None)
+        rest = params[1:]
+        if var_pos is not None:  # everything before *args has to be positional for *args to be reached
+            positional = tuple(p.name for p in rest[:[p.name for p in rest].index(var_pos)])
+        else:
+            positional = tuple(p.name for p in rest if p.kind is p.POSITIONAL_ONLY)
+        found = _signatures[cls] = Signature(sig, params[0].name, var_kw, positional, var_pos)
     return found
 
 
@@ -218,8 +234,7 @@ class BlockLink(Link):
         return tuple(v for v in self._carried(prev_out).values() if isinstance(v, torch.Tensor))
 
     def next_call(self, member: nn.Module, prev_out: Any, head: dict[str, Any]) -> tuple[tuple, dict]:
-        sig = signature_of(type(member))
-        return (), sig.spread({**head, **self._carried(prev_out)})
+        return signature_of(type(member)).spread({**head, **self._carried(prev_out)})
 
     def mismatch(self, member: nn.Module, prev_out: Any, versions: tuple[int, ...], head: dict[str, Any],
                  args: tuple, kwargs: dict) -> str | None:
@@ -231,7 +246,7 @@ class BlockLink(Link):
         for name, value in carried.items():
             if bound.get(name) is not value:
                 return IDENTITY
-        if tuple(t._version for t in self.carried(prev_out)) != versions:
+        if tuple(v._version for v in carried.values() if isinstance(v, torch.Tensor)) != versions:
             return VERSION
         for name, value in bound.items():
             if name not in carried and not unchanged(head.get(name), value):
