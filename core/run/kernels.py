@@ -16,10 +16,15 @@ composite: it reaches the dispatcher as matmuls and a softmax, so it is recomput
 A :class:`Tape` carries the kept outputs from the checkpoint's forward to its recompute. The
 checkpoint's ``context_fn`` makes the tape current on the thread (recording in the forward,
 replaying in the recompute); the run layer installs a pass-through on each attention submodule the
-family declares, which enters a ``TorchDispatchMode`` only while a tape is current. So Python runs
-per aten op inside attention only, not for every op of the block (the whole block under a dispatch
-mode made Flux at 1k tokens 1.6x slower than ``torch``). A family that declares no attention side is
-taped block-wide. Each kept output remembers the call it came from (op, shapes, dtypes) and its
+family declares, which, only while a tape is current, enters a *gate*: a ``TorchFunctionMode`` that
+lets every torch call through untouched except the ones that lead to a kernel
+(``F.scaled_dot_product_attention``, or a kernel's own ``torch.ops`` entry, as flash-attn and
+xformers call theirs), and runs just those under the ``TorchDispatchMode`` that keeps or replays.
+Why two modes: a dispatch mode costs Python per aten op, and an attention submodule is ~110 aten ops
+around one kernel (projections, norms, rotary, reshapes); a function mode costs less per call and
+sees ~80. Measured: the whole block under a dispatch mode made Flux at 1k tokens 1.6x slower than
+``torch``, the attention submodule under it 1.44x (docs/benchmarks.md). A family that declares no
+attention side is taped block-wide, under the dispatch mode alone. Each kept output remembers the call it came from (op, shapes, dtypes) and its
 version counter; a replay that finds another call, or an output changed in place since (an
 attention processor editing its result), runs the kernel for real and counts it, so the recompute
 always computes what the forward did. A call made with gradients off (a one-time calibration under
@@ -37,6 +42,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
@@ -50,6 +56,7 @@ class KernelSet:
         self.names = frozenset(names)
         self._known: dict[Any, bool] = {}
         self._dropout: dict[Any, int | None] = {}  # where an op takes dropout_p, by position
+        self._entries: dict[Any, bool] = {}  # torch-level callables the gate has seen -> leads to a kernel
 
     def __call__(self, func: Any) -> bool:
         found = self._known.get(func)
@@ -83,6 +90,26 @@ class KernelSet:
         p = kwargs.get("dropout_p") if kwargs and "dropout_p" in kwargs else args[where] if where < len(args) else 0.0
         return not p
 
+    def entry(self, func: Any) -> bool:
+        """A torch-level call that leads to one of the kernels: what the gate runs under the tape's mode.
+
+        ``F.scaled_dot_product_attention`` reaches aten's kernels (it is a composite, so a function mode
+        sees it, not the kernel); a custom op is called through ``torch.ops`` (an op packet or overload,
+        which a function mode sees by name, even from inside an ``autograd.Function``).
+        """
+        found = self._entries.get(func)
+        if found is None:
+            if func is _SDPA:
+                found = any(n.startswith("aten::") for n in self.names)
+            else:
+                name = getattr(func, "_qualified_op_name", None)  # an op packet
+                if name is None:
+                    schema = getattr(func, "_schema", None)  # an op overload
+                    name = schema.name if schema is not None else None
+                found = name is not None and name in self.names
+            self._entries[func] = found
+        return found
+
     def overloads(self) -> list[Any]:
         """The installed ops' overloads, for torch's selective checkpoint (compiled regions)."""
         found = []
@@ -94,6 +121,7 @@ class KernelSet:
         return found
 
 
+_SDPA = torch.nn.functional.scaled_dot_product_attention
 _HEADS_FIRST = "aten::_scaled_dot_product_"  # (batch, heads, sequence, dim); the other kernels put heads third
 
 
@@ -171,7 +199,12 @@ class Tape:
         return _Context(self, replaying=False), _Context(self, replaying=True)
 
     def mode(self) -> TorchDispatchMode:
+        """The dispatch mode that keeps (forward) or replays (recompute) this tape's kernel calls."""
         return _Replay(self) if self.replaying else _Keep(self)
+
+    def gate(self) -> TorchFunctionMode:
+        """What an attention submodule runs under: the dispatch mode around kernel calls only."""
+        return _Gate(self)
 
     # -- what the modes do ------------------------------------------------------------------
     def keep(self, func: Any, args: tuple, kwargs: dict | None, out: Any) -> None:
@@ -245,6 +278,22 @@ class _Keep(TorchDispatchMode):
         return out
 
 
+class _Gate(TorchFunctionMode):
+    """Inside an attention submodule: every torch call runs as it is, except those that lead to a kernel,
+    which run under the tape's dispatch mode. Inside ``__torch_function__`` torch has this mode switched
+    off, so what a call does inside (a composite's own ops) is not seen again."""
+
+    def __init__(self, tape: Tape) -> None:
+        super().__init__()
+        self.tape = tape
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if self.tape.kernels.entry(func):
+            with self.tape.mode():
+                return func(*args, **(kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
 class _Replay(TorchDispatchMode):
     """The checkpoint's recompute: answer each kernel call with what the forward kept, checked."""
 
@@ -273,7 +322,7 @@ def _detach(t: Any) -> Any:
 
 
 class TapeSite:
-    """Installed on an attention submodule: while a tape is current, run the module under its mode."""
+    """Installed on an attention submodule: while a tape is current, run the module under its gate."""
 
     __slots__ = ()
 
@@ -281,7 +330,7 @@ class TapeSite:
         tape = current_tape()
         if tape is None or not tape.scoped or torch.compiler.is_compiling():
             return call(*args, **kwargs)
-        with tape.mode():
+        with tape.gate():
             return call(*args, **kwargs)
 
 
