@@ -4,10 +4,12 @@ Built-in adapters are found through the same entry points a third-party package 
 the core never names a family. ``GRADSEAM_PLUGINS`` (comma-separated entry-point names) limits
 which entry points load, e.g. to rule out a misbehaving third-party plugin.
 
-Every plugin is *staged* before anything is registered: imported, its hook called against a
-scratch plugin manager, its families collected and checked against each other and against what
-is installed. Only a load or registration that passed all of that is committed, in one step. So
-a failure never leaves part of a plugin behind, and asking again gives the same error.
+Every plugin is *staged* before anything is visible: imported, registered with the one pluggy
+manager, its hooks called on it alone (``subset_hook_caller``), its families collected and checked
+against each other and against what is installed. Only a load or registration that passed all of
+that is committed, in one step (one :class:`_State` replaces the old one); anything that failed is
+unregistered from the manager again. So a failure never leaves part of a plugin behind, and asking
+again gives the same error.
 
 What a failure does depends on whether gradseam can still answer correctly without the plugin:
 
@@ -29,7 +31,7 @@ import os
 import re
 import threading
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
@@ -116,12 +118,40 @@ class _Source:
         return f"gradseam plugin {self.plugin!r} ({self.where()})"
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Staged:
+    """One plugin as its hooks answered: what a commit makes visible."""
+
     source: _Source
     plugin: Any
-    families: list[Family]
-    kernels: list[str] = field(default_factory=list)
+    families: tuple[Family, ...]
+    kernels: tuple[str, ...] = ()
+
+
+class _State:
+    """Everything registered: the plugins, and the two indexes read from them once per commit.
+
+    Replaced whole, never edited in place, so a reader without the lock sees the old or the new
+    state, never a mix; the indexes cannot disagree with the plugins because they are built from them.
+    """
+
+    def __init__(self, plugins: dict[str, _Staged] | None = None, failures: tuple[Failure, ...] = ()) -> None:
+        self.plugins = dict(plugins or {})
+        self.failures = failures
+        self.families: dict[str, Installed] = {}
+        self.by_model: dict[str, Installed] = {}
+        for item in self.plugins.values():
+            for family in item.families:
+                installed = Installed(family, item.source.plugin, item.source.distribution, item.source.version)
+                self.families[family.name] = installed
+                self.by_model.update(dict.fromkeys(family.model_names, installed))
+        self.kernels = BUILTIN_KERNELS.union(*(item.kernels for item in self.plugins.values()))
+
+    def adding(self, staged: Iterable[_Staged]) -> _State:
+        return _State({**self.plugins, **{item.source.plugin: item for item in staged}}, self.failures)
+
+    def without(self, plugin: str) -> _State:
+        return _State({k: v for k, v in self.plugins.items() if k != plugin}, self.failures)
 
 
 class _Failed(Exception):
@@ -180,25 +210,34 @@ class Registry:
         self.pm.add_hookspecs(hookspecs)
         self._lock = threading.RLock()
         self._loaded = False
-        # Replaced whole, never edited in place, so readers without the lock see old or new state.
-        self._families: dict[str, Installed] = {}
-        self._by_model: dict[str, Installed] = {}
-        self._sources: dict[str, _Source] = {}
-        self._kernels: dict[str, tuple[str, ...]] = {}  # plugin -> attention kernels it named
-        self._failures: list[Failure] = []
+        self._state = _State()
 
     # -- staging one plugin ----------------------------------------------------------------
     def _stage(self, plugin: Any, source: _Source) -> _Staged:
-        """Collect a plugin's families without touching the registry (raises _Failed)."""
-        scratch = pluggy.PluginManager(hookspecs.PROJECT)
-        scratch.add_hookspecs(hookspecs)
+        """Register a plugin with the manager and collect what its hooks register (raises _Failed).
+
+        Nothing is visible until :meth:`_commit`; on a failure the plugin is unregistered again.
+        """
+        taken = self.pm.get_name(plugin) if self.pm.is_registered(plugin) else None
+        if taken is not None:
+            raise PluginConflictError(  # a conflict: never skipped, whoever the plugin is
+                f"plugins {taken!r} and {source.plugin!r} ({source.where()}) are the same object {plugin!r}; "
+                "register it once.", plugin=source.plugin, distribution=source.distribution)
         try:
-            scratch.register(plugin, name=source.plugin)
+            self.pm.register(plugin, name=source.plugin)
         except pluggy.PluginValidationError as exc:
             raise _Failed(source, f"{source.describe()} has an invalid hook: {exc}. The hook is "
                           "`register_families(register)`; its parameter must be named `register`.",
                           exc, PluginTypeError) from None
-        self._check_hook_names(scratch, plugin, source)
+        try:
+            return self._collect(plugin, source)
+        except BaseException:
+            self.pm.unregister(name=source.plugin)
+            raise
+
+    def _collect(self, plugin: Any, source: _Source) -> _Staged:
+        self._check_hook_names(plugin, source)
+        others = [p for name, p in self.pm.list_name_plugin() if name != source.plugin]
 
         families: list[Family] = []
 
@@ -225,30 +264,27 @@ class Registry:
                 )
             kernels.append(name)
 
-        for hook, call in (("register_families", lambda: scratch.hook.register_families(register=register)),
-                           ("register_attention_kernels",
-                            lambda: scratch.hook.register_attention_kernels(register=register_kernel))):
-            try:
-                call()
+        for hook, register_one in (("register_families", register),
+                                   ("register_attention_kernels", register_kernel)):
+            try:  # this plugin's implementation only: the others answered when they were staged
+                self.pm.subset_hook_caller(hook, remove_plugins=others)(register=register_one)
             except _Failed:
                 raise
             except Exception as exc:
                 raise _Failed(
                     source, f"{source.describe()} failed in {hook}: {type(exc).__name__}: {exc}", exc
                 ) from exc
-        return _Staged(source, plugin, families, kernels)
+        return _Staged(source, plugin, tuple(families), tuple(kernels))
 
-    @staticmethod
-    def _check_hook_names(scratch: pluggy.PluginManager, plugin: Any, source: _Source) -> None:
+    def _check_hook_names(self, plugin: Any, source: _Source) -> None:
         # pluggy accepts a hookimpl for a hook nobody specified (it might be specified later) and
         # only complains in check_pending(); a misspelled hook would otherwise never be called.
+        # Every plugin registered before this one passed the check, so what it finds is this one's.
+        callers = self.pm.get_hookcallers(plugin) or []
         try:
-            scratch.check_pending()
+            self.pm.check_pending()
         except pluggy.PluginValidationError as exc:
-            unknown = sorted(
-                name for name, caller in vars(scratch.hook).items()
-                if not name.startswith("_") and not caller.has_spec() and caller.get_hookimpls()
-            )
+            unknown = sorted(caller.name for caller in callers if not caller.has_spec())
             hints = []
             for name in unknown:
                 close = difflib.get_close_matches(name, _HOOKS, n=1, cutoff=0.6)
@@ -260,7 +296,7 @@ class Registry:
                 exc,
                 PluginTypeError,
             ) from None
-        if not any(getattr(scratch.hook, hook).get_hookimpls() for hook in _HOOKS):
+        if not any(caller.name in _HOOKS for caller in callers):
             undecorated = callable(getattr(plugin, "register_families", None))
             hint = (
                 "its register_families is not decorated with @gradseam.hookimpl"
@@ -272,8 +308,9 @@ class Registry:
     # -- checking a batch against the registry ----------------------------------------------
     def _check_conflicts(self, staged: list[_Staged], fix: str) -> None:
         """Raise if a staged family's name or model class is already taken (by the registry or the batch)."""
+        state = self._state
         names: dict[str, tuple[Family, _Source]] = {
-            n: (i.family, self._source_of(i.plugin)) for n, i in self._families.items()
+            n: (i.family, state.plugins[i.plugin].source) for n, i in state.families.items()
         }
         claims: list[tuple[str, Family, _Source]] = [
             (model, family, source) for family, source in names.values() for model in family.model_names
@@ -310,40 +347,18 @@ class Registry:
                         )
                 names[family.name] = (family, item.source)
                 claims.extend((model, family, item.source) for model in family.model_names)
-        seen: dict[int, str] = {id(p): name for name, p in self.pm.list_name_plugin()}
+
+    def _commit(self, staged: list[_Staged], failures: list[Failure] | None = None) -> None:
+        state = self._state.adding(staged)
+        if failures is not None:
+            state.failures = tuple(failures)
+        self._state = state
+
+    def _abandon(self, staged: list[_Staged]) -> None:
+        """Unregister staged plugins that will not be committed (a conflict in their batch)."""
         for item in staged:
-            other_name = seen.setdefault(id(item.plugin), item.source.plugin)
-            if other_name != item.source.plugin:
-                raise PluginConflictError(
-                    f"plugins {other_name!r} and {item.source.plugin!r} ({item.source.where()}) are the same "
-                    f"object {item.plugin!r}; register it once. {fix}",
-                    plugin=item.source.plugin, distribution=item.source.distribution,
-                )
-
-    def _source_of(self, plugin: str) -> _Source:
-        return self._sources.get(plugin) or _Source(plugin)
-
-    def _commit(self, staged: list[_Staged]) -> None:
-        families, by_model, sources = dict(self._families), dict(self._by_model), dict(self._sources)
-        kernels = dict(self._kernels)
-        done: list[str] = []
-        try:
-            for item in staged:
-                self.pm.register(item.plugin, name=item.source.plugin)
-                done.append(item.source.plugin)
-                sources[item.source.plugin] = item.source
-                if item.kernels:
-                    kernels[item.source.plugin] = tuple(item.kernels)
-                for family in item.families:
-                    installed = Installed(family, item.source.plugin, item.source.distribution, item.source.version)
-                    families[family.name] = installed
-                    for model in family.model_names:
-                        by_model[model] = installed
-        except BaseException:
-            for name in done:
-                self.pm.unregister(name=name)
-            raise
-        self._families, self._by_model, self._sources, self._kernels = families, by_model, sources, kernels
+            if self.pm.has_plugin(item.source.plugin):
+                self.pm.unregister(name=item.source.plugin)
 
     # -- loading the entry points -----------------------------------------------------------
     @staticmethod
@@ -405,6 +420,13 @@ class Registry:
                     f"installed gradseam plugins: {sorted(names)}."
                 )
         staged: list[_Staged] = []
+        try:
+            self._stage_all(groups, allowed, staged)
+        except BaseException:
+            self._abandon(staged)
+            raise
+
+    def _stage_all(self, groups: list[list[Any]], allowed: set[str] | None, staged: list[_Staged]) -> None:
         skipped: list[_Failed] = []
         for points in groups:
             point, name = points[0], points[0].name
@@ -444,8 +466,7 @@ class Registry:
             # warned before committing: under `-W error` the load fails, and fails the same way again
             _warn(message)
             failures.append(Failure(failed.source.plugin, failed.source.distribution, failed.source.version, message))
-        self._commit(staged)
-        self._failures = failures
+        self._commit(staged, failures)
 
     def ensure_loaded(self) -> None:
         if self._loaded:
@@ -473,11 +494,15 @@ class Registry:
                 staged = self._stage(plugin, source)
             except _Failed as failed:
                 raise failed.error("Nothing of it was registered.") from failed.cause
-            self._check_conflicts(
-                [staged],
-                f"Nothing of plugin {plugin_name!r} was registered. Unregister the other plugin, or leave an "
-                f"installed one out with {PLUGINS_ENV}=name,name...",
-            )
+            try:
+                self._check_conflicts(
+                    [staged],
+                    f"Nothing of plugin {plugin_name!r} was registered. Unregister the other plugin, or leave an "
+                    f"installed one out with {PLUGINS_ENV}=name,name...",
+                )
+            except BaseException:
+                self._abandon([staged])
+                raise
             self._commit([staged])
             return plugin_name
 
@@ -488,14 +513,11 @@ class Registry:
     def _drop(self, plugin_name: str) -> None:
         if self.pm.has_plugin(plugin_name):
             self.pm.unregister(name=plugin_name)
-        self._families = {k: v for k, v in self._families.items() if v.plugin != plugin_name}
-        self._by_model = {k: v for k, v in self._by_model.items() if v.plugin != plugin_name}
-        self._sources = {k: v for k, v in self._sources.items() if k != plugin_name}
-        self._kernels = {k: v for k, v in self._kernels.items() if k != plugin_name}
+        self._state = self._state.without(plugin_name)
 
     def installed(self) -> list[Installed]:
         self.ensure_loaded()
-        return sorted(self._families.values(), key=lambda i: i.family.name)
+        return sorted(self._state.families.values(), key=lambda i: i.family.name)
 
     def families(self) -> list[Family]:
         return [i.family for i in self.installed()]
@@ -503,24 +525,24 @@ class Registry:
     def attention_kernels(self) -> frozenset[str]:
         """Operator names that count as attention kernels: the built-in ones and every plugin's."""
         self.ensure_loaded()
-        return BUILTIN_KERNELS.union(*self._kernels.values())
+        return self._state.kernels
 
     def failures(self) -> list[Failure]:
         """Third-party plugins skipped at load time (each also gave a PluginWarning)."""
         self.ensure_loaded()
-        return list(self._failures)
+        return list(self._state.failures)
 
     def get(self, name: str) -> Family:
         self.ensure_loaded()
         try:
-            return self._families[name].family
+            return self._state.families[name].family
         except KeyError:
-            raise KeyError(f"no family named {name!r}; installed: {sorted(self._families)}") from None
+            raise KeyError(f"no family named {name!r}; installed: {sorted(self._state.families)}") from None
 
     def for_model_type(self, model_type: type) -> Family | None:
         """The family that handles a model class (or one of its bases)."""
         self.ensure_loaded()
-        by_model = self._by_model
+        by_model = self._state.by_model
         for klass in model_type.__mro__:
             # A full dotted name first; a bare class name (declared without a module) matches any module,
             # for classes whose home module is not settled upstream yet. Registration rejects a bare
@@ -535,8 +557,7 @@ class Registry:
         with self._lock:
             for name, _ in list(self.pm.list_name_plugin()):
                 self.pm.unregister(name=name)
-            self._families, self._by_model, self._sources, self._kernels = {}, {}, {}, {}
-            self._failures = []
+            self._state = _State()
             self._loaded = False
 
 

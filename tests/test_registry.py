@@ -319,10 +319,10 @@ def test_register_rejects_non_family(registered):
 def state(registry=REGISTRY) -> tuple:
     """Everything a failed registration could have left behind."""
     return (
-        sorted((i.family.name, i.plugin, i.distribution) for i in registry._families.values()),
-        sorted((model, i.family.name) for model, i in registry._by_model.items()),
+        sorted((i.family.name, i.plugin, i.distribution) for i in registry._state.families.values()),
+        sorted((model, i.family.name) for model, i in registry._state.by_model.items()),
         sorted(name for name, _ in registry.pm.list_name_plugin()),
-        sorted(registry._sources),
+        sorted(registry._state.plugins),
         registry._loaded,
     )
 
