@@ -40,8 +40,16 @@ def make_inputs(model, device, dtype, tokens=None, *, image_tokens=1024, text_to
 
     cfg = model.config
     side = square_side(tokens or image_tokens) * cfg.patch_size
+    latent = torch.randn(1, cfg.in_channels, side, side, device=device, dtype=dtype, requires_grad=True)
+    return {"hidden_states": latent, **conditioning(cfg, text_tokens, device, dtype)}
+
+
+def conditioning(cfg, text_tokens, device, dtype) -> dict:
+    """What every Sana-design model is conditioned on (SANA-Video too): Gemma-2 prompt states and their
+    mask, the timestep, and the guidance scale where the model embeds one (Sana Sprint)."""
+    import torch
+
     inputs = {
-        "hidden_states": torch.randn(1, cfg.in_channels, side, side, device=device, dtype=dtype, requires_grad=True),
         "encoder_hidden_states": torch.randn(1, text_tokens, cfg.caption_channels, device=device, dtype=dtype),
         "encoder_attention_mask": torch.ones(1, text_tokens, device=device, dtype=dtype),
         "timestep": torch.full((1,), 500.0, device=device, dtype=dtype),

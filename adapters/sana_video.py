@@ -27,6 +27,8 @@ from gradseam.family import BlockClass, BlockList, Carry, Family, Preset
 from gradseam.hookspecs import hookimpl
 from gradseam.inputs import video_latent_size
 
+from .sana import conditioning  # one design, one prompt conditioning
+
 _M = "diffusers.models.transformers.transformer_sana_video"
 
 
@@ -38,17 +40,8 @@ def make_inputs(model, device, dtype, tokens=None, *, frames=81, height=480, wid
 
     cfg = model.config
     latent_frames, h, w = video_latent_size(frames, height, width, patch=tuple(cfg.patch_size), tokens=tokens)
-    inputs = {
-        "hidden_states": torch.randn(
-            1, cfg.in_channels, latent_frames, h, w, device=device, dtype=dtype, requires_grad=True
-        ),
-        "encoder_hidden_states": torch.randn(1, text_tokens, cfg.caption_channels, device=device, dtype=dtype),
-        "encoder_attention_mask": torch.ones(1, text_tokens, device=device, dtype=dtype),
-        "timestep": torch.full((1,), 500.0, device=device, dtype=dtype),
-    }
-    if cfg.guidance_embeds:
-        inputs["guidance"] = torch.full((1,), 4.5, device=device, dtype=dtype)
-    return inputs
+    latent = torch.randn(1, cfg.in_channels, latent_frames, h, w, device=device, dtype=dtype, requires_grad=True)
+    return {"hidden_states": latent, **conditioning(cfg, text_tokens, device, dtype)}
 
 
 SANA_VIDEO = Family(

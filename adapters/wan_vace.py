@@ -34,7 +34,8 @@ from __future__ import annotations
 
 from gradseam.family import BlockClass, BlockList, Carry, Family, Preset
 from gradseam.hookspecs import hookimpl
-from gradseam.inputs import video_latent_size
+
+from .wan import make_inputs as wan_inputs  # the same latent video and prompt, plus the control latents
 
 _M = "diffusers.models.transformers.transformer_wan"
 _V = "diffusers.models.transformers.transformer_wan_vace"
@@ -49,18 +50,13 @@ def make_inputs(model, device, dtype, tokens=None, *, frames=81, height=480, wid
     """
     import torch
 
-    cfg = model.config
-    latent_frames, h, w = video_latent_size(frames, height, width, patch=tuple(cfg.patch_size), tokens=tokens)
-    return {
-        "hidden_states": torch.randn(
-            1, cfg.in_channels, latent_frames, h, w, device=device, dtype=dtype, requires_grad=True
-        ),
-        "timestep": torch.full((1,), 500.0, device=device, dtype=dtype),
-        "encoder_hidden_states": torch.randn(1, text_tokens, cfg.text_dim, device=device, dtype=dtype),
-        "control_hidden_states": torch.randn(
-            1, cfg.vace_in_channels, latent_frames, h, w, device=device, dtype=dtype
-        ),
-    }
+    inputs = wan_inputs(model, device, dtype, tokens, frames=frames, height=height, width=width,
+                        text_tokens=text_tokens)
+    _, _, latent_frames, h, w = inputs["hidden_states"].shape
+    inputs["control_hidden_states"] = torch.randn(
+        1, model.config.vace_in_channels, latent_frames, h, w, device=device, dtype=dtype
+    )
+    return inputs
 
 
 WAN_VACE = Family(

@@ -16,10 +16,8 @@ from .config import CheckpointConfig
 from .errors import PLUGIN_GUIDE, UnsupportedModelError, UnsupportedStrategyError
 from .family import Family
 from .handle import PatchHandle, PipelineHandle, handle_of, model_device
-from .planning import (  # noqa: F401 - GradseamWarning, warned, Plan and RegionSpec are re-exported for callers of this module
+from .planning import (  # noqa: F401 - GradseamWarning and warned are re-exported for callers of this module
     GradseamWarning,
-    Plan,
-    RegionSpec,
     plan,
     resolve,
     unwrap,
@@ -27,6 +25,7 @@ from .planning import (  # noqa: F401 - GradseamWarning, warned, Plan and Region
     warned,
 )
 from .registry import REGISTRY
+from .spec import Plan, RegionSpec  # noqa: F401 - re-exported for callers of this module
 from .summary import RegionView
 
 __all__ = ["PatchHandle", "PipelineHandle", "RegionView", "family_for", "handle_of", "patch", "patch_model",

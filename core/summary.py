@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .backends import Offload
-from .planning import Kept, Kind, Plan, RegionSpec
+from .spec import Kept, Kind, Plan, RegionSpec
 
 if TYPE_CHECKING:
     from .run.chains import ChainStats

@@ -26,7 +26,7 @@ from torch import nn
 
 from .backends import CATALOG, Offload, Scope
 from .config import CheckpointConfig
-from .planning import Kept, Kind, strategy_of
+from .spec import Kept, Kind, strategy_of
 from .summary import RegionView
 from .tools.measure import count_saved_bytes
 from .tools.named_strategies import INTERVAL, KEEP, OFFLOAD_ATTENTION, ON, STRIDE

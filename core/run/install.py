@@ -24,7 +24,8 @@ from torch import nn
 
 from ..backends import Offload
 from ..errors import UnsupportedModelError
-from ..planning import Kept, Kind, LinkKind, Plan, RegionSpec, resolve, unwrap
+from ..planning import resolve, unwrap
+from ..spec import Kept, Kind, LinkKind, Plan, RegionSpec
 from . import seams
 from .chains import Chain, ChainStats, Runner
 from .compiled import CompiledBlocks, CompiledMember

@@ -29,7 +29,7 @@ from typing import Any
 from ..backends import Scope
 from ..config import CheckpointConfig
 from ..errors import GradseamError, UnsupportedStrategyError
-from ..planning import strategy_of
+from ..spec import strategy_of
 from .compiled import BUDGETS, budget_config, budget_name, compiled_rows, gradseam_keys
 from .named_strategies import rows
 

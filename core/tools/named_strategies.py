@@ -5,7 +5,7 @@ matrices, the test suite and the docs' scripts pick their rows from :data:`STRAT
 Each catalog backend gives its row, and the variants a backend supports (interval chunks, kept or
 offloaded attention kernels, as its catalog entry says) give theirs, so a new backend appears in
 every tool by being in the catalog. Whether a row needs CUDA follows from the plan's reading of its
-config (:func:`gradseam.planning.strategy_of`), never from its name.
+config (:func:`gradseam.spec.strategy_of`), never from its name.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 from ..backends import CATALOG, Offload, Scope
 from ..config import CheckpointConfig
-from ..planning import Strategy, strategy_of
+from ..spec import Strategy, strategy_of
 
 ON: dict[str, Any] = {"gradient_checkpointing": True}
 INTERVAL = "gradient_checkpointing_interval"
