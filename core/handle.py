@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .errors import warn_once
-from .planning import Plan, plan, resolve
+from .planning import Plan, plan, resolve, unwrap
 from .summary import RegionView, Summary
 
 if TYPE_CHECKING:
@@ -65,23 +65,28 @@ class _ModelHooks:
     def __init__(self, handle: PatchHandle) -> None:
         self.handle = handle
 
-    def __call__(self, module: nn.Module, args: tuple, output: Any = None) -> None:
+    def after(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """After the forward, also when it raised (so not the pre-hook's checks: they raised already)."""
+        for chain in self.handle._chains:
+            chain.reset()
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        """Before the forward."""
         handle = self.handle
         for chain in handle._chains:
             chain.reset()
-        if output is None:  # before the forward
-            if handle._blocks_replaced():
-                handle._replan()
-            handle._follow()
-            if handle.engine is not None:
-                handle.engine.refresh()
-                if handle.offload_pending() and torch.is_grad_enabled():
-                    warn_once(
-                        f"gradseam: {type(handle.model).__name__} is training on the CPU with "
-                        f"{handle._offload_what()}; nothing is offloaded until the model is on a GPU "
-                        "(model.to('cuda')). On the CPU the step runs as with the 'torch' / 'torch-ffn' "
-                        "backend; summary() says 'offload pending' until then."
-                    )
+        if handle._blocks_replaced() or handle._compiled_since():
+            handle._replan()
+        handle._follow()
+        if handle.engine is not None:
+            handle.engine.refresh()
+            if handle.offload_pending() and torch.is_grad_enabled():
+                warn_once(
+                    f"gradseam: {type(handle.model).__name__} is training on the CPU with "
+                    f"{handle._offload_what()}; nothing is offloaded until the model is on a GPU "
+                    "(model.to('cuda')). On the CPU the step runs as with the 'torch' / 'torch-ffn' "
+                    "backend; summary() says 'offload pending' until then."
+                )
 
 
 class PatchHandle:
@@ -119,7 +124,7 @@ class PatchHandle:
             self.engine.watch(model)
         self._install_regions()
         hooks = _ModelHooks(self)
-        self._hooks = [model.register_forward_pre_hook(hooks), model.register_forward_hook(hooks, always_call=True)]
+        self._hooks = [model.register_forward_pre_hook(hooks), model.register_forward_hook(hooks.after, always_call=True)]
         self.active = True
 
     def _install_regions(self) -> None:
@@ -150,6 +155,16 @@ class PatchHandle:
             if lst is None or index >= len(lst) or lst[index] is not module:
                 return True
         return False
+
+    def _compiled_since(self) -> bool:
+        """Whether the user compiled a block or the model (``block.compile()``, ``compile_repeated_blocks``,
+        ``model.compile()``) after a compiled backend patched it: planning again refuses it, naming the fix,
+        where running on would silently drop the backend's memory budget and offload."""
+        if not self.plan.compiled:
+            return False
+        if getattr(self.model, "_compiled_call_impl", None) is not None:
+            return True
+        return any(getattr(unwrap(m), "_compiled_call_impl", None) is not None for _, _, m in self._entries)
 
     def _replan(self) -> None:
         """Plan again around replaced blocks and reinstall; a block now inside torch's checkpoint wrapper

@@ -68,7 +68,15 @@ def _is_optimized(module: nn.Module) -> bool:
 
 def _refuse_user_compiled(model: nn.Module, family: Family, backend: Backend) -> None:
     """A block the user compiled already would be traced whole by their compiler, seams included: the
-    compiled backends' own compile (and their offload group outside it) could not take effect."""
+    compiled backends' own compile (and their offload group outside it) could not take effect. The same
+    for the whole model (``model.compile()``): its compiled call would trace every block, seams and all."""
+    if getattr(model, "_compiled_call_impl", None) is not None:
+        raise UnsupportedStrategyError(
+            f"{type(model).__name__} is compiled with model.compile(), and backend {backend.name!r} compiles "
+            "each block itself, under its memory budget: inside your compiled model the blocks would be traced "
+            "by your compiler, so the budget and the offload would not apply. Compile nothing yourself and let "
+            "the backend compile the blocks, or keep your compile with a non-compiling backend such as 'torch'."
+        )
     for block_list in family.block_lists:
         for index, outer in enumerate(resolve(model, block_list.path) or ()):
             if _is_optimized(outer) or getattr(unwrap(outer), "_compiled_call_impl", None) is not None:

@@ -161,3 +161,8 @@ class Plan:
     @property
     def needs_engine(self) -> bool:
         return any(r.offloads for r in self.regions)
+
+    @property
+    def compiled(self) -> bool:
+        """Some region compiles its block (a compiled backend): the user must not compile it too."""
+        return any(r.budget is not None for r in self.regions)

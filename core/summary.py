@@ -124,7 +124,8 @@ class Summary:
                 emit()
             run.append(key)
         emit()
-        notes = [_fallback_note(r) for r in views if r.fallbacks]
+        notes = [_fallback_note(r) for r in views if r.fallbacks and r.runner != "compiled"]
+        notes += _compiled_notes([r for r in views if r.fallbacks and r.runner == "compiled"])
         if pending:
             notes.append(f"offload pending: {model_name or 'the model'} is on the CPU; offloading starts "
                          "once it is on a GPU")
@@ -158,6 +159,20 @@ def _fallback_note(region: RegionView) -> str:
     why = "; ".join(f"{n}x {cause}" for cause, n in sorted(region.fallbacks.items(), key=lambda kv: -kv[1]))
     return (f"{region.label}: ran as one chunk {region.chunk_calls} of {calls} calls; {fell} call(s) "
             f"fell back to one region per block because {why}")
+
+
+def _compiled_notes(regions: list[RegionView]) -> list[str]:
+    """One note for every compiled block a foreign compile traced (one per block would flood a 57-block model)."""
+    if not regions:
+        return []
+    causes: dict[str, int] = {}
+    for r in regions:
+        for cause, n in r.fallbacks.items():
+            causes[cause] = causes.get(cause, 0) + n
+    why = "; ".join(f"{n}x {cause}" for cause, n in sorted(causes.items(), key=lambda kv: -kv[1]))
+    return [f"{len(regions)} compiled block(s), from {regions[0].label}, did not run gradseam's compiled call: {why}. "
+            "With a compiled backend compile nothing yourself, or keep your compile with a non-compiling "
+            "backend such as 'torch'"]
 
 
 def describe(region: RegionSpec, *, pending: bool = False) -> str:

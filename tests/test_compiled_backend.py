@@ -10,6 +10,7 @@ blocks without offload), the budget really decides what is kept and is scoped to
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -260,17 +261,133 @@ def test_a_stride_selects_the_compiled_blocks():
     assert compiled == [0, 2, 4]
 
 
-@pytest.mark.parametrize("idiom", ["torch.compile(block)", "block.compile()"])
-def test_blocks_the_user_compiled_are_refused_by_the_compiled_backends(idiom):
-    model = WAN.build()
+def _compile_as(model, idiom: str) -> None:
+    """The ways users compile a diffusers model or its blocks themselves."""
     if idiom == "block.compile()":
         for block in model.blocks:
             block.compile(backend="aot_eager")
-    else:
+    elif idiom == "torch.compile(block)":
         for i, block in enumerate(model.blocks):
             model.blocks[i] = torch.compile(block, backend="aot_eager")
-    with pytest.raises(UnsupportedStrategyError, match=r"torch\.compile.*remove your torch\.compile"):
+    elif idiom == "compile_repeated_blocks":
+        model.compile_repeated_blocks(backend="aot_eager")
+    else:
+        assert idiom == "model.compile()"
+        model.compile(backend="aot_eager")
+
+
+IDIOMS = ["torch.compile(block)", "block.compile()", "compile_repeated_blocks", "model.compile()"]
+
+
+@pytest.mark.parametrize("idiom", IDIOMS)
+def test_blocks_the_user_compiled_are_refused_by_the_compiled_backends(idiom):
+    model = WAN.build()
+    _compile_as(model, idiom)
+    with pytest.raises(UnsupportedStrategyError, match=r"(torch\.compile|model\.compile\(\)).*non-compiling backend"):
         gradseam.patch(model, COMPILE)
+
+
+@pytest.mark.parametrize("idiom", IDIOMS)
+@pytest.mark.parametrize("config", [COMPILE, OFFLOADED], ids=["compile", "unsloth-compile"])
+def test_compiling_after_a_compiled_backend_patched_is_refused_at_the_next_forward(idiom, config):
+    """Run on, the user's compile would trace gradseam's blocks: exact, but without budget or offload."""
+    torch._dynamo.reset()
+    model = WAN.build()
+    with cpu_test_mode(), gradseam.patch(model, config) as handle:
+        _compile_as(model, idiom)
+        with pytest.raises(UnsupportedStrategyError, match="compiles each block itself.*non-compiling backend"):
+            run_step(model, WAN)
+        assert handle.active and all(r.runner == "compiled" for r in handle.regions())  # the patch is intact
+
+
+def test_torch_compile_of_the_patched_model_is_exact_and_summary_says_the_budget_did_not_apply():
+    """``torch.compile(model)`` wraps the model from outside, where no hook of gradseam's sees it first."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = WAN.build()
+    reference = WAN.build()
+    reference.load_state_dict(model.state_dict())
+    with gradseam.patch(model, COMPILE) as handle:
+        wrapped, plain = (torch.compile(m, backend="aot_eager") for m in (model, reference))  # both: _orig_mod.
+        assert_same_step(run_step(plain, WAN), run_step(wrapped, WAN), atol=COMPILED_TOLERANCE)
+        notes = handle.summary().notes
+    assert len(notes) == 1 and "5 compiled block(s)" in notes[0] and "traced by your own torch.compile" in notes[0]
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("backend", ["torch", "torch-ffn", "unsloth"])
+def test_compile_repeated_blocks_with_the_eager_backends_is_exact(when, backend):
+    """diffusers' ``compile_repeated_blocks`` compiles each block's call, gradseam's seams inside it."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = WAN.build()
+    reference = WAN.build()
+    reference.load_state_dict(model.state_dict())
+    config = {**ON, "gradient_checkpointing_backend": backend}
+    with cpu_test_mode():
+        if when == "before":
+            model.compile_repeated_blocks(backend="aot_eager")
+        with gradseam.patch(model, config) as handle:
+            if when == "after":
+                model.compile_repeated_blocks(backend="aot_eager")
+            assert_same_step(run_step(reference, WAN), run_step(model, WAN), atol=1e-6)
+            assert all(r.ran for r in handle.regions())
+
+
+def test_eval_and_train_toggles_between_steps_stay_exact():
+    """``model.eval()`` for a validation pass (with or without gradients), then ``train()`` again."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = WAN.build()
+    reference = WAN.build()
+    reference.load_state_dict(model.state_dict())
+    with cpu_test_mode(), gradseam.patch(model, OFFLOADED):
+        for m in (model, reference):
+            m.train()
+        assert_same_step(run_step(reference, WAN), run_step(model, WAN), atol=COMPILED_TOLERANCE, what="train")
+        for m in (model, reference):
+            m.eval()
+        with torch.no_grad():
+            got, want = (m(**WAN.inputs(torch.Generator().manual_seed(7)))[0] for m in (model, reference))
+        assert torch.equal(got, want)
+        assert_same_step(run_step(reference, WAN, seed=8), run_step(model, WAN, seed=8), atol=COMPILED_TOLERANCE,
+                         what="eval with gradients")
+        for m in (model, reference):
+            m.train()
+        assert_same_step(run_step(reference, WAN, seed=9), run_step(model, WAN, seed=9), atol=COMPILED_TOLERANCE,
+                         what="train again")
+
+
+def test_more_shapes_than_the_recompile_limit_warn_once():
+    import torch._dynamo.config as dynamo_config
+
+    from gradseam.errors import GradseamWarning, warned
+
+    torch._dynamo.reset()
+    warned.clear()
+    model = WAN.build()
+
+    def frames(n: int) -> Case:
+        def inputs(g):
+            from gradseam.testing import randn
+
+            return {"hidden_states": randn(g, 1, 4, n, 4, 4, grad=True), "timestep": torch.tensor([500]),
+                    "encoder_hidden_states": randn(g, 1, 6, 16, grad=True)}
+
+        return Case(f"wan-{n}f", WAN.build, inputs)
+
+    with dynamo_config.patch(recompile_limit=2), gradseam.patch(model, COMPILE):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for n in (2, 3):
+                run_step(model, frames(n))
+        assert not [w for w in caught if issubclass(w.category, GradseamWarning)]
+        with pytest.warns(GradseamWarning, match=r"more than 2 input shapes.*recompile_limit.*aspect-ratio buckets"):
+            run_step(model, frames(4))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run_step(model, frames(5))
+        assert not [w for w in caught if issubclass(w.category, GradseamWarning)]  # once
 
 
 def test_a_block_list_compiled_with_torch_compile_patches_with_eager_backends():

@@ -38,8 +38,11 @@ from typing import Any
 
 import torch
 
+from ..errors import warn_once
 from .chains import ChainStats
 from .scopes import refuse_transforms
+
+TRACED_BY_USER = "traced by your own torch.compile (no memory budget, no offload)"
 
 
 def _block_forward(function: Callable[..., Any], module: Any, args: tuple, kwargs: dict) -> Any:
@@ -62,6 +65,34 @@ class CompiledBlocks:
         self.budget = budget
         self.engine = engine
         self._compiled: dict[str, Callable[..., Any]] = {}
+        self._shapes: set[tuple] = set()  # the input shapes seen with gradients, up to the recompile limit
+        self._past_limit = False
+
+    def _note_shapes(self, args: tuple, kwargs: dict) -> None:
+        """Warn once when the inputs have taken more shapes than dynamo keeps compiled versions of a function.
+
+        Past ``torch._dynamo.config.recompile_limit`` dynamo runs the block eagerly: still exact, but with
+        no budget and no offload, so the memory jumps without a word from the training loop. Automatic
+        dynamic shapes can serve several shapes with one graph, so this counts shapes, not recompiles:
+        a warning, not an error.
+        """
+        key = tuple(a.shape for a in args if isinstance(a, torch.Tensor)) + tuple(
+            (k, v.shape) for k, v in kwargs.items() if isinstance(v, torch.Tensor))
+        if key in self._shapes:
+            return
+        self._shapes.add(key)
+        from torch._dynamo import config as dynamo_config
+
+        limit = dynamo_config.recompile_limit
+        if len(self._shapes) > limit:
+            self._past_limit = True
+            self._shapes.clear()  # bounded: what matters from here on is that the limit was passed
+            warn_once(
+                f"gradseam: the compiled blocks have seen more than {limit} input shapes "
+                "(torch._dynamo.config.recompile_limit). Past that limit dynamo runs a block eagerly, still "
+                "exact but without the memory budget or the offload, so its memory can jump. Train on a few "
+                "fixed resolutions (aspect-ratio buckets), or raise torch._dynamo.config.recompile_limit."
+            )
 
     def compiled(self, device: str) -> Callable[..., Any]:
         found = self._compiled.get(device)
@@ -75,10 +106,19 @@ class CompiledBlocks:
         return list(self._compiled.values())
 
     def run(self, original: Any, stats: ChainStats, args: tuple, kwargs: dict) -> Any:
-        if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        if not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            # The user's own torch.compile traces this block (``torch.compile(model)`` after patching; the
+            # other idioms are refused before the forward): it runs, exactly, but in their graph, without
+            # this budget or offload. Counted (dynamo replays the mutation on every call of that graph), so
+            # summary() says it; a warning here would break their graph.
+            stats.fallbacks[TRACED_BY_USER] += 1
             return original(*args, **kwargs)
         stats.member_calls[0] += 1
         stats.runs += 1
+        if not self._past_limit:
+            self._note_shapes(args, kwargs)
         previous = original.previous
         function, module = (_call_previous, previous) if previous is not None else (original.function, original.module)
         device = _device_of(original.module)
