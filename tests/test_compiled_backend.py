@@ -40,6 +40,28 @@ def _step(case: Case, config: dict | None, *, steps: int = 1, seed: int = 1):
     return results
 
 
+def _twins() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A tiny Wan and an unpatched reference with the same weights."""
+    torch.manual_seed(0)
+    model = WAN.build()
+    reference = WAN.build()
+    reference.load_state_dict(model.state_dict())
+    return model, reference
+
+
+def _wan_shaped(frames: int, batch: int = 1) -> Case:
+    """The tiny Wan case at another frame count and batch size (a new shape for the compiled blocks)."""
+
+    def inputs(g):
+        from gradseam.testing import randn
+
+        return {"hidden_states": randn(g, batch, 4, frames, 4, 4, grad=True),
+                "timestep": torch.tensor([500] * batch),
+                "encoder_hidden_states": randn(g, batch, 6, 16, grad=True)}
+
+    return Case(f"wan-{frames}f-b{batch}", WAN.build, inputs)
+
+
 @pytest.mark.parametrize("case", [FLUX, WAN], ids=lambda c: c.name)
 @pytest.mark.parametrize("budget", [0.05, 0.3])
 def test_offloading_what_compiled_blocks_keep_changes_nothing(case, budget):
@@ -131,10 +153,7 @@ def test_no_grad_validation_between_steps_runs_eagerly_and_exactly():
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = WAN.build()
-    reference = WAN.build()
-    reference.load_state_dict(model.state_dict())
+    model, reference = _twins()
     with gradseam.patch(model, COMPILE):
         run_step(model, WAN)
         counters.clear()
@@ -150,23 +169,10 @@ def test_new_shapes_and_batch_sizes_between_steps_stay_exact():
     """Aspect buckets: each new shape compiles once (or goes dynamic), and every step stays exact."""
     torch._dynamo.reset()
 
-    def shaped(frames: int, batch: int) -> Case:
-        def inputs(g):
-            from gradseam.testing import randn
-
-            return {"hidden_states": randn(g, batch, 4, frames, 4, 4, grad=True),
-                    "timestep": torch.tensor([500] * batch),
-                    "encoder_hidden_states": randn(g, batch, 6, 16, grad=True)}
-
-        return Case(f"wan-{frames}f-b{batch}", WAN.build, inputs)
-
-    torch.manual_seed(0)
-    model = WAN.build()
-    reference = WAN.build()
-    reference.load_state_dict(model.state_dict())
+    model, reference = _twins()
     with gradseam.patch(model, COMPILE):
         for frames, batch in [(2, 1), (3, 1), (2, 2), (4, 1), (2, 1)]:
-            case = shaped(frames, batch)
+            case = _wan_shaped(frames, batch)
             assert_same_step(run_step(reference, case), run_step(model, case), atol=COMPILED_TOLERANCE,
                              what=case.name)
 
@@ -303,10 +309,7 @@ def test_compiling_after_a_compiled_backend_patched_is_refused_at_the_next_forwa
 def test_torch_compile_of_the_patched_model_is_exact_and_summary_says_the_budget_did_not_apply():
     """``torch.compile(model)`` wraps the model from outside, where no hook of gradseam's sees it first."""
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = WAN.build()
-    reference = WAN.build()
-    reference.load_state_dict(model.state_dict())
+    model, reference = _twins()
     with gradseam.patch(model, COMPILE) as handle:
         wrapped, plain = (torch.compile(m, backend="aot_eager") for m in (model, reference))  # both: _orig_mod.
         assert_same_step(run_step(plain, WAN), run_step(wrapped, WAN), atol=COMPILED_TOLERANCE)
@@ -319,10 +322,7 @@ def test_torch_compile_of_the_patched_model_is_exact_and_summary_says_the_budget
 def test_compile_repeated_blocks_with_the_eager_backends_is_exact(when, backend):
     """diffusers' ``compile_repeated_blocks`` compiles each block's call, gradseam's seams inside it."""
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = WAN.build()
-    reference = WAN.build()
-    reference.load_state_dict(model.state_dict())
+    model, reference = _twins()
     config = {**ON, "gradient_checkpointing_backend": backend}
     with cpu_test_mode():
         if when == "before":
@@ -337,10 +337,7 @@ def test_compile_repeated_blocks_with_the_eager_backends_is_exact(when, backend)
 def test_eval_and_train_toggles_between_steps_stay_exact():
     """``model.eval()`` for a validation pass (with or without gradients), then ``train()`` again."""
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = WAN.build()
-    reference = WAN.build()
-    reference.load_state_dict(model.state_dict())
+    model, reference = _twins()
     with cpu_test_mode(), gradseam.patch(model, OFFLOADED):
         for m in (model, reference):
             m.train()
@@ -367,36 +364,24 @@ def test_more_shapes_than_the_recompile_limit_warn_once():
     warned.clear()
     model = WAN.build()
 
-    def frames(n: int) -> Case:
-        def inputs(g):
-            from gradseam.testing import randn
-
-            return {"hidden_states": randn(g, 1, 4, n, 4, 4, grad=True), "timestep": torch.tensor([500]),
-                    "encoder_hidden_states": randn(g, 1, 6, 16, grad=True)}
-
-        return Case(f"wan-{n}f", WAN.build, inputs)
-
     with dynamo_config.patch(recompile_limit=2), gradseam.patch(model, COMPILE):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for n in (2, 3):
-                run_step(model, frames(n))
+                run_step(model, _wan_shaped(n))
         assert not [w for w in caught if issubclass(w.category, GradseamWarning)]
         with pytest.warns(GradseamWarning, match=r"more than 2 input shapes.*recompile_limit.*aspect-ratio buckets"):
-            run_step(model, frames(4))
+            run_step(model, _wan_shaped(4))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            run_step(model, frames(5))
+            run_step(model, _wan_shaped(5))
         assert not [w for w in caught if issubclass(w.category, GradseamWarning)]  # once
 
 
 def test_a_block_list_compiled_with_torch_compile_patches_with_eager_backends():
     """``blocks[i] = torch.compile(blocks[i])`` used to fail as 'no block class for OptimizedModule'."""
     torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = WAN.build()
-    reference = WAN.build()
-    reference.load_state_dict(model.state_dict())
+    model, reference = _twins()
     for m in (model, reference):  # the same idiom on both (it renames parameters: _orig_mod.)
         for i, block in enumerate(m.blocks):
             m.blocks[i] = torch.compile(block, backend="aot_eager")
