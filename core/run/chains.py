@@ -53,7 +53,8 @@ from .links import (
     signature_of,
     snapshot,
 )
-from .seams import Original
+from .seams import Original, recomputing
+from .seams import latest as latest_seam
 
 Call = Callable[..., Any]
 
@@ -111,8 +112,10 @@ class Runner:
         entry = None if torch.compiler.is_compiling() else tuple(
             _shallow(v) if isinstance(v, (dict, list)) else None for v in flat)
 
+        frontier = latest_seam()  # a recompute passes through seams installed after this forward
+
         def region(*flat: Any) -> Any:
-            with _RegionScope():
+            with _RegionScope(), recomputing(frontier):
                 return fn(*flat[:n], **dict(zip(names, flat[n:])))
 
         if entry is not None and any(e is not None for e in entry):

@@ -161,10 +161,46 @@ def _meta(func: Any, args: tuple) -> tuple[Any, ...]:
 
 
 class _Entry:
-    __slots__ = ("meta", "out", "versions")
+    """One kept kernel call: what identifies it, what was kept, and how to tell it was edited since.
 
-    def __init__(self, meta: tuple[Any, ...], out: Any, versions: tuple[tuple[Any, int], ...]) -> None:
-        self.meta, self.out, self.versions = meta, out, versions
+    The model goes on with the kernel's own output, so an attention processor may edit it in place
+    after the tape kept it, and the kept bytes with it. An alias made here, below autograd, would not
+    share the output's version counter (``detach`` in a dispatch mode gives a fresh one), so the entry
+    watches the output itself (``witness``) with the version it had when kept, held only until the
+    region's forward (or recompute) ends — it is alive for most of it anyway, and holding it longer
+    would hold its graph — and then through weak references, which still see an edit made later
+    through an alias that is alive. A replay watches the tensors it hands out the same way: an edit
+    made to them in one recompute is seen by the next (a second backward).
+    """
+
+    __slots__ = ("edited", "meta", "out", "refs", "versions", "witness")
+
+    def __init__(self, meta: tuple[Any, ...], out: Any, tensors: list[torch.Tensor]) -> None:
+        self.meta, self.out = meta, out
+        self.refs: tuple[weakref.ref[torch.Tensor], ...] = ()
+        self.edited = False
+        self.watch(tensors)
+
+    def watch(self, tensors: list[torch.Tensor]) -> None:
+        self.witness: tuple[torch.Tensor, ...] | None = tuple(tensors)
+        self.versions = tuple(t._version for t in tensors)
+
+    def settle(self) -> None:
+        """The region's forward or recompute ended: note an edit made so far, then watch weakly."""
+        if self.witness is not None:
+            self.edited = self.edited or self._changed(self.witness)
+            self.refs = tuple(weakref.ref(w) for w in self.witness)
+            self.witness = None
+
+    def changed(self) -> bool:
+        if self.edited:
+            return True
+        if self.witness is not None:
+            return self._changed(self.witness)
+        return self._changed(tuple(r() for r in self.refs))
+
+    def _changed(self, aliases: tuple[Any, ...]) -> bool:
+        return any(a is not None and a._version != v for a, v in zip(aliases, self.versions))
 
 
 _current = threading.local()
@@ -210,9 +246,12 @@ class Tape:
     def keep(self, func: Any, args: tuple, kwargs: dict | None, out: Any) -> None:
         if not self.kernels.keeps(func, args, kwargs):
             return
-        versions = tuple((t, t._version) for t in _tensors(out))
-        self.kept.append(_Entry(_meta(func, args), tree_map_only(torch.Tensor, self.pack, out),
-                                tuple((weakref.ref(t), v) for t, v in versions)))
+        self.kept.append(_Entry(_meta(func, args), tree_map_only(torch.Tensor, self.pack, out), _tensors(out)))
+
+    def settle(self) -> None:
+        """The region's forward or recompute is over (see :class:`_Entry`)."""
+        for entry in self.kept:
+            entry.settle()
 
     def answer(self, func: Any, args: tuple, kwargs: dict | None) -> Any:
         if not self.kernels.keeps(func, args, kwargs):
@@ -222,9 +261,11 @@ class Tape:
             entry = self.kept[i]
             if entry.meta == meta:
                 self.next = i + 1
-                if any((t := ref()) is not None and t._version != v for ref, v in entry.versions):
-                    break  # the output was changed in place after the forward used it: compute it again
-                return _map_kept(self.unpack, entry.out)
+                if entry.changed():
+                    break  # the output was changed in place after the kernel made it: compute it again
+                out = _map_kept(self.unpack, entry.out)
+                entry.watch(_tensors(out))
+                return out
         self.missed()
         return func(*args, **(kwargs or {}))
 
@@ -254,6 +295,7 @@ class _Context:
             mode, self._mode = self._mode, None
             mode.__exit__(*exc)
         _current.stack.pop()
+        self.tape.settle()
 
 
 def _tensors(out: Any) -> list[torch.Tensor]:

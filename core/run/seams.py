@@ -16,6 +16,7 @@ call ran it.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Any, Protocol
 
@@ -27,10 +28,15 @@ class Handler(Protocol):
     def __call__(self, call: Original, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
 
 
+_installed = itertools.count(1)  # every seam's install number: later seams have larger ones
+_latest = [0]
+
+
 class _Calls(threading.local):
     def __init__(self) -> None:
         self.running: list[SeamForward] = []  # seams whose handler runs on this thread, innermost last
         self.bypass: list[SeamForward] = []  # seams an outer wrapper is being re-entered for
+        self.frontier: list[int] = []  # per running region: the latest seam installed when it ran forward
 
 
 _calls = _Calls()
@@ -91,6 +97,7 @@ class SeamForward:
         self.original = Original(module, module.__dict__.get("forward"), self)
         self.handler = handler
         self.owner = owner
+        self.epoch = _latest[0] = next(_installed)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SeamForward:
         import copy
@@ -116,6 +123,11 @@ class SeamForward:
             return handler(self.original, args, kwargs)
         if _calls.bypass and _has(_calls.bypass, self):  # re-entered through an outer wrapper
             return self.original.direct(*args, **kwargs)
+        if _calls.frontier and self.epoch > _calls.frontier[-1]:
+            # A region's recompute meets a seam installed after that region ran forward (a re-patch
+            # between a forward and its backward): it passes through, so the recompute computes
+            # exactly what the forward did and the old graph's backward runs as the old patch would.
+            return self.original.direct(*args, **kwargs)
         _calls.running.append(self)
         try:
             return handler(self.original, args, kwargs)
@@ -125,6 +137,31 @@ class SeamForward:
     @property
     def module(self) -> nn.Module:
         return self.original.module
+
+
+def latest() -> int:
+    """The install number of the newest seam: what a region records when it runs forward."""
+    return _latest[0]
+
+
+class recomputing:  # noqa: N801 - used like a function: with recomputing(frontier)
+    """Around a region's body: seams installed after ``frontier`` (the region's forward) pass through.
+
+    A no-op under ``torch.compile``, like the region scope: dynamo cannot trace the thread-local.
+    """
+
+    __slots__ = ("frontier",)
+
+    def __init__(self, frontier: int) -> None:
+        self.frontier = frontier
+
+    def __enter__(self) -> None:
+        if not torch.compiler.is_compiling():
+            _calls.frontier.append(self.frontier)
+
+    def __exit__(self, *exc: object) -> None:
+        if not torch.compiler.is_compiling():
+            _calls.frontier.pop()
 
 
 def install(module: nn.Module, handler: Handler, owner: nn.Module | None = None) -> SeamForward:

@@ -1,0 +1,196 @@
+"""Hostile use, round 3: what an attention processor, a weight-sharing model or a re-patch mid-step does.
+
+Each case is compared bit for bit against an unpatched twin (same seed, CPU fp32), or must be refused
+with an error naming the cause. Offloading rows run through the engine's CPU test mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from cases import FLUX, WAN
+
+import gradseam
+from gradseam.errors import UnsupportedStrategyError
+from gradseam.offload import cpu_test_mode
+from gradseam.testing import Case, assert_same_step, run_step
+
+ON = {"gradient_checkpointing": True}
+KEEP = {**ON, "gradient_checkpointing_keep_attention": True}
+OFFLOAD = {**ON, "gradient_checkpointing_offload_attention": True}
+KEPT = {"keep": KEEP, "offload": OFFLOAD, "unsloth + offload": {**OFFLOAD, "gradient_checkpointing_backend": "unsloth"}}
+REPLAY_MISSED = "a kept attention kernel output did not match the recomputed call (computed again)"
+_SDPA = F.scaled_dot_product_attention
+
+
+def _twins(case: Case) -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(0)
+    model = case.build()
+    reference = case.build()
+    reference.load_state_dict(model.state_dict())
+    return model, reference
+
+
+@contextlib.contextmanager
+def _attention_as(kernel: Callable[..., torch.Tensor]) -> Iterator[None]:
+    """Every attention call of the model (diffusers' native dispatch) goes through ``kernel``."""
+    F.scaled_dot_product_attention = kernel
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = _SDPA
+
+
+def _ffn_only(model: torch.nn.Module) -> None:
+    """LoRA-style training of the FFN only: nothing upstream of the first attention needs gradients."""
+    for name, p in model.named_parameters():
+        p.requires_grad_(".ff." in name or "proj_mlp" in name)
+
+
+def _no_input_grads(case: Case) -> Case:
+    def inputs(g: torch.Generator) -> dict:
+        return {k: v.detach() if isinstance(v, torch.Tensor) else v for k, v in case.inputs(g).items()}
+
+    return Case(case.name, case.build, inputs)
+
+
+def _both(model, reference, case: Case, config: dict, kernel: Callable[..., torch.Tensor] | None, reset=None):
+    with cpu_test_mode(), gradseam.patch(model, config) as handle:
+        with _attention_as(kernel) if kernel else contextlib.nullcontext():
+            if reset:
+                reset()
+            want = run_step(reference, case, count_bytes=False)  # no saved-tensor hooks: autograd's own
+            if reset:                                             # in-place checks stay on
+                reset()
+            got = run_step(model, case, count_bytes=False)
+        return want, got, [dict(r.fallbacks) for r in handle.regions()]
+
+
+# -- kept kernel outputs are not aliases the model can change -----------------------------------
+def _editing(*args, **kwargs):
+    out = _SDPA(*args, **kwargs)
+    if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in (*args, *kwargs.values())):
+        out.mul_(0.5)  # legal unpatched only where autograd does not record the kernel
+    return out
+
+
+@pytest.mark.parametrize("config", KEPT.values(), ids=KEPT.keys())
+def test_an_attention_processor_editing_its_output_in_place_is_exact(config):
+    """The kept output is the tensor the model goes on with: the edit must not be applied twice."""
+    model, reference = _twins(FLUX)
+    for m in (model, reference):
+        _ffn_only(m)
+    want, got, fallbacks = _both(model, reference, _no_input_grads(FLUX), config, _editing)
+    assert_same_step(want, got)
+    assert sum(f.get(REPLAY_MISSED, 0) for f in fallbacks) >= 1  # the edited output was computed again
+
+
+def test_a_second_backward_after_an_edit_in_the_recompute_is_exact():
+    """Each recompute edits what the replay handed it: the next recompute must not start from that."""
+    model, reference = _twins(FLUX)
+    for m in (model, reference):
+        _ffn_only(m)
+    case = _no_input_grads(FLUX)
+
+    def grads(m):
+        loss = m(**case.inputs(torch.Generator().manual_seed(1)))[0].square().mean()
+        first = torch.autograd.grad(loss, [p for p in m.parameters() if p.requires_grad], retain_graph=True)
+        second = torch.autograd.grad(loss, [p for p in m.parameters() if p.requires_grad])
+        return first, second
+
+    with gradseam.patch(model, KEEP), _attention_as(_editing):
+        got, want = grads(model), grads(reference)
+    for g, w in zip(got[0] + got[1], want[0] + want[1]):
+        assert torch.equal(g, w)
+
+
+class _CalibratingOnce:
+    """An attention call made once, in the forward only: a lazy calibration or a cached mask."""
+
+    def __init__(self, grad: bool) -> None:
+        self.grad, self.done = grad, False
+
+    def reset(self) -> None:
+        self.done = False
+
+    def __call__(self, *args, **kwargs):
+        if not self.done:
+            self.done = True
+            with torch.set_grad_enabled(self.grad and torch.is_grad_enabled()):
+                _SDPA(*args, **kwargs).sum()  # its result is thrown away
+        return _SDPA(*args, **kwargs)
+
+
+@pytest.mark.parametrize("config", KEPT.values(), ids=KEPT.keys())
+def test_an_attention_call_made_in_the_forward_only_does_not_shift_the_replay(config):
+    model, reference = _twins(FLUX)
+    kernel = _CalibratingOnce(grad=False)
+    want, got, _ = _both(model, reference, FLUX, config, kernel, reset=kernel.reset)
+    assert_same_step(want, got)
+
+
+@pytest.mark.parametrize("config", [ON, KEEP], ids=["torch", "keep"])
+def test_a_forward_only_call_that_autograd_records_raises_as_diffusers_own_checkpointing_does(config):
+    """With gradients on, a call made in the forward only saves tensors the recompute does not: no
+    recompute can reproduce that, so it must raise, never train on (torch's checkpoint check)."""
+    kernel = _CalibratingOnce(grad=True)
+    with _attention_as(kernel):
+        for patched in (False, True):
+            model = FLUX.build()
+            kernel.reset()
+            if patched:
+                context = gradseam.patch(model, config)
+            else:
+                model.enable_gradient_checkpointing()
+                context = contextlib.nullcontext()
+            with context, pytest.raises(torch.utils.checkpoint.CheckpointError, match="different number of tensors"):
+                run_step(model, FLUX, count_bytes=False)
+
+
+# -- one block instance at several positions ------------------------------------------------------
+@pytest.mark.parametrize("config", [ON, {**ON, "gradient_checkpointing_backend": "torch-ffn"}, KEEP,
+                                    {**ON, "gradient_checkpointing_interval": 2}],
+                         ids=["torch", "torch-ffn", "keep", "interval 2"])
+def test_a_block_shared_across_positions_is_refused_naming_the_positions(config):
+    model = WAN.build()
+    block = model.blocks[0]
+    model.blocks = torch.nn.ModuleList([block, model.blocks[1], block])
+    with pytest.raises(UnsupportedStrategyError, match=r"blocks\[2\] is the same WanTransformerBlock instance as "
+                                                        r"blocks\[0\]"):
+        gradseam.patch(model, config)
+    assert "forward" not in block.__dict__  # refused before anything was touched
+
+
+# -- a patch changed between a forward and its backward ------------------------------------------
+CONFIGS = {
+    "torch": ON,
+    "torch-ffn": {**ON, "gradient_checkpointing_backend": "torch-ffn"},
+    "keep": KEEP,
+    "interval 2": {**ON, "gradient_checkpointing_interval": 2},
+    "unsloth": {**ON, "gradient_checkpointing_backend": "unsloth"},
+    "unsloth-ffn + offload": {**OFFLOAD, "gradient_checkpointing_backend": "unsloth-ffn"},
+}
+PAIRS = [(a, b) for a in CONFIGS for b in CONFIGS if a != b] + [("torch", "torch"), ("keep", "keep")]
+
+
+@pytest.mark.parametrize(("first", "second"), PAIRS, ids=[f"{a} -> {b}" for a, b in PAIRS])
+def test_repatching_between_forward_and_backward_keeps_the_old_graph_exact(first, second):
+    case = FLUX
+    model, reference = _twins(case)
+    with cpu_test_mode():
+        gradseam.patch(model, CONFIGS[first])
+        loss = model(**case.inputs(torch.Generator().manual_seed(1)))[0].square().mean()
+        handle = gradseam.patch(model, CONFIGS[second])  # replaces the first patch; the graph is pending
+        loss.backward()
+        want = reference(**case.inputs(torch.Generator().manual_seed(1)))[0].square().mean()
+        want.backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if p.grad is not None:
+                assert torch.equal(p.grad, q.grad), name
+        assert_same_step(run_step(reference, case, seed=2), run_step(model, case, seed=2))  # the new patch
+        handle.remove()
