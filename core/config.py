@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from .backends import CATALOG
+from .errors import warn_once
 
 BACKENDS: tuple[str, ...] = tuple(CATALOG)
 DEFAULT_PIN_BUCKETS = 12
@@ -177,6 +178,20 @@ def _config_type_error(value: Any) -> TypeError:
     )
 
 
+# Keys that only act with checkpointing on: setting one (and leaving gradient_checkpointing out) turns it
+# on; setting one beside an explicit `gradient_checkpointing: false` warns (see idle_keys). Attention
+# offload and the pinned pool work without checkpointing, so they turn nothing on.
+_NEEDS_DEFAULTS: dict[str, Any] = {
+    "gradient_checkpointing_backend": None,  # None: not given (then "torch"), so "torch" given counts
+    "gradient_checkpointing_interval": None,
+    "gradient_checkpointing_segment_stride": None,
+    "gradient_checkpointing_keep_attention": False,
+    "gradient_checkpointing_memory_budget": None,
+}
+NEEDS_CHECKPOINTING = tuple(_NEEDS_DEFAULTS)
+BACKEND_KEY = "gradient_checkpointing_backend"
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Which strategy gradseam applies; field names are exactly the keys users write.
@@ -184,8 +199,8 @@ class CheckpointConfig:
     Build it with keyword arguments, :meth:`from_dict` (a trainer config) or :meth:`from_json`.
     """
 
-    gradient_checkpointing: bool = False
-    gradient_checkpointing_backend: str = "torch"
+    gradient_checkpointing: bool | None = None  # None: on when a key that needs it is set (NEEDS_CHECKPOINTING)
+    gradient_checkpointing_backend: str | None = None  # None: not given, read as "torch"
     gradient_checkpointing_interval: int | None = None
     gradient_checkpointing_segment_stride: int | None = None
     gradient_checkpointing_offload_attention: bool = False
@@ -196,8 +211,12 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         # Frozen dataclass: normalise through object.__setattr__ so the stored values are the parsed ones.
         set_ = object.__setattr__
-        set_(self, "gradient_checkpointing", _parse_bool("gradient_checkpointing", self.gradient_checkpointing))
-        set_(self, "gradient_checkpointing_backend", _parse_backend(self.gradient_checkpointing_backend))
+        auto = self.gradient_checkpointing is None
+        if not auto:
+            set_(self, "gradient_checkpointing", _parse_bool("gradient_checkpointing", self.gradient_checkpointing))
+        given_backend = self.gradient_checkpointing_backend is not None
+        set_(self, "gradient_checkpointing_backend",
+             _parse_backend(self.gradient_checkpointing_backend) if given_backend else "torch")
         interval = _parse_int(
             "gradient_checkpointing_interval", self.gradient_checkpointing_interval, minimum=1, allow_none=True
         )
@@ -240,6 +259,31 @@ class CheckpointConfig:
                 allow_none=False,
             ),
         )
+        set_(self, "_left_out", auto)  # not a field: how the value came, for warn_if_idle only
+        if auto:
+            # The one rule of patch(), patching() and `gradseam run`: left out, checkpointing is on when
+            # a key that only acts with it is set (the backend even at "torch"; the others away from
+            # their default).
+            set_(self, "gradient_checkpointing", given_backend or any(
+                getattr(self, key) not in (None, False) for key in NEEDS_CHECKPOINTING if key != BACKEND_KEY))
+
+    def warn_if_idle(self, entry: str) -> None:
+        """Warn (once) where this config, given to ``entry``, sets what cannot act: checkpointing is off.
+
+        A kept-attention setting warns where the plan sees it, a memory budget is refused there.
+        """
+        if self.enabled:
+            return
+        idle = [k for k in ("gradient_checkpointing_interval", "gradient_checkpointing_segment_stride")
+                if getattr(self, k) is not None]
+        if self.backend != "torch":
+            idle.insert(0, BACKEND_KEY)
+        if idle:
+            warn_once(f"{', '.join(idle)} set but gradient_checkpointing is false: no checkpointing will run. "
+                      "Set gradient_checkpointing to true to use them, or leave it out.")
+        elif not self.offload_attention and getattr(self, "_left_out", False):
+            warn_once(f"{entry}: gradient_checkpointing is off and nothing is offloaded, so the model runs as it is. "
+                      "Pass gradient_checkpointing=True (or any backend) to checkpoint.")
 
     # Short names for code; the long ones stay the source of truth.
     @property
@@ -295,7 +339,12 @@ class CheckpointConfig:
                 f"unknown gradseam config key {key!r}.{hint} Valid keys: {sorted(known)}. "
                 "Pass ignore_unknown=True to read the gradseam keys out of a larger trainer config."
             )
-        return cls(**{k: v for k, v in data.items() if k in known})
+        keys = {k: v for k, v in data.items() if k in known}
+        if "gradient_checkpointing" in keys and keys["gradient_checkpointing"] is None:
+            _parse_bool("gradient_checkpointing", None)  # a written null is refused like any non-bool
+        if BACKEND_KEY in keys and keys[BACKEND_KEY] is None:
+            _parse_backend(None)  # likewise: None is the field's "not given", not a value to write
+        return cls(**keys)
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str], *, ignore_unknown: bool = False) -> CheckpointConfig:

@@ -157,6 +157,7 @@ def patching(
     """Patch every diffusers model loaded inside the block; yields the list of handles made so far."""
     global _users
     cfg = CheckpointConfig.coerce(config, **kwargs)  # a bad config raises before anything is wrapped
+    cfg.warn_if_idle("gradseam.patching")
     session = _Session(cfg, on_patch)
     with _lock:
         if _users == 0:

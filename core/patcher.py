@@ -107,16 +107,7 @@ def patch(
 ) -> PatchHandle | PipelineHandle:
     """Patch a diffusers model, or every supported component of a pipeline, with ``config``."""
     cfg = CheckpointConfig.coerce(config, **kwargs)
-    if not cfg.enabled:
-        set_keys = [k for k in ("gradient_checkpointing_interval", "gradient_checkpointing_segment_stride")
-                    if getattr(cfg, k) is not None]
-        if cfg.backend != "torch":
-            set_keys.insert(0, "gradient_checkpointing_backend")
-        if set_keys:
-            warn_once(
-                f"{', '.join(set_keys)} set but gradient_checkpointing is false: no checkpointing will run. "
-                "Set gradient_checkpointing to true to use them."
-            )
+    cfg.warn_if_idle("gradseam.patch")
     components = pipeline_components(target)
     if components is None:
         if not isinstance(target, nn.Module):

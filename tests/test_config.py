@@ -181,9 +181,14 @@ def test_backend_nonsense_has_no_suggestion_but_lists_allowed():
 @pytest.mark.parametrize("value", [None, 1, True, ["torch"]])
 def test_backend_wrong_type(value):
     with pytest.raises(ValueError) as info:
-        CheckpointConfig(gradient_checkpointing_backend=value)
+        CheckpointConfig.from_dict({"gradient_checkpointing_backend": value})  # a written null too
     msg = str(info.value)
     assert "'gradient_checkpointing_backend'" in msg and repr(value) in msg and type(value).__name__ in msg
+
+
+def test_backend_none_as_a_keyword_is_the_default_left_out():
+    cfg = CheckpointConfig(gradient_checkpointing_backend=None)
+    assert cfg.backend == "torch" and not cfg.enabled
 
 
 # -- unknown keys ------------------------------------------------------------------------------

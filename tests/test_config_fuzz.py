@@ -287,3 +287,41 @@ def test_coerce_any_value(value, kwargs):
         return
     assert isinstance(value, dict) or value is None
     assert cfg == CheckpointConfig.from_dict({**(value or {}), **kwargs})
+
+
+# -- the whole key space through patch(): it patches exactly, or refuses naming a key ------------------
+PATCH_VALUES = {
+    "gradient_checkpointing": st.booleans(),
+    "gradient_checkpointing_offload_attention": st.booleans(),
+    "gradient_checkpointing_keep_attention": st.booleans(),
+    BACKEND: st.sampled_from([b for b in BACKENDS if "compile" not in b]),  # compiled: tests/test_compiled_backend.py
+    "gradient_checkpointing_interval": st.one_of(st.none(), st.integers(1, 6)),
+    "gradient_checkpointing_segment_stride": st.one_of(st.none(), st.integers(1, 7)),
+    BUCKETS: st.integers(0, 3),
+}
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.fixed_dictionaries({}, optional=PATCH_VALUES), st.sampled_from(["wan", "flux"]))
+def test_every_combination_of_keys_patches_exactly_or_names_a_key(data, family):
+    import torch
+    from cases import FLUX, WAN
+
+    import gradseam
+    from gradseam.errors import UnsupportedStrategyError
+    from gradseam.offload import cpu_test_mode
+    from gradseam.testing import assert_same_step, run_step
+
+    case = {"wan": WAN, "flux": FLUX}[family]
+    torch.manual_seed(0)
+    model, reference = case.build(), case.build()
+    reference.load_state_dict(model.state_dict())
+    with cpu_test_mode():
+        try:
+            handle = gradseam.patch(model, data)
+        except (ValueError, UnsupportedStrategyError) as exc:
+            named = [k for k in data if k in str(exc)] + [v for v in BACKENDS if repr(v) in str(exc)]
+            assert named, f"{data}: the error names no key: {exc}"
+            return
+        with handle:
+            assert_same_step(run_step(reference, case), run_step(model, case), what=str(data))

@@ -169,7 +169,8 @@ def test_keep_attention_warns_where_it_has_no_effect():
 
     torch.manual_seed(0)
     model = WAN.build()
-    for config, why in (({"gradient_checkpointing_keep_attention": True}, "no checkpointing runs"),
+    for config, why in (({"gradient_checkpointing": False, "gradient_checkpointing_keep_attention": True},
+                         "no checkpointing runs"),
                         ({"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn",
                           "gradient_checkpointing_keep_attention": True}, "never recomputes attention")):
         with pytest.warns(GradseamWarning, match=why):

@@ -3,6 +3,7 @@ controlnet residuals, pipelines and the summary."""
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
@@ -20,6 +21,7 @@ from gradseam import (
     UnsupportedStrategyError,
     hookimpl,
 )
+from gradseam.errors import warned
 from gradseam.patcher import GradseamWarning, PatchHandle, PipelineHandle
 from gradseam.run.seams import installed_seam
 from gradseam.testing import Case, assert_same_step, check_strategy, run_step
@@ -554,10 +556,30 @@ def test_disabled_with_settings_warns_nothing_runs(checkpoint_calls):
     handle.remove()
 
 
-def test_disabled_defaults_do_not_warn():
+def test_checkpointing_turned_off_explicitly_does_not_warn_but_left_out_and_idle_does():
     model = build(WAN)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        gradseam.patch(model).remove()
         gradseam.patch(model, gradient_checkpointing=False, gradient_checkpointing_backend="torch").remove()
     assert gradseam_warnings(record) == []
+    warned.clear()
+    with pytest.warns(GradseamWarning, match="gradient_checkpointing is off and nothing is offloaded"):
+        gradseam.patch(model).remove()
+
+
+@pytest.mark.parametrize("config", [{"gradient_checkpointing_backend": "torch"}, {"gradient_checkpointing_interval": 2},
+                                    {"gradient_checkpointing_backend": "unsloth-ffn"}])
+def test_a_checkpointing_key_without_gradient_checkpointing_turns_it_on_everywhere(config, tmp_path):
+    """One rule for patch(), patching() and `gradseam run`'s config (issue: patch() patched nothing)."""
+    from gradseam.offload import cpu_test_mode
+    from gradseam.tools.launch import build_config
+
+    model = build(WAN)
+    with cpu_test_mode(), gradseam.patch(model, config) as handle:
+        assert handle.regions(), config
+    assert gradseam.CheckpointConfig.from_dict(config).enabled
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(config))
+    assert build_config(path).enabled
+    assert not build_config(flags={"--offload-attention": True}).enabled  # attention offload alone, as in patch()
+    assert build_config().enabled  # no option at all: what the launcher is for

@@ -566,7 +566,7 @@ def run(
              "would give them to python, after gradseam's options (a -- before it is allowed)")] = None,
     checkpointing: Annotated[bool | None, typer.Option(
         "--checkpointing/--no-checkpointing",
-        help="gradient_checkpointing (default: on; off leaves only attention offload)")] = None,
+        help="gradient_checkpointing (default: on with no option, or with any option that needs it; off leaves only attention offload)")] = None,
     backend: Annotated[str | None, typer.Option(
         metavar="NAME", help=f"gradient_checkpointing_backend: {' | '.join(BACKENDS)} (default torch)")] = None,
     interval: Annotated[str | None, typer.Option(

@@ -88,10 +88,11 @@ def build_config(
     ignore_unknown: bool = False,
     flags: Mapping[str, Any] | None = None,
 ) -> CheckpointConfig:
-    """The run's config: checkpointing on, then the file's keys, then the flags (later wins).
+    """The run's config: the file's keys, then the flags (later wins), read by the API's rule.
 
-    ``gradient_checkpointing`` starts true because turning it on is what running under gradseam is
-    for; a file or ``--no-checkpointing`` that says false still wins. Flag values go to
+    ``gradient_checkpointing`` left out is on where a key that needs it is set, as in ``patch()``; with
+    no option at all it is on, because checkpointing is what running under gradseam is for. A file or
+    ``--no-checkpointing`` that says false wins. Flag values go to
     :class:`CheckpointConfig` as typed (it parses "2", "0.3" and "true"), one flag at a time, so a bad
     value is reported with the flag that carried it; "null"/"none" clear the interval, the stride or
     the memory budget (``--memory-budget``, a float 0 < B <= 1; null is the compiled backends' default).
@@ -102,7 +103,7 @@ def build_config(
     a key in the file by its config key (that is what the file holds), and the remedy for a
     trainer config is ``--ignore-unknown``, not the Python API's ``ignore_unknown=True``.
     """
-    keys: dict[str, Any] = {"gradient_checkpointing": True}
+    keys: dict[str, Any] = {}
     if ignore_unknown and config_file is None:
         raise LaunchError("--ignore-unknown reads the gradseam keys out of a trainer config; it needs --config FILE.")
     if config_file is not None:
@@ -118,6 +119,8 @@ def build_config(
             raise LaunchError(f"{flag} {value}: {str(exc).removeprefix(f'gradseam config key {key!r}: ')}") from None
         keys[key] = value
         flag_of[key] = flag
+    if not keys:  # no option at all: what a launcher is for, the default backend (the API's rule otherwise)
+        keys["gradient_checkpointing"] = True
     try:
         config = CheckpointConfig.from_dict(keys)
     except ValueError as exc:  # only combinations are left (a stride shorter than the interval)
