@@ -406,3 +406,22 @@ def test_in_place_edit_of_a_saved_tensor_raises_as_autograd_would():
         x.mul_(2)  # the first Linear saved x for its weight gradient
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
+
+
+def test_a_compiler_failure_is_an_error_naming_the_block_and_the_eager_backends(monkeypatch):
+    """What HiDream hit on the H200 (inductor refused a graph): not a trace from deep in the compiler."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from gradseam.run.compiled import CompiledBlocks
+
+    def failing(self, device):
+        def call(*args, **kwargs):
+            raise BackendCompilerFailed("inductor", RuntimeError("Found a custom (non-ATen) operator"), None)
+
+        return call
+
+    monkeypatch.setattr(CompiledBlocks, "compiled", failing)
+    model = WAN.build()
+    expected = r"'unsloth-compile' could not compile WanTransformerBlock: torch\.compile failed \(RuntimeError: Found"
+    with cpu_test_mode(), gradseam.patch(model, OFFLOADED), pytest.raises(UnsupportedStrategyError, match=expected):
+        run_step(model, WAN)

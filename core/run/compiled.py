@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from ..errors import warn_once
+from ..errors import UnsupportedStrategyError, warn_once
 from .chains import ChainStats
 from .scopes import refuse_transforms
 
@@ -124,12 +124,32 @@ class CompiledBlocks:
         device = _device_of(original.module)
         import torch._functorch.config as functorch_config
 
-        with functorch_config.patch(activation_memory_budget=self.budget):
-            if self.engine is None:
-                return self.compiled(device)(function, module, args, kwargs)
-            refuse_transforms("gradseam's compiled offload backend")
-            with self.engine.group():
-                return self.compiled(device)(function, module, args, kwargs)
+        try:
+            with functorch_config.patch(activation_memory_budget=self.budget):
+                if self.engine is None:
+                    return self.compiled(device)(function, module, args, kwargs)
+                refuse_transforms("gradseam's compiled offload backend")
+                with self.engine.group():
+                    return self.compiled(device)(function, module, args, kwargs)
+        except Exception as exc:
+            if type(exc).__name__ != "BackendCompilerFailed":
+                raise
+            raise self._compile_failed(original.module, exc) from exc
+
+    def _compile_failed(self, block: Any, exc: Exception) -> UnsupportedStrategyError:
+        """The compiler's own failure, deep in its stack, said in the user's terms with the ways out.
+
+        Seen on the H200: a HiDream block's graph took in the engine's ``record_stream`` call, which
+        inductor refuses; the eager backends run the same model."""
+        name = "unsloth-compile" if self.engine is not None else "compile"
+        inner = getattr(exc, "inner_exception", exc)
+        first = (str(inner).strip().splitlines() or [type(inner).__name__])[0][:300]
+        return UnsupportedStrategyError(
+            f"backend {name!r} could not compile {type(block).__name__}: torch.compile failed "
+            f"({type(inner).__name__}: {first}). Train this model with an eager backend: 'unsloth' with "
+            "gradient_checkpointing_offload_attention (the least memory) or 'torch'"
+            + (", or 'compile' (what the blocks keep stays on the GPU)." if name == "unsloth-compile" else ".")
+        )
 
 
 def _call_previous(previous: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
