@@ -209,7 +209,8 @@ def test_bench_workload_truncates_steps_and_patches_exactly() -> None:
     workload = build(tiny, "tiny", layers=2, device="cpu", dtype=torch.float32)
     assert workload.truncated and all(kept <= 2 for kept, _ in workload.truncated.values())
     x = workload.inputs()
-    assert sequence_length(workload.model, workload.family, x) > 0
+    # ERNIE's blocks take (sequence, batch, hidden): the image's 4 tokens and the text's 3, not the batch of 1
+    assert sequence_length(workload.model, workload.family, x) == 4 + 3
     leaves = grad_leaves(x)
     assert leaves and x["hidden_states"].requires_grad
     forward_backward(workload.model, x)()

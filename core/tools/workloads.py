@@ -184,14 +184,18 @@ def truncate_to(model: nn.Module, plan: DepthPlan, depth: int) -> dict[str, tupl
 
 
 def sequence_length(model: nn.Module, family: Family, inputs: Mapping[str, Any]) -> int:
-    """The longest sequence a first block of any declared list sees (one forward without grad)."""
+    """The longest sequence a first block of any declared list sees (one forward without grad).
+
+    The longest axis but the last (the hidden size) of the block's first tensor argument: batch-first
+    ``(batch, sequence, hidden)`` and sequence-first ``(sequence, batch, hidden)`` layouts (ERNIE-Image)
+    alike, since a batch is never longer than its sequence."""
     seen: list[int] = []
     hooks = []
 
     def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
         first = next((t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor) and t.dim() >= 3), None)
         if first is not None:
-            seen.append(first.shape[-2])
+            seen.append(max(first.shape[:-1]))
 
     for block_list in family.block_lists:
         blocks = resolve(model, block_list.path)
