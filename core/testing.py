@@ -307,6 +307,57 @@ def check_no_grad(case: Case, config: CheckpointConfig | dict[str, Any] | None =
     assert not busy, f"{case.name} {cfg.describe()} under no_grad ran checkpoint regions: {busy[:5]}"
 
 
+def check_bench_workload(
+    family: str,
+    config: dict[str, Any],
+    inputs: dict[str, Any],
+    *,
+    preset: str | None = None,
+    sequence: int | None = None,
+    patch_config: dict[str, Any] | None = None,
+) -> None:
+    """What ``gradseam bench --family NAME --layers 2`` does, on a tiny model built from ``config`` fed
+    by the family's real input builder (``preset``'s, default the first) with ``inputs`` as its sizes:
+    build, truncate every block list to two blocks, build the inputs, step; then the same step patched
+    (default: checkpointing in chunks of two) must give bit-identical input gradients.
+
+    A plugin author calls it with their family's tiny config to learn that ``bench`` and ``advise``
+    will run it; ``sequence``, when given, is the token count the first block must see.
+    """
+    import warnings
+    from dataclasses import replace as swap
+
+    import gradseam
+
+    from .family import Preset
+    from .tools.measure import forward_backward, grad_leaves
+    from .tools.workloads import build, find_family, sequence_length
+
+    fam = find_family(family)
+    real = fam.presets[preset] if preset else next(iter(fam.presets.values()))
+    tiny = swap(fam, presets={"tiny": Preset("tiny", config, inputs, real.make_inputs)})
+    torch.manual_seed(0)
+    workload = build(tiny, "tiny", layers=2, device="cpu", dtype=torch.float32)
+    assert workload.truncated and all(kept <= 2 for kept, _ in workload.truncated.values()), workload.truncated
+    x = workload.inputs()
+    seen = sequence_length(workload.model, workload.family, x)
+    assert seen == sequence if sequence is not None else seen > 0, f"{family}: the first block saw {seen} tokens"
+    leaves = grad_leaves(x)
+    assert leaves and x["hidden_states"].requires_grad, f"{family}: the inputs hold no tensor that needs gradients"
+    forward_backward(workload.model, x)()
+    reference = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # an interval the family may not support, bf16 casting notes
+        chunked = patch_config or {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
+        with gradseam.patch(workload.model, chunked) as handle:
+            assert handle.family.name == fam.name
+            forward_backward(workload.model, x)()
+    assert all(torch.equal(t.grad, r) for t, r in zip(leaves, reference)), f"{family}: patched gradients differ"
+    assert workload.inputs(tokens=64) is not None
+
+
 def cpu_configs(*, ffn: bool = True, interval: bool = True, stride: bool = True) -> list[dict[str, Any]]:
     """The CPU matrix every adapter passes: each catalog backend that moves nothing, x interval {1, 2}
     x stride {none, 4} where the backend chunks, and whole blocks that keep attention kernel outputs."""

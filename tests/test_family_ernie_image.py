@@ -4,8 +4,6 @@ the loop builds a new modulation list per block, and the preset at full size."""
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 import gradseam
@@ -13,6 +11,7 @@ from gradseam.patcher import family_for, plan
 from gradseam.testing import (
     Case,
     ConformanceSuite,
+    check_bench_workload,
     check_strategy,
     cpu_configs,
     offload_configs,
@@ -194,32 +193,5 @@ def test_preset_input_builder_runs_the_model() -> None:
 
 
 def test_bench_workload_truncates_steps_and_patches_exactly() -> None:
-    """What `gradseam bench --family ernie-image --layers 2` does, on a tiny preset with the real input builder:
-    build, truncate every list, build inputs, step; the same step patched in chunks is bit-identical."""
-    from dataclasses import replace as swap
-
-    from gradseam import Preset
-    from gradseam.tools.measure import forward_backward, grad_leaves
-    from gradseam.tools.workloads import build, find_family, sequence_length
-
-    family = find_family("ernie-image")
-    real = next(iter(family.presets.values()))
-    tiny = swap(family, presets={"tiny": Preset("tiny", TINY, {"image_tokens": 4, "text_tokens": 3}, real.make_inputs)})
-    torch.manual_seed(0)
-    workload = build(tiny, "tiny", layers=2, device="cpu", dtype=torch.float32)
-    assert workload.truncated and all(kept <= 2 for kept, _ in workload.truncated.values())
-    x = workload.inputs()
-    # ERNIE's blocks take (sequence, batch, hidden): the image's 4 tokens and the text's 3, not the batch of 1
-    assert sequence_length(workload.model, workload.family, x) == 4 + 3
-    leaves = grad_leaves(x)
-    assert leaves and x["hidden_states"].requires_grad
-    forward_backward(workload.model, x)()
-    reference = [t.grad.clone() for t in leaves]
-    for t in leaves:
-        t.grad = None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # an interval the family may not support, bf16 casting notes
-        with gradseam.patch(workload.model, {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}):
-            forward_backward(workload.model, x)()
-    assert all(torch.equal(t.grad, r) for t, r in zip(leaves, reference))
-    assert workload.inputs(tokens=64) is not None
+    """`gradseam bench --family ernie-image --layers 2` on a tiny preset with the real input builder: the kit's check."""
+    check_bench_workload("ernie-image", TINY, {"image_tokens": 4, "text_tokens": 3}, sequence=4 + 3)

@@ -12,6 +12,7 @@ from gradseam.patcher import family_for, plan
 from gradseam.testing import (
     Case,
     ConformanceSuite,
+    check_bench_workload,
     check_strategy,
     config_id,
     cpu_configs,
@@ -195,27 +196,6 @@ def test_preset_input_builder_runs_the_model() -> None:
 
 
 def test_bench_workload_truncates_steps_and_patches_exactly() -> None:
-    """What `gradseam bench --family lumina2 --layers 2` does, on the tiny config with the preset's real
-    input builder: build, truncate every list to 2 blocks, build inputs, step; chunked, bit-identical."""
-    from dataclasses import replace
-
-    from gradseam import Preset
-    from gradseam.tools.measure import forward_backward, grad_leaves
-    from gradseam.tools.workloads import build, find_family, sequence_length
-
-    family = find_family("lumina2")
-    real = family.presets["2b-1024"]
-    tiny = replace(family, presets={"tiny": Preset("tiny", TINY, {"image_tokens": 4, "text_tokens": TEXT}, real.make_inputs)})
-    torch.manual_seed(0)
-    workload = build(tiny, "tiny", layers=2, device="cpu", dtype=torch.float32)
-    assert workload.truncated and all(kept == 2 for kept, _ in workload.truncated.values())
-    x = workload.inputs()
-    assert sequence_length(workload.model, workload.family, x) == TEXT + 4
-    leaves = grad_leaves(x)
-    assert leaves and x["hidden_states"].requires_grad
-    forward_backward(workload.model, x)()
-    reference = [t.grad.clone() for t in leaves]
-    with gradseam.patch(workload.model, CHUNKED) as handle:
-        assert handle.family.name == "lumina2"
-        forward_backward(workload.model, x)()
-    assert all(torch.equal(t.grad, r) for t, r in zip(leaves, reference))
+    """`gradseam bench --family lumina2 --layers 2` on a tiny preset with the real input builder: the kit's check."""
+    check_bench_workload("lumina2", TINY, {"image_tokens": 4, "text_tokens": TEXT}, preset="2b-1024",
+                         sequence=TEXT + 4)

@@ -20,6 +20,7 @@ from gradseam.planning import GradseamWarning
 from gradseam.testing import (
     Case,
     ConformanceSuite,
+    check_bench_workload,
     check_strategy,
     cpu_configs,
     offload_configs,
@@ -456,34 +457,8 @@ WORKLOADS = {
 
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
 def test_bench_workload_truncates_steps_and_patches_exactly(name):
-    """What `gradseam bench --family NAME --layers 2` does, on a tiny preset with the real input builder:
-    build, truncate every list, build inputs, step; the same step patched in chunks is bit-identical."""
-    from dataclasses import replace
-
-    from gradseam import Preset
-    from gradseam.tools.measure import forward_backward, grad_leaves
-    from gradseam.tools.workloads import build, find_family, sequence_length
-
-    family = find_family(name)
-    real = next(iter(family.presets.values()))
-    config, inputs = WORKLOADS[name]
-    tiny = replace(family, presets={"tiny": Preset("tiny", config, inputs, real.make_inputs)})
-    torch.manual_seed(0)
-    workload = build(tiny, "tiny", layers=2, device="cpu", dtype=torch.float32)
-    assert workload.truncated and all(kept == 2 for kept, _ in workload.truncated.values())
-    x = workload.inputs()
-    assert sequence_length(workload.model, workload.family, x) > 0
-    leaves = grad_leaves(x)
-    assert leaves and x["hidden_states"].requires_grad
-    forward_backward(workload.model, x)()
-    reference = [t.grad.clone() for t in leaves]
-    for t in leaves:
-        t.grad = None
-    with gradseam.patch(workload.model, CHUNKED) as handle:
-        assert handle.family.name == name
-        forward_backward(workload.model, x)()
-    assert all(torch.equal(t.grad, r) for t, r in zip(leaves, reference))
-    assert workload.inputs(tokens=64) is not None
+    """`gradseam bench --family NAME --layers 2` on a tiny preset with the real input builder: the kit's check."""
+    check_bench_workload(name, *WORKLOADS[name])
 
 
 @pytest.mark.parametrize("name", ["hunyuanvideo15", "ltxvideo", "wan-vace"])
