@@ -583,3 +583,17 @@ def test_a_checkpointing_key_without_gradient_checkpointing_turns_it_on_everywhe
     assert build_config(path).enabled
     assert not build_config(flags={"--offload-attention": True}).enabled  # attention offload alone, as in patch()
     assert build_config().enabled  # no option at all: what the launcher is for
+
+
+def test_an_offload_backend_with_checkpointing_off_loads_and_warns_instead_of_crashing(tmp_path):
+    """`gradseam run --no-checkpointing --backend unsloth` crashed inside from_pretrained ("needs an engine")."""
+    from diffusers import WanTransformer3DModel
+
+    build(WAN).save_pretrained(tmp_path)
+    warned.clear()
+    config = {"gradient_checkpointing": False, "gradient_checkpointing_backend": "unsloth"}
+    idle = "gradient_checkpointing_backend set but gradient_checkpointing is false"
+    with pytest.warns(GradseamWarning, match=idle), gradseam.patching(config) as handles:
+        model = WanTransformer3DModel.from_pretrained(tmp_path)
+    assert [h.model for h in handles] == [model] and not handles[0].regions()
+    assert_same_step(run_step(WanTransformer3DModel.from_pretrained(tmp_path), WAN), run_step(model, WAN))
