@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from cases import FLUX, WAN
 
 import gradseam
-from gradseam.errors import UnsupportedStrategyError
+from gradseam.errors import GradseamWarning, UnsupportedStrategyError
 from gradseam.offload import cpu_test_mode
 from gradseam.testing import Case, assert_same_step, run_step
 
@@ -194,3 +194,54 @@ def test_repatching_between_forward_and_backward_keeps_the_old_graph_exact(first
                 assert torch.equal(p.grad, q.grad), name
         assert_same_step(run_step(reference, case, seed=2), run_step(model, case, seed=2))  # the new patch
         handle.remove()
+
+
+# -- a plugin whose Carry names the outputs the wrong way round ----------------------------------
+class _TwoStreams(torch.nn.Module):
+    """A block returning (text, image) like Flux's double block, streams of different lengths."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.text, self.image = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor):
+        return encoder_hidden_states + self.text(encoder_hidden_states).tanh(), hidden_states + self.image(hidden_states)
+
+
+class _TwoStreamModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_TwoStreams() for _ in range(4))
+
+    def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor):
+        for block in self.blocks:
+            encoder_hidden_states, hidden_states = block(hidden_states, encoder_hidden_states)
+        return (hidden_states,)
+
+
+def test_a_carry_declared_the_wrong_way_round_falls_back_exactly_and_says_so():
+    """The chunk feeds the next block what the Carry names; swapped, the run-time check sees the
+    argument it stands for was not what the model passed, and the chunk computes block by block."""
+    from gradseam import BlockClass, BlockList, Carry, Family, hookimpl
+
+    family = Family(name="two-streams-swapped", models=(_TwoStreamModel,), block_classes=(BlockClass(_TwoStreams),),
+                    block_lists=(BlockList("blocks", carry=Carry({"hidden_states": 0, "encoder_hidden_states": 1})),))
+
+    class Plugin:
+        @hookimpl
+        def register_families(self, register):
+            register(family)
+
+    case = Case("two-streams", _TwoStreamModel, lambda g: {"hidden_states": torch.randn(1, 6, 8, generator=g),
+                                                           "encoder_hidden_states": torch.randn(1, 3, 8, generator=g)})
+    name = gradseam.register(Plugin(), name="two-streams-swapped")
+    try:
+        model, reference = _twins(case)
+        with pytest.warns(GradseamWarning, match="fell back to one region per block"):
+            handle = gradseam.patch(model, {**ON, "gradient_checkpointing_interval": 2})
+            got = run_step(model, case, count_bytes=False)
+        assert_same_step(run_step(reference, case, count_bytes=False), got)
+        assert all(r.fallbacks for r in handle.regions())
+        handle.remove()
+    finally:
+        gradseam.unregister(name)
