@@ -245,3 +245,42 @@ def test_a_carry_declared_the_wrong_way_round_falls_back_exactly_and_says_so():
         handle.remove()
     finally:
         gradseam.unregister(name)
+
+
+# -- offload: the one in-place edit the engine does not see, and the strict mode that does -----------
+def _edit_through_a_detached_alias(engine, strict: bool) -> str:
+    from gradseam.offload import strict_inplace
+
+    x = torch.randn(512, 1024, requires_grad=True)  # 2 MiB: offloaded
+    y = x * 2
+    alias = y.detach()  # shares y's version counter, but is not a view: keeps no Python object alive
+    view = y[:, :]
+    with strict_inplace() if strict else contextlib.nullcontext(), engine.group():
+        z = view.sin()  # saves `view`
+    del y, view
+    alias.mul_(3)
+    try:
+        z.sum().backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return "trained on"
+
+
+def test_strict_inplace_catches_the_edit_through_a_detached_alias_that_the_engine_alone_misses():
+    from gradseam.offload import engine_for
+
+    with cpu_test_mode():
+        engine = engine_for(4)
+        assert _edit_through_a_detached_alias(engine, strict=False) == "trained on"  # docs/strategies.md says so
+        message = _edit_through_a_detached_alias(engine, strict=True)
+    assert "modified by an inplace operation" in message and "gradseam's activation offload" in message
+
+
+def test_strict_inplace_changes_no_result():
+    with cpu_test_mode():
+        from gradseam.offload import strict_inplace
+
+        model, reference = _twins(FLUX)
+        with strict_inplace(), gradseam.patch(model, {**ON, "gradient_checkpointing_backend": "unsloth"}) as handle:
+            assert_same_step(run_step(reference, FLUX), run_step(model, FLUX))
+            assert handle.engine.copies > 0

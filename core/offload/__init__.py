@@ -8,7 +8,7 @@ engine group per region call; what goes into it is the run layer's decision.
 from __future__ import annotations
 
 from .device import cpu_allowed, cpu_test_mode, engine_for
-from .engine import KEEP_RECENT, MIN_OFFLOAD_BYTES, OffloadEngine
+from .engine import KEEP_RECENT, MIN_OFFLOAD_BYTES, OffloadEngine, strict_inplace
 from .pinned import Bucket, PinnedPool, size_class
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "PinnedPool",
     "cpu_allowed",
     "cpu_test_mode",
+    "strict_inplace",
     "engine_for",
     "size_class",
 ]

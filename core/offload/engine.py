@@ -57,6 +57,24 @@ MIN_OFFLOAD_BYTES = 1 << 20  # smaller tensors cost more in launch and bookkeepi
 _WHOLE_STORAGE_FACTOR = 4  # copy the whole storage when a view covers at least 1/4 of it
 _ALIGN = 512  # the caching allocator's block alignment
 KEEP_RECENT = 1  # closed groups whose GPU sources stay referenced (see OffloadEngine._close)
+_strict: list[bool] = []  # non-empty inside strict_inplace()
+
+
+@contextmanager
+def strict_inplace() -> Iterator[None]:
+    """Catch every in-place edit of an offloaded saved tensor, as autograd does, at the cost of its GPU memory.
+
+    The engine watches a saved tensor and its base weakly (holding them would hold the memory it frees),
+    so one edit goes unseen: through a ``detach()``ed alias, which shares the version counter but is not
+    a view, after both Python objects are gone. Inside this block each packed tensor keeps such an
+    alias, so the check always sees the counter; the tensors' GPU memory stays until backward, so the
+    block saves no memory: a debugging aid, for a few steps of a new training loop.
+    """
+    _strict.append(True)
+    try:
+        yield
+    finally:
+        _strict.pop()
 
 
 class _Done:
@@ -98,7 +116,7 @@ class _Stored:
 class _Packed:
     """What autograd holds instead of a tensor: how to rebuild it from its storage copy."""
 
-    __slots__ = ("base", "dtype", "offset", "ref", "size", "stored", "stride", "version")
+    __slots__ = ("alias", "base", "dtype", "offset", "ref", "size", "stored", "stride", "version")
 
     def __init__(self, t: torch.Tensor, stored: _Stored, offset: int) -> None:
         self.stored = stored
@@ -114,9 +132,12 @@ class _Packed:
         # which torch preserves while C++ holds it) alive. A weakly held alias costs no memory.
         self.ref = weakref.ref(t)
         self.base = weakref.ref(t._base) if t._base is not None else None
+        self.alias = t.detach() if _strict else None  # strict_inplace(): a strong alias of the counter
 
     def live(self) -> torch.Tensor | None:
         """Some tensor that still shares the saved tensor's version counter, if any is alive."""
+        if self.alias is not None:
+            return self.alias
         found = self.ref()
         if found is None and self.base is not None:
             found = self.base()
