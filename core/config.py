@@ -179,16 +179,15 @@ def _config_type_error(value: Any) -> TypeError:
 
 
 # Keys that only act with checkpointing on: setting one (and leaving gradient_checkpointing out) turns it
-# on; setting one beside an explicit `gradient_checkpointing: false` warns (see idle_keys). Attention
-# offload and the pinned pool work without checkpointing, so they turn nothing on.
-_NEEDS_DEFAULTS: dict[str, Any] = {
-    "gradient_checkpointing_backend": None,  # None: not given (then "torch"), so "torch" given counts
-    "gradient_checkpointing_interval": None,
-    "gradient_checkpointing_segment_stride": None,
-    "gradient_checkpointing_keep_attention": False,
-    "gradient_checkpointing_memory_budget": None,
-}
-NEEDS_CHECKPOINTING = tuple(_NEEDS_DEFAULTS)
+# on; setting one beside an explicit `gradient_checkpointing: false` warns (CheckpointConfig.warn_if_idle).
+# Attention offload and the pinned pool work without checkpointing, so they turn nothing on.
+NEEDS_CHECKPOINTING = (
+    "gradient_checkpointing_backend",  # counts when given at all, "torch" included (its field's None: not given)
+    "gradient_checkpointing_interval",
+    "gradient_checkpointing_segment_stride",
+    "gradient_checkpointing_keep_attention",
+    "gradient_checkpointing_memory_budget",
+)
 BACKEND_KEY = "gradient_checkpointing_backend"
 
 
@@ -199,7 +198,7 @@ class CheckpointConfig:
     Build it with keyword arguments, :meth:`from_dict` (a trainer config) or :meth:`from_json`.
     """
 
-    gradient_checkpointing: bool | None = None  # None: on when a key that needs it is set (NEEDS_CHECKPOINTING)
+    gradient_checkpointing: bool | None = None  # None: on where a key that needs it is set (NEEDS_CHECKPOINTING)
     gradient_checkpointing_backend: str | None = None  # None: not given, read as "torch"
     gradient_checkpointing_interval: int | None = None
     gradient_checkpointing_segment_stride: int | None = None
@@ -265,7 +264,7 @@ class CheckpointConfig:
             # a key that only acts with it is set (the backend even at "torch"; the others away from
             # their default).
             set_(self, "gradient_checkpointing", given_backend or any(
-                getattr(self, key) not in (None, False) for key in NEEDS_CHECKPOINTING if key != BACKEND_KEY))
+                getattr(self, key) not in (None, False) for key in NEEDS_CHECKPOINTING[1:]))
 
     def warn_if_idle(self, entry: str) -> None:
         """Warn (once) where this config, given to ``entry``, sets what cannot act: checkpointing is off.

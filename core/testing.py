@@ -59,6 +59,14 @@ class Case:
     output: Callable[[Any], torch.Tensor | tuple[torch.Tensor, ...]] = field(default=lambda out: out[0])
     seed: int = 0
 
+    def twins(self) -> tuple[nn.Module, nn.Module]:
+        """Two models with the same weights: one to patch, one to run unpatched beside it."""
+        torch.manual_seed(self.seed)
+        model = self.build()
+        twin = self.build()
+        twin.load_state_dict(model.state_dict())
+        return model, twin
+
 
 @dataclass
 class Step:

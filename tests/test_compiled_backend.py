@@ -40,15 +40,6 @@ def _step(case: Case, config: dict | None, *, steps: int = 1, seed: int = 1):
     return results
 
 
-def _twins() -> tuple[torch.nn.Module, torch.nn.Module]:
-    """A tiny Wan and an unpatched reference with the same weights."""
-    torch.manual_seed(0)
-    model = WAN.build()
-    reference = WAN.build()
-    reference.load_state_dict(model.state_dict())
-    return model, reference
-
-
 def _wan_shaped(frames: int, batch: int = 1) -> Case:
     """The tiny Wan case at another frame count and batch size (a new shape for the compiled blocks)."""
 
@@ -153,7 +144,7 @@ def test_no_grad_validation_between_steps_runs_eagerly_and_exactly():
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
-    model, reference = _twins()
+    model, reference = WAN.twins()
     with gradseam.patch(model, COMPILE):
         run_step(model, WAN)
         counters.clear()
@@ -169,7 +160,7 @@ def test_new_shapes_and_batch_sizes_between_steps_stay_exact():
     """Aspect buckets: each new shape compiles once (or goes dynamic), and every step stays exact."""
     torch._dynamo.reset()
 
-    model, reference = _twins()
+    model, reference = WAN.twins()
     with gradseam.patch(model, COMPILE):
         for frames, batch in [(2, 1), (3, 1), (2, 2), (4, 1), (2, 1)]:
             case = _wan_shaped(frames, batch)
@@ -309,7 +300,7 @@ def test_compiling_after_a_compiled_backend_patched_is_refused_at_the_next_forwa
 def test_torch_compile_of_the_patched_model_is_exact_and_summary_says_the_budget_did_not_apply():
     """``torch.compile(model)`` wraps the model from outside, where no hook of gradseam's sees it first."""
     torch._dynamo.reset()
-    model, reference = _twins()
+    model, reference = WAN.twins()
     with gradseam.patch(model, COMPILE) as handle:
         wrapped, plain = (torch.compile(m, backend="aot_eager") for m in (model, reference))  # both: _orig_mod.
         assert_same_step(run_step(plain, WAN), run_step(wrapped, WAN), atol=COMPILED_TOLERANCE)
@@ -322,7 +313,7 @@ def test_torch_compile_of_the_patched_model_is_exact_and_summary_says_the_budget
 def test_compile_repeated_blocks_with_the_eager_backends_is_exact(when, backend):
     """diffusers' ``compile_repeated_blocks`` compiles each block's call, gradseam's seams inside it."""
     torch._dynamo.reset()
-    model, reference = _twins()
+    model, reference = WAN.twins()
     config = {**ON, "gradient_checkpointing_backend": backend}
     with cpu_test_mode():
         if when == "before":
@@ -337,7 +328,7 @@ def test_compile_repeated_blocks_with_the_eager_backends_is_exact(when, backend)
 def test_eval_and_train_toggles_between_steps_stay_exact():
     """``model.eval()`` for a validation pass (with or without gradients), then ``train()`` again."""
     torch._dynamo.reset()
-    model, reference = _twins()
+    model, reference = WAN.twins()
     with cpu_test_mode(), gradseam.patch(model, OFFLOADED):
         for m in (model, reference):
             m.train()
@@ -381,7 +372,7 @@ def test_more_shapes_than_the_recompile_limit_warn_once():
 def test_a_block_list_compiled_with_torch_compile_patches_with_eager_backends():
     """``blocks[i] = torch.compile(blocks[i])`` used to fail as 'no block class for OptimizedModule'."""
     torch._dynamo.reset()
-    model, reference = _twins()
+    model, reference = WAN.twins()
     for m in (model, reference):  # the same idiom on both (it renames parameters: _orig_mod.)
         for i, block in enumerate(m.blocks):
             m.blocks[i] = torch.compile(block, backend="aot_eager")

@@ -27,14 +27,6 @@ REPLAY_MISSED = "a kept attention kernel output did not match the recomputed cal
 _SDPA = F.scaled_dot_product_attention
 
 
-def _twins(case: Case) -> tuple[torch.nn.Module, torch.nn.Module]:
-    torch.manual_seed(0)
-    model = case.build()
-    reference = case.build()
-    reference.load_state_dict(model.state_dict())
-    return model, reference
-
-
 @contextlib.contextmanager
 def _attention_as(kernel: Callable[..., torch.Tensor]) -> Iterator[None]:
     """Every attention call of the model (diffusers' native dispatch) goes through ``kernel``."""
@@ -81,7 +73,7 @@ def _editing(*args, **kwargs):
 @pytest.mark.parametrize("config", KEPT.values(), ids=KEPT.keys())
 def test_an_attention_processor_editing_its_output_in_place_is_exact(config):
     """The kept output is the tensor the model goes on with: the edit must not be applied twice."""
-    model, reference = _twins(FLUX)
+    model, reference = FLUX.twins()
     for m in (model, reference):
         _ffn_only(m)
     want, got, fallbacks = _both(model, reference, _no_input_grads(FLUX), config, _editing)
@@ -91,7 +83,7 @@ def test_an_attention_processor_editing_its_output_in_place_is_exact(config):
 
 def test_a_second_backward_after_an_edit_in_the_recompute_is_exact():
     """Each recompute edits what the replay handed it: the next recompute must not start from that."""
-    model, reference = _twins(FLUX)
+    model, reference = FLUX.twins()
     for m in (model, reference):
         _ffn_only(m)
     case = _no_input_grads(FLUX)
@@ -127,7 +119,7 @@ class _CalibratingOnce:
 
 @pytest.mark.parametrize("config", KEPT.values(), ids=KEPT.keys())
 def test_an_attention_call_made_in_the_forward_only_does_not_shift_the_replay(config):
-    model, reference = _twins(FLUX)
+    model, reference = FLUX.twins()
     kernel = _CalibratingOnce(grad=False)
     want, got, _ = _both(model, reference, FLUX, config, kernel, reset=kernel.reset)
     assert_same_step(want, got)
@@ -180,7 +172,7 @@ PAIRS = [(a, b) for a in CONFIGS for b in CONFIGS if a != b] + [("torch", "torch
 @pytest.mark.parametrize(("first", "second"), PAIRS, ids=[f"{a} -> {b}" for a, b in PAIRS])
 def test_repatching_between_forward_and_backward_keeps_the_old_graph_exact(first, second):
     case = FLUX
-    model, reference = _twins(case)
+    model, reference = case.twins()
     with cpu_test_mode():
         gradseam.patch(model, CONFIGS[first])
         loss = model(**case.inputs(torch.Generator().manual_seed(1)))[0].square().mean()
@@ -236,7 +228,7 @@ def test_a_carry_declared_the_wrong_way_round_falls_back_exactly_and_says_so():
                                                            "encoder_hidden_states": torch.randn(1, 3, 8, generator=g)})
     name = gradseam.register(Plugin(), name="two-streams-swapped")
     try:
-        model, reference = _twins(case)
+        model, reference = case.twins()
         with pytest.warns(GradseamWarning, match="fell back to one region per block"):
             handle = gradseam.patch(model, {**ON, "gradient_checkpointing_interval": 2})
             got = run_step(model, case, count_bytes=False)
@@ -280,7 +272,7 @@ def test_strict_inplace_changes_no_result():
     with cpu_test_mode():
         from gradseam.offload import strict_inplace
 
-        model, reference = _twins(FLUX)
+        model, reference = FLUX.twins()
         with strict_inplace(), gradseam.patch(model, {**ON, "gradient_checkpointing_backend": "unsloth"}) as handle:
             assert_same_step(run_step(reference, FLUX), run_step(model, FLUX))
             assert handle.engine.copies > 0

@@ -24,10 +24,12 @@ Why two modes: a dispatch mode costs Python per aten op, and an attention submod
 around one kernel (projections, norms, rotary, reshapes); a function mode costs less per call and
 sees ~80. Measured: the whole block under a dispatch mode made Flux at 1k tokens 1.6x slower than
 ``torch``, the attention submodule under it 1.44x (docs/benchmarks.md). A family that declares no
-attention side is taped block-wide, under the dispatch mode alone. Each kept output remembers the call it came from (op, shapes, dtypes) and its
-version counter; a replay that finds another call, or an output changed in place since (an
-attention processor editing its result), runs the kernel for real and counts it, so the recompute
-always computes what the forward did. A call made with gradients off (a one-time calibration under
+attention side is taped block-wide, under the dispatch mode alone.
+
+Each kept output remembers the call it came from (op, shapes, dtypes) and watches the tensor the
+model went on with (:class:`_Entry`); a replay that finds another call, or an output changed in
+place since (an attention processor editing its result), runs the kernel for real and counts it,
+so the recompute always computes what the forward did. A call made with gradients off (a one-time calibration under
 ``no_grad``) is told apart from the real calls by that, so skipping it keeps the replay in step. Under ``torch.compile`` a Python
 dispatch mode cannot be traced, so compiled regions use torch's own selective checkpoint with the
 same kernels marked must-save: kept on the GPU, not offloaded.
