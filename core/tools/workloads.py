@@ -170,7 +170,7 @@ def build(
     else:
         truncated = truncate(model, fam, layers) if layers else {}
     dropped_gib = (before - sum(p.numel() for p in model.parameters())) * dtype.itemsize / (1 << 30)
-    model = model.to(dtype).requires_grad_(False)
+    model = keep_float32(model.to(dtype)).requires_grad_(False)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the dropped blocks and the fp32 copies
     return Workload(fam, preset_name, the_preset, model, truncated, device, dtype, plan, depth, fit_depths,
@@ -181,6 +181,20 @@ def truncate_to(model: nn.Module, plan: DepthPlan, depth: int) -> dict[str, tupl
     """Keep the blocks of ``depth`` units for good (dropping the rest frees their weights)."""
     return {path: (len(getattr(parent, attr)), len(original)) for path, parent, attr, original
             in cut(model, plan.counts(depth))}
+
+
+def keep_float32(model: nn.Module) -> nn.Module:
+    """Cast back to float32 the modules the class keeps in float32 (``_keep_in_fp32_modules``).
+
+    ``from_pretrained(torch_dtype=...)`` does this, ``.to(dtype)`` does not; without it a model that
+    feeds such a module float32 on purpose (Kandinsky 5's time embedding) fails in bf16 with a dtype
+    mismatch, and every other family would be measured in a precision its users never train in."""
+    keep = set(getattr(type(model), "_keep_in_fp32_modules", None) or ())
+    if keep:
+        for name, module in model.named_modules():
+            if keep.intersection(name.split(".")):
+                module.float()
+    return model
 
 
 def sequence_length(model: nn.Module, family: Family, inputs: Mapping[str, Any]) -> int:
