@@ -1,0 +1,88 @@
+"""One picture of every family's full-depth rows: activation peak and step time, side by side.
+
+``python docs/scripts/families_chart.py [--out docs/img/families-full-depth.png] FAMILY ...`` reads
+``docs/data/bench-FAMILY.json`` (written by ``gradseam bench --family FAMILY --depths 2,4 --json``)
+and draws, per family, the full-depth activation peak of each row on a log scale (left) and its step
+time relative to no checkpointing (right). Hollow markers are predicted from the two fit depths,
+filled ones measured at full depth; a row that failed (OOM, compiler error) is drawn as a cross at
+the left edge with its status, so a gap never reads as "no cost". A table answers "how much"; this
+answers "which row, for my family" at a glance, which is why the families section leads with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+ROWS = ("none", "torch", "unsloth + attention offload", "unsloth-compile")
+COLOURS = {"none": "#7f7f7f", "torch": "#1f77b4", "unsloth + attention offload": "#2ca02c",
+           "unsloth-compile": "#d62728"}
+
+
+def load(family: str) -> tuple[str, list[dict[str, Any]]]:
+    run = json.loads((DATA / f"bench-{family}.json").read_text())
+    return f"{family}\n{run['preset']}, {run['depth']['blocks']}", [r for r in run["full_depth"] if r["strategy"] in ROWS]
+
+
+def draw(families: list[str], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [load(f) for f in families]
+    fig, (peak_ax, step_ax) = plt.subplots(1, 2, figsize=(12, 0.55 * len(runs) * len(ROWS) / 2 + 1.5),
+                                           sharey=True)
+    ticks, names = [], []
+    for i, (label, rows) in enumerate(runs):
+        base = i * (len(ROWS) + 1)
+        ticks.append(base + (len(ROWS) - 1) / 2)
+        names.append(label)
+        for j, name in enumerate(ROWS):
+            row = next((r for r in rows if r["strategy"] == name), None)
+            if row is None:
+                continue
+            y = base + j
+            if row.get("status") != "ok":
+                peak_ax.plot([0.1], [y], "x", color=COLOURS[name])
+                status = str(row.get("status"))  # "OOM", or "error: Kind: message": the kind is enough
+                peak_ax.annotate(status.split(":")[1].strip() if ":" in status else status, (0.1, y), xytext=(6, -3), textcoords="offset points",
+                                 fontsize=7, color=COLOURS[name])
+                continue
+            predicted = row.get("peak_source") == "predicted"
+            style = {"color": COLOURS[name], "markerfacecolor": "none" if predicted else COLOURS[name]}
+            peak_ax.plot([row["peak_gib"]], [y], "o", **style)
+            step_ax.plot([row["vs_none"]], [y], "o", **style)
+    peak_ax.set_xscale("log")
+    peak_ax.set_xlim(left=0.1)
+    peak_ax.set_xlabel("activation peak at full depth, GiB (log)")
+    step_ax.axvline(1.0, color="#7f7f7f", lw=0.8, ls="--")
+    step_ax.set_xlabel("step time / no checkpointing")
+    peak_ax.set_yticks(ticks, names, fontsize=8)
+    peak_ax.invert_yaxis()
+    for ax in (peak_ax, step_ax):
+        ax.grid(axis="x", alpha=0.3)
+    handles = [plt.Line2D([], [], marker="o", ls="", color=c, label=n) for n, c in COLOURS.items()]
+    handles.append(plt.Line2D([], [], marker="o", ls="", color="k", markerfacecolor="none",
+                              label="hollow: predicted from depths 2 and 4"))
+    fig.suptitle("gradseam bench, H200, bf16 frozen weights: every row at the family's full depth", fontsize=10)
+    fig.legend(handles=handles, loc="upper center", ncol=3, fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.975))
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("families", nargs="+", help="names whose docs/data/bench-NAME.json to draw")
+    parser.add_argument("--out", type=Path, default=DATA.parent / "img" / "families-full-depth.png")
+    args = parser.parse_args()
+    draw(args.families, args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
