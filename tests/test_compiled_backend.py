@@ -416,3 +416,123 @@ def test_a_compiler_failure_is_an_error_naming_the_block_and_the_eager_backends(
     expected = r"'unsloth-compile' could not compile WanTransformerBlock: torch\.compile failed \(RuntimeError: Found"
     with cpu_test_mode(), gradseam.patch(model, OFFLOADED), pytest.raises(UnsupportedStrategyError, match=expected):
         run_step(model, WAN)
+
+
+# An output the loss leaves unused (gradseam.run.unused): MageFlow's last block returns a text stream
+# nothing reads, so eager autograd leaves the parameters only it reaches (txt_mlp, the text projection
+# out of attention) without a gradient; a compiled block's backward would give them zeros.
+
+
+def _none_grads(model) -> set[str]:
+    return {n for n, p in model.named_parameters() if p.grad is None}
+
+
+@pytest.mark.parametrize("config", [COMPILE, OFFLOADED], ids=["compile", "unsloth-compile"])
+def test_parameters_only_an_unused_output_reaches_get_none_as_in_eager(config):
+    from cases import MAGEFLOW
+
+    torch._dynamo.reset()
+    reference = _step(MAGEFLOW, None, steps=2)
+    torch.manual_seed(MAGEFLOW.seed)
+    model = MAGEFLOW.build()
+    unused = {n for n, _ in model.named_parameters()} - set(reference[0].param_grads)
+    assert unused and all(n.startswith("transformer_blocks.") for n in unused), unused  # not vacuous
+    with cpu_test_mode():
+        steps = _step(MAGEFLOW, config, steps=2)  # the second step: what each output reaches is cached
+    for want, got in zip(reference, steps):
+        assert_same_step(want, got, atol=COMPILED_TOLERANCE, what=config["gradient_checkpointing_backend"])
+
+
+def test_unused_outputs_under_gradient_accumulation_and_a_later_step_that_uses_them():
+    """Two accumulated backwards leave the unused parameters None; a ``torch.autograd.grad`` call (no
+    gradient accumulated at all) leaves no hook behind; then a step whose loss does read the last block's
+    text stream gives those parameters their real gradients, as in eager."""
+    from cases import MAGEFLOW
+
+    torch._dynamo.reset()
+
+    def run(model) -> list[set[str] | dict[str, torch.Tensor]]:
+        seen: list[set[str] | dict[str, torch.Tensor]] = []
+        model.zero_grad(set_to_none=True)
+        for seed in (1, 2):  # accumulated
+            model(**MAGEFLOW.inputs(torch.Generator().manual_seed(seed)))[0].float().square().mean().backward()
+        seen.append(_none_grads(model))
+        x = MAGEFLOW.inputs(torch.Generator().manual_seed(3))
+        torch.autograd.grad(model(**x)[0].float().square().mean(), [x["hidden_states"]])
+        seen.append(_none_grads(model))
+        kept: list[torch.Tensor] = []
+        hook = model.transformer_blocks[-1].register_forward_hook(lambda m, a, out: kept.extend(out))
+        try:
+            out = model(**MAGEFLOW.inputs(torch.Generator().manual_seed(4)))[0]
+        finally:
+            hook.remove()
+        model.zero_grad(set_to_none=True)
+        (out.float().square().mean() + sum(t.float().mean() for t in kept)).backward()
+        seen.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+        return seen
+
+    torch.manual_seed(MAGEFLOW.seed)
+    eager = run(MAGEFLOW.build())
+    torch.manual_seed(MAGEFLOW.seed)
+    model = MAGEFLOW.build()
+    with gradseam.patch(model, COMPILE):
+        patched = run(model)
+    assert eager[0] and patched[0] == eager[0] and patched[1] == eager[1]
+    assert set(patched[2]) == set(eager[2]) == {n for n, _ in model.named_parameters()}
+    for name, grad in eager[2].items():
+        assert torch.allclose(patched[2][name], grad, atol=COMPILED_TOLERANCE, rtol=COMPILED_TOLERANCE), name
+
+
+class _TwoStreams(torch.nn.Module):
+    """A block with two outputs, the second reached by ``b`` alone; ``tied`` is shared with the caller."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.a(x), self.b(x)
+
+
+def _watched_call(block, tied=frozenset(), function=None):
+    from gradseam.run.unused import UnusedOutputs
+
+    def forward(module, x):
+        return torch.nn.functional.dropout(module(x)[0], 0.5), module(x)[1]  # draws from the RNG
+
+    function = function or forward
+    compiled = torch.compile(function, backend="aot_eager")
+    x = torch.randn(2, 4, requires_grad=True)
+    outputs = compiled(block, x)
+    state = torch.get_rng_state()
+    UnusedOutputs(tied).watch(function, block, (x,), {}, outputs)
+    assert torch.equal(torch.get_rng_state(), state)  # the eager probe ran with the RNG restored
+    return outputs
+
+
+def test_the_reach_probe_keeps_the_rng_and_leaves_tied_parameters_alone():
+    torch._dynamo.reset()
+    block = _TwoStreams()
+    first, _ = _watched_call(block)
+    first.sum().backward()
+    assert block.a.weight.grad is not None and block.b.weight.grad is None and block.b.bias.grad is None
+    block.zero_grad(set_to_none=True)
+    first, _ = _watched_call(block, tied=frozenset({id(block.b.weight)}))
+    first.sum().backward()
+    # a tied parameter may get a real gradient elsewhere in the same backward: its zeros stay
+    assert torch.count_nonzero(block.b.weight.grad) == 0 and block.b.bias.grad is None
+
+
+def test_outputs_from_several_compiled_graphs_warn_and_change_nothing():
+    torch._dynamo.reset()
+    block = _TwoStreams()
+
+    def broken(module, x):
+        a = module.a(x)
+        torch._dynamo.graph_break()
+        return a, module.b(x)
+
+    with pytest.warns(UserWarning, match="several compiled graphs"):
+        first, _ = _watched_call(block, function=broken)
+    first.sum().backward()  # each graph's own node: nothing here is changed, whatever it gives
+    assert block.a.weight.grad is not None

@@ -41,6 +41,7 @@ import torch
 from ..errors import UnsupportedStrategyError, warn_once
 from .chains import ChainStats
 from .scopes import refuse_transforms
+from .unused import UnusedOutputs
 
 TRACED_BY_USER = "traced by your own torch.compile (no memory budget, no offload)"
 
@@ -58,12 +59,14 @@ class CompiledBlocks:
     """The handler of every block seam of one handle's compiled regions.
 
     ``engine`` (or None) receives what each compiled block keeps; ``budget`` is the activation memory
-    budget the partitioner plans under.
+    budget the partitioner plans under; ``tied`` names the parameters the model registers more than
+    once (:mod:`gradseam.run.unused` leaves their gradients alone).
     """
 
-    def __init__(self, budget: float, engine: Any = None) -> None:
+    def __init__(self, budget: float, engine: Any = None, tied: frozenset[int] = frozenset()) -> None:
         self.budget = budget
         self.engine = engine
+        self.unused = UnusedOutputs(tied)  # an output the loss leaves unused: None gradients, as in eager
         self._compiled: dict[str, Callable[..., Any]] = {}
         self._shapes: set[tuple] = set()  # the input shapes seen with gradients, up to the recompile limit
         self._past_limit = False
@@ -127,14 +130,17 @@ class CompiledBlocks:
         try:
             with functorch_config.patch(activation_memory_budget=self.budget):
                 if self.engine is None:
-                    return self.compiled(device)(function, module, args, kwargs)
-                refuse_transforms("gradseam's compiled offload backend")
-                with self.engine.group():
-                    return self.compiled(device)(function, module, args, kwargs)
+                    outputs = self.compiled(device)(function, module, args, kwargs)
+                else:
+                    refuse_transforms("gradseam's compiled offload backend")
+                    with self.engine.group():
+                        outputs = self.compiled(device)(function, module, args, kwargs)
         except Exception as exc:
             if type(exc).__name__ != "BackendCompilerFailed":
                 raise
             raise self._compile_failed(original.module, exc) from exc
+        self.unused.watch(function, module, args, kwargs, outputs)
+        return outputs
 
     def _compile_failed(self, block: Any, exc: Exception) -> UnsupportedStrategyError:
         """The compiler's own failure, deep in its stack, said in the user's terms with the ways out.
