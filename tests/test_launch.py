@@ -459,6 +459,36 @@ def test_trainer_under_gradseam_run_trains_bit_identically(tmp_path, tiny_pipeli
     }
 
 
+def test_trainer_under_gradseam_run_with_the_compiled_backend_trains_as_eager(tmp_path, tiny_pipeline):
+    """The same trainer through ``gradseam run --backend compile`` (``aot_eager`` on the CPU, under the
+    memory budget): the losses and the saved LoRA match the plain run to the compiled tolerance, and
+    every block ran compiled (the report's region counts)."""
+    from safetensors.torch import load_file
+
+    from gradseam.testing import COMPILED_TOLERANCE
+
+    plain, patched = tmp_path / "plain", tmp_path / "patched"
+    report = tmp_path / "report.json"
+    launcher = [sys.executable, "-m", "gradseam", "run", "--backend", "compile", "--memory-budget", "0.3",
+                "--report", str(report), "--"]
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda job: _train(*job),
+                             [([sys.executable], tiny_pipeline, plain), (launcher, tiny_pipeline, patched)]))
+    for done in runs:
+        assert done.returncode == 0, done.stderr[-3000:]
+    want, got = (json.loads((d / "losses.json").read_text()) for d in (plain, patched))
+    assert len(want) == 3 and torch.allclose(torch.tensor(got), torch.tensor(want), rtol=COMPILED_TOLERANCE)
+    lora = load_file(plain / "pytorch_lora_weights.safetensors")
+    trained = load_file(patched / "pytorch_lora_weights.safetensors")
+    assert trained.keys() == lora.keys() and lora
+    for key, value in lora.items():
+        assert torch.allclose(trained[key], value, rtol=COMPILED_TOLERANCE, atol=COMPILED_TOLERANCE), key
+    assert "[gradseam] patched FluxTransformer2DModel: family flux, compile" in runs[1].stderr
+    (model,) = json.loads(report.read_text())["models"]
+    assert all(row["strategy"].startswith("compile") for row in model["summary"]), model["summary"]
+    assert [(r["runs"], r["fallbacks"]) for r in model["region_runs"]] == [(3, {}), (3, {})], model["region_runs"]
+
+
 def test_every_torchrun_rank_is_patched(tmp_path, tiny_pipeline):
     pytest.importorskip("torch.distributed.run")
     out = tmp_path / "ddp"
