@@ -6,10 +6,12 @@ from __future__ import annotations
 import html
 import importlib.util
 import inspect
+import json
 import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -226,3 +228,36 @@ def test_families_chart_draws_every_family_the_benchmarks_page_lists(tmp_path):
     assert failed, "the committed data holds failed rows (HiDream, HunyuanVideo): they must be drawn too"
     chart.draw(families, tmp_path / "chart.png")
     assert (tmp_path / "chart.png").stat().st_size > 10_000
+
+
+def test_upstream_tests_script_patches_every_model_a_test_builds(tmp_path):
+    """docs/scripts/upstream_tests.py on a two-test stand-in for diffusers' suite: unpatched both pass;
+    under a config the test that sees a patched model fails and is reported as the one change, with
+    its assertion, so the reliability page's table reports what the patch changed and nothing else."""
+    folder = tmp_path / "tests" / "models" / "transformers"
+    folder.mkdir(parents=True)
+    (folder / "test_models_transformer_tiny.py").write_text(textwrap.dedent("""
+        import gradseam
+        from diffusers import FluxTransformer2DModel
+
+        def tiny():
+            return FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+                                          attention_head_dim=8, num_attention_heads=2, joint_attention_dim=8,
+                                          pooled_projection_dim=8, axes_dims_rope=[2, 2, 4])
+
+        def test_model_is_not_patched():
+            assert gradseam.handle_of(tiny()) is None, "patched at construction"
+
+        def test_state_dict_keys_are_the_classes():
+            assert all("_orig_mod" not in k and "seam" not in k for k in tiny().state_dict())
+        """))
+    out = tmp_path / "upstream.json"
+    done = subprocess.run([sys.executable, str(DOCS / "scripts" / "upstream_tests.py"), "--tests",
+                           str(tmp_path / "tests"), "--json", str(out), "--config", "torch"],
+                          capture_output=True, text=True, env=_env(), timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["counts"] == {"unpatched": {"passed": 2}, "torch": {"passed": 1, "failed": 1}}
+    ((test, change),) = result["changed"].items()
+    assert test.endswith("::test_model_is_not_patched")
+    assert change["torch"]["was"] == "passed" and "patched at construction" in change["torch"]["error"]
