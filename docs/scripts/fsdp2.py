@@ -58,7 +58,7 @@ ROWS: list[tuple[str, Any]] = [
     ("FSDP2 + its own AC (checkpoint per block)", OWN_AC),
     *rows("torch", "torch-ffn", "unsloth", "unsloth-ffn", "attention offload", "torch-ffn + attention offload",
           "unsloth-ffn + attention offload", "torch, interval 2", "torch + attention kept",
-          "unsloth + attention offload"),
+          "unsloth + attention offload", "compile", "unsloth-compile"),
 ]
 # Rel. L2 error allowed per gradient in fp32: the unpatched FSDP2 run differs from one GPU by
 # ~1e-7 (reduction order); a wrong region (lost argument, wrong weights) is off by >1e-2.
