@@ -536,3 +536,29 @@ def test_outputs_from_several_compiled_graphs_warn_and_change_nothing():
         first, _ = _watched_call(block, function=broken)
     first.sum().backward()  # each graph's own node: nothing here is changed, whatever it gives
     assert block.a.weight.grad is not None
+
+
+def test_a_graph_break_inside_a_compiled_block_never_compiles_the_offload_hooks(monkeypatch):
+    """HiDream's MoE FFN routes tokens with boolean masks: dynamo breaks the block's graph there and runs
+    the ops after the break eagerly, inside the compiled function's frame. The engine's saved-tensor
+    hooks must then run as plain Python, not be traced by dynamo: on the H200 a traced pack hook put
+    ``record_stream`` into an inductor graph, which refused the whole block. Exact against the same
+    compiled blocks without offload."""
+    from test_family_hidream import HIDREAM
+
+    from gradseam.offload import engine
+
+    traced: list[bool] = []
+    pack = engine.OffloadEngine._pack
+
+    def spy(self, group, t):
+        traced.append(torch.compiler.is_compiling())
+        return pack(self, group, t)
+
+    monkeypatch.setattr(engine.OffloadEngine, "_pack", spy)
+    torch._dynamo.reset()
+    (kept,) = _step(HIDREAM, COMPILE)
+    with cpu_test_mode():
+        (moved,) = _step(HIDREAM, OFFLOADED)
+    assert traced and not any(traced), f"{sum(traced)} of {len(traced)} packs ran inside dynamo's tracing"
+    assert_same_step(kept, moved, what="HiDream unsloth-compile vs compile")

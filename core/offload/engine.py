@@ -276,6 +276,11 @@ class OffloadEngine:
             return
         state = self.state_storages()
 
+        # Never traced by dynamo: a graph break inside a compiled block (HiDream's MoE routes tokens with
+        # boolean masks) runs the ops after it eagerly, still inside the compiled function's frame, and
+        # dynamo then compiled the hook itself: on CUDA its record_stream landed in an inductor graph,
+        # which refuses it (seen on the H200). The hooks are host-side bookkeeping, eager by nature.
+        @torch.compiler.disable
         def pack(t: torch.Tensor) -> Any:
             if not self._offloadable(t, state) or (select is not None and not select(t)):
                 return t
@@ -343,6 +348,7 @@ class OffloadEngine:
                     stored.src = None
 
     # -- backward --------------------------------------------------------------------------
+    @torch.compiler.disable  # as the pack hook (see group): never traced into a compiled graph
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _Packed):
             return packed
