@@ -200,3 +200,21 @@ def test_a_row_that_breaks_the_device_ends_the_sweep_with_the_row_to_skip(monkey
         b.synthetic(TINY, steps=1, device="cpu", on_row=seen.append)
     assert seen[-1].strategy == "torch" and seen[-1].status.startswith("error: RuntimeError")
     assert calls[0] == MEASURED.index("torch") + 1  # nothing ran after it
+
+
+def test_counting_saved_bytes_keeps_autograds_in_place_check():
+    """Saved-tensor hooks switch off autograd's own version check, so the byte count checks it: a step
+    measured through it refuses an in-place edit of a saved tensor as a plain step does."""
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        x.exp().add_(1).sum().backward()  # plain autograd
+    with count_saved_bytes(set()) as saved:
+        y = x.exp()
+    assert saved[0] == 16
+    y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*saved at version 0 is at version 1"):
+        y.sum().backward()
+    with count_saved_bytes(set()):
+        z = x.exp()
+    z.sum().backward()  # untouched: backward runs
+    assert torch.equal(x.grad, x.detach().exp())

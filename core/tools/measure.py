@@ -97,10 +97,21 @@ def count_saved_bytes(params: set[int]) -> Iterator[list[int]]:
                 seen.add(key)
                 total[0] += storage.nbytes()
         # Not ``t`` itself: a saved output holding itself would form a cycle through autograd's C++
-        # graph that Python's GC cannot see, leaking every graph that backward never frees.
-        return t.detach()
+        # graph that Python's GC cannot see, leaking every graph that backward never frees. With its
+        # version: autograd checks a saved tensor's version only when no hook packed it, so without
+        # this a reference step measured here would train on after an in-place edit autograd refuses.
+        return t.detach(), t._version
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    def unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+        t, version = packed
+        if t._version != version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: a {tuple(t.shape)} {t.dtype} tensor saved at version {version} is at version "
+                f"{t._version} (seen by gradseam's saved-bytes count, as autograd would see it)")
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield total
 
 
