@@ -213,6 +213,8 @@ class PatchHandle:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        if self.engine is not None:
+            self.engine.close()  # the pinned host memory goes now, not whenever the handle is collected
         self.active = False
 
     def __enter__(self) -> PatchHandle:

@@ -7,12 +7,13 @@ import gc
 import pytest
 import torch
 from cases import FAMILIES as ALL
+from cases import WAN
 
 import gradseam
 from gradseam.errors import UnsupportedStrategyError
 from gradseam.offload import OffloadEngine, cpu_test_mode
-from gradseam.offload.pinned import PinnedPool, size_class
-from gradseam.testing import check_strategy, config_id
+from gradseam.offload.pinned import PinnedPool, register_pinned, size_class
+from gradseam.testing import check_strategy, config_id, run_step
 
 OFFLOAD_CONFIGS = [
     {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth"},
@@ -96,6 +97,102 @@ def test_pinning_failure_falls_back_with_one_warning():
         first, k1 = pool.acquire(1 << 20, torch.float32)
         second, k2 = pool.acquire(1 << 21, torch.float32)
     assert len(record) == 1 and k1 is None and k2 is None and not pool.pin
+
+
+class _Pins:
+    """Stands in for cudaHostRegister / cudaHostUnregister on the CPU: which buffers are pinned now."""
+
+    def __init__(self) -> None:
+        self.pinned: dict[int, int] = {}
+
+    def allocate(self, n: int) -> torch.Tensor:
+        buf = torch.empty(n, dtype=torch.uint8)
+        self.pinned[buf.data_ptr()] = n
+        return buf
+
+    def unpin(self, buf: torch.Tensor) -> None:
+        assert self.pinned.pop(buf.data_ptr(), None) is not None, "unpinned twice, or never pinned"
+
+
+def test_closing_the_pool_unpins_every_buffer_once_and_later_requests_are_pageable():
+    pins = _Pins()
+    pool = PinnedPool(4, allocate=pins.allocate, unpin=pins.unpin)
+    a, ka = pool.acquire(5000, torch.float32)
+    b, kb = pool.acquire(1 << 20, torch.float32)
+    pool.release(a, ka, [])  # one free, one still checked out (a backward not yet run)
+    assert len(pins.pinned) == 2 and pool.pinned_bytes == a.numel() + b.numel()
+    pool.close()
+    assert pins.pinned == {} and not pool.pin
+    b.fill_(7)  # what a pending backward still reads stays valid memory
+    pool.release(b, kb, [])
+    c, kc = pool.acquire(5000, torch.float32)
+    assert kc is None and c is not a and pool.pinned_allocations == 2  # pageable now, nothing re-pinned
+    pool.close()  # idempotent: nothing is unpinned twice
+
+
+def test_a_pool_collected_without_close_unpins_its_buffers():
+    pins = _Pins()
+    pool = PinnedPool(4, allocate=pins.allocate, unpin=pins.unpin)
+    buf, key = pool.acquire(1 << 20, torch.float32)
+    pool.release(buf, key, [])
+    del pool, buf
+    gc.collect()
+    assert pins.pinned == {}
+
+
+def test_remove_gives_the_engines_pinned_memory_back(monkeypatch):
+    """``remove()`` closes the handle's engine: its host buffers are unpinned then, not at collection."""
+    closed = []
+    monkeypatch.setattr(OffloadEngine, "close", lambda self: closed.append(self))
+    model, _ = WAN.twins()
+    with cpu_test_mode():
+        handle = gradseam.patch(model, {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth"})
+        engine = handle.engine
+        run_step(model, WAN)
+        assert closed == []
+        handle.remove()
+    assert closed == [engine]
+
+
+def test_buffers_are_registered_whole_pages_of_their_own():
+    """What the default allocator pins: page-aligned, whole pages, a mapping of its own, and counted exactly (torch's pinned allocator would round a 5 MiB class up to 8 MiB and not say so)."""
+    import mmap
+
+    calls = []
+
+    class Cudart:
+        def cudaHostRegister(self, ptr, size, flags):  # noqa: N802 - CUDA's name
+            calls.append((ptr, size, flags))
+            return 0
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.cuda, "cudart", lambda: Cudart())
+        mp.setattr(torch.cuda, "check_error", lambda res: None if res == 0 else pytest.fail(str(res)))
+        buf = register_pinned(5 * (1 << 20) + 3)
+    page = mmap.PAGESIZE
+    (ptr, size, flags), = calls
+    assert ptr == buf.data_ptr() and ptr % page == 0 and size == buf.numel() and size % page == 0
+    assert 5 * (1 << 20) + 3 <= size < 5 * (1 << 20) + 3 + page and flags == 0
+    storage = buf.untyped_storage()
+    assert storage.data_ptr() == ptr and storage.nbytes() == size  # is_pinned() reads the storage's start
+    buf.fill_(3)  # writable host memory
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run with -m cuda on a GPU machine)")
+def test_pool_pins_exactly_what_it_counts_and_close_unpins_on_the_gpu():
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0)
+    pool = PinnedPool(4)
+    buf, key = pool.acquire(5 * (1 << 20) + 3, torch.bfloat16)
+    assert key is not None and buf.is_pinned() and pool.pinned_bytes == buf.numel() == size_class(5 * (1 << 20) + 3)
+    gpu = torch.randn(1 << 20, device="cuda")
+    host = buf[: gpu.numel() * 4].view(torch.float32)
+    host.copy_(gpu, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(host, gpu.cpu())
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.all.current", 0) == before  # not torch's pool
+    pool.close()
+    assert not buf.is_pinned() and torch.equal(host, gpu.cpu())  # still readable, as pageable memory
 
 
 def _engine(**kw) -> OffloadEngine:

@@ -26,7 +26,9 @@ How the copies stay off the critical path (each point is a decision, not an acci
   storage span is copied once, and each view is rebuilt with its own size, stride and offset.
 * **Pinned buffers from a pool.** Pinning costs ~1 s/GiB, so buffers are pooled by size class and
   dtype (at most ``max_buckets`` classes) and reused across steps; a size with no bucket under the
-  cap, or a failed pinning, falls back to pageable memory (warning once for the failure).
+  cap, or a failed pinning, falls back to pageable memory (warning once for the failure). The pool
+  pins memory itself (``cudaHostRegister``), not through torch's pinned allocator, which would round
+  each buffer up to a power of two and keep it cached after ``remove()`` (``pinned.py`` says more).
 * **Host-to-device prefetch in backward.** Backward visits groups in reverse forward order. When
   the first tensor of group *g* is needed, the rest of *g* and all of group *g-1* (the last group
   before it that copied anything; each group links to it) are queued on the load stream, so the transfer overlaps group *g*'s backward. A storage whose views have all
@@ -424,6 +426,10 @@ class OffloadEngine:
             compute.wait_event(stored.loaded)
             gpu.record_stream(compute)  # allocated on the load stream, consumed on this one
         return gpu
+
+    def close(self) -> None:
+        """Give the pinned memory back (``remove()``): what a later backward still needs stays readable."""
+        self.pool.close()
 
     def stats(self) -> dict[str, int]:
         return {**self.pool.stats(), "offloaded_bytes": self.offloaded_bytes, "copies": self.copies,

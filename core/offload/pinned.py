@@ -4,13 +4,24 @@ Buffers are grouped in buckets by (size class, dtype), at most ``max_buckets`` b
 across steps; a size with no bucket under the cap, or a failed pinning, falls back to pageable
 memory (warning once for the failure). A buffer is handed out again only once every copy into or
 out of it has completed (the events recorded against it).
+
+Why not ``torch.empty(..., pin_memory=True)``: torch's caching host allocator rounds every block up
+to the next power of two and keeps freed blocks cached for the rest of the process. Under a pool
+that already rounds to size classes, that doubled the host memory actually pinned for some shapes
+(a 1.25 GiB class became a 2 GiB block), so the pinned figures the pool reported were up to 2x
+low, and a second patched model (a second bench row) pinned anew beside the first one's cached
+blocks until the host killed the process (Wan 2.1 14B at 40 blocks, H200 host, 125 GiB). So the pool
+pins page-aligned memory itself with ``cudaHostRegister``: exactly the bytes it counts, and
+unpinned and freed when the pool closes (``remove()``) or is collected.
 """
 
 from __future__ import annotations
 
 import math
+import mmap
 import threading
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -27,18 +38,57 @@ def size_class(nbytes: int) -> int:
     return -(-nbytes // step) * step
 
 
+def register_pinned(nbytes: int) -> torch.Tensor:
+    """``nbytes`` (rounded up to whole pages) of host memory, page-locked with ``cudaHostRegister``.
+
+    An anonymous mapping of its own: page-aligned, so the tensor's storage starts on the first pinned
+    byte (``is_pinned()`` reads its first address) and no page is shared with other memory (pinning a
+    page twice fails). The tensor keeps the mapping alive. Raises ``RuntimeError`` when CUDA refuses.
+    """
+    size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
+    buf = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), size, 0))
+    return buf
+
+
+def unregister_pinned(buf: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+
+
+def _unpin_all(owned: list[torch.Tensor], unpin: Callable[[torch.Tensor], None]) -> None:
+    """Unpin every buffer the pool made, once nothing may still copy into or out of them."""
+    if not owned:
+        return
+    try:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # no copy in flight touches a buffer while it is unpinned
+        for buf in owned:
+            unpin(buf)
+    except Exception:  # noqa: BLE001 - at interpreter exit CUDA may already be gone: nothing left to free
+        pass
+    owned.clear()  # the memory itself goes when the last tensor viewing it does
+
+
 class PinnedPool:
     """Reusable host buffers, grouped in buckets by (size class, dtype); at most ``max_buckets`` buckets.
 
     ``pin=False`` (or ``max_buckets == 0``) hands out plain pageable memory. Buffers are only handed
-    out again once the events recorded against them have completed.
+    out again once the events recorded against them have completed. ``allocate`` makes a bucket
+    buffer and ``unpin`` (if given) undoes its pinning when the pool closes; by default buffers are
+    registered with CUDA by :func:`register_pinned` (see the module docstring for why).
     """
 
-    def __init__(self, max_buckets: int, pin: bool = True, allocate: Callable[[int], torch.Tensor] | None = None) -> None:
+    def __init__(self, max_buckets: int, pin: bool = True, allocate: Callable[[int], torch.Tensor] | None = None,
+                 unpin: Callable[[torch.Tensor], None] | None = None) -> None:
         self.max_buckets = max_buckets
         self.pin = pin and max_buckets > 0
         # How a bucket buffer is made; tests substitute plain memory to exercise the pool on the CPU.
-        self._allocate = allocate or (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
+        if allocate is None:
+            allocate, unpin = register_pinned, unregister_pinned
+        self._allocate = allocate
+        # Every buffer made, strongly held by the finalizer, so none is freed while still registered.
+        self._owned: list[torch.Tensor] = []
+        self._close = weakref.finalize(self, _unpin_all, self._owned, unpin) if unpin is not None else None
         self._free: dict[Bucket, list[tuple[torch.Tensor, list[Any]]]] = {}
         self._buckets: set[Bucket] = set()
         self._lock = threading.RLock()
@@ -72,7 +122,9 @@ class PinnedPool:
                 buf = self._allocate(key[0])
                 with self._lock:
                     self.pinned_allocations += 1
-                    self.pinned_bytes += key[0]
+                    self.pinned_bytes += buf.numel()
+                    if self._close is not None:
+                        self._owned.append(buf)
                 return buf, key
             except RuntimeError as exc:  # pinned memory exhausted or capped (e.g. WSL2)
                 self._pinning_failed(exc)
@@ -99,6 +151,17 @@ class PinnedPool:
             self.checked_out -= 1
             if bucket is not None and self.pin:
                 self._free.setdefault(bucket, []).append((buf, events))
+
+    def close(self) -> None:
+        """Unpin and let go of every buffer now (idempotent); later requests get pageable memory.
+
+        Buffers still backing saved tensors (a backward not yet run) stay valid, as pageable memory.
+        """
+        with self._lock:
+            self.pin = False
+            self._free.clear()
+        if self._close is not None:
+            self._close()
 
     def stats(self) -> dict[str, int]:
         return {

@@ -314,3 +314,8 @@ def release(device: str = "cuda") -> None:
     gc.collect()
     if device != "cpu" and torch.cuda.is_available():
         torch.cuda.empty_cache()
+        # Pinned blocks torch's own host allocator cached (``save_on_cpu``'s, a DataLoader's) would
+        # otherwise stay pinned beside the next row's; torch builds without CUDA lack the call.
+        host_empty = getattr(torch._C, "_host_emptyCache", None)
+        if host_empty is not None:
+            host_empty()

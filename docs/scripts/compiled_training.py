@@ -49,7 +49,8 @@ def main() -> None:
     parser.add_argument("--retoken", type=int, default=None, help="a second token count: the recompile")
     parser.add_argument("--lora", type=int, default=16, help="LoRA rank (0: frozen weights)")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--budget", type=float, action="append", help="the compiler alone at this budget")
+    parser.add_argument("--budget", type=float, action="append", help="the compiler alone at this budget (default 0.05)")
+    parser.add_argument("--no-compiler-row", action="store_true", help="leave out the compiler-alone rows")
     parser.add_argument("--row", action="append", help="gradseam rows by label (default: a fixed set)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -70,7 +71,8 @@ def main() -> None:
     other = work.inputs(args.retoken) if args.retoken else None
     block_list = blocks(model, work.family)
     rows: list[tuple[str, dict[str, Any] | None]] = [("none", None)]
-    rows += [(budget_label(b), budget_config(b)) for b in (args.budget or [0.05])]
+    if not args.no_compiler_row:
+        rows += [(budget_label(b), budget_config(b)) for b in (args.budget or [0.05])]
     rows += list(named_rows(*(args.row or GRADSEAM_ROWS)))
     results = []
     for label, config in rows:
