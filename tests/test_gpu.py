@@ -55,7 +55,12 @@ def _on_cuda(case: Case) -> Case:
 def _deterministic():
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    # cuDNN's fastest convolution backward sums with atomics: two unpatched runs of Wan Animate's
+    # face encoder differed by 9.5e-7 in one gradient, enough to fail a 1e-6 comparison at random.
+    saved = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     yield
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = saved
 
 
 MATRIX = [(case, cfg) for case in ALL for cfg in GPU_CONFIGS]
@@ -124,7 +129,13 @@ def test_gpu_compiled_backends_fp32(case):
 
 @pytest.mark.parametrize(("case", "config"), MATRIX, ids=[f"{c.name}-{config_id(k)}" for c, k in MATRIX])
 def test_gpu_parity_fp32(case, config):
-    """Tiny fp32 models on the GPU: offload through pinned buffers and side streams changes nothing."""
+    """Tiny fp32 models on the GPU: offload through pinned buffers and side streams changes nothing.
+
+    Within 1e-6, or within four times the spread of two unpatched runs where that is larger: some GPU
+    backward kernels sum with atomics (efficient attention; cuDNN's, which the fixture makes
+    deterministic), and on the H200 two unpatched runs of Wan Animate differed by 9.5e-7 in one
+    gradient, failing a plain 1e-6 comparison at random (docs/reliability.md).
+    """
     from gradseam.testing import count_kernels
 
     gpu = _on_cuda(case)
@@ -132,18 +143,26 @@ def test_gpu_parity_fp32(case, config):
     model = gpu.build()
     with count_kernels() as unpatched:
         reference = run_step(model, gpu)
+    atol = max(1e-6, 4 * _spread(reference, run_step(model, gpu)))
     handle = gradseam.patch(model, config)
     if handle.engine is not None:
         handle.engine.min_bytes = 0  # tiny models: offload everything so the copies are exercised
     try:
         for _ in range(2):
             with count_kernels() as patched:
-                assert_same_step(reference, run_step(model, gpu), atol=1e-6, what=f"{case.name} {config}")
+                assert_same_step(reference, run_step(model, gpu), atol=atol, what=f"{case.name} {config}")
             if handle.plan.strategy.kept.value and not any(r.fallbacks for r in handle.regions()):
                 assert unpatched[0] > 0 and patched[0] == unpatched[0], (unpatched, patched)  # never recomputed
         assert handle.engine is None or handle.engine.copies > 0
     finally:
         handle.remove()
+
+
+def _spread(a, b) -> float:
+    """The largest difference between two runs of the same step (outputs and every gradient)."""
+    pairs = [*zip(a.outputs, b.outputs), *((v, b.input_grads[k]) for k, v in a.input_grads.items()),
+             *((v, b.param_grads[k]) for k, v in a.param_grads.items())]
+    return max(((x - y).abs().max().item() for x, y in pairs), default=0.0)
 
 
 def _synthetic(blocks=4, tokens=2048, dim=1024, dtype=torch.bfloat16):
