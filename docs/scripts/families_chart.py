@@ -1,8 +1,9 @@
 """One picture of every family's full-depth rows: activation peak and step time, side by side.
 
 ``python docs/scripts/families_chart.py [--out docs/img/families-full-depth.png] FAMILY ...`` reads
-``docs/data/bench-FAMILY.json`` (written by ``gradseam bench --family FAMILY --depths 2,4 --json``)
-and draws, per family, the full-depth activation peak of each row on a log scale (left) and its step
+``docs/data/bench-FAMILY-full.json`` (a ``gradseam bench --family FAMILY --depths 2,4 --full`` run)
+where there is one, else ``docs/data/bench-FAMILY.json`` (the same without ``--full``: every
+full-depth figure predicted), and draws, per family, the full-depth activation peak of each row on a log scale (left) and its step
 time relative to no checkpointing (right). Hollow markers are predicted from the two fit depths,
 filled ones measured at full depth; a row that failed (OOM, compiler error) is drawn as a cross at
 the left edge with its status, so a gap never reads as "no cost". A table answers "how much"; this
@@ -23,7 +24,9 @@ COLOURS = {"none": "#7f7f7f", "torch": "#1f77b4", "unsloth + attention offload":
 
 
 def load(family: str) -> tuple[str, list[dict[str, Any]]]:
-    run = json.loads((DATA / f"bench-{family}.json").read_text())
+    # a run that measured the full depth supersedes one that only predicted it
+    full = DATA / f"bench-{family}-full.json"
+    run = json.loads((full if full.exists() else DATA / f"bench-{family}.json").read_text())
     return f"{family}\n{run['preset']}, {run['depth']['blocks']}", [r for r in run["full_depth"] if r["strategy"] in ROWS]
 
 
@@ -77,7 +80,7 @@ def draw(families: list[str], out: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("families", nargs="+", help="names whose docs/data/bench-NAME.json to draw")
+    parser.add_argument("families", nargs="+", help="names whose docs/data/bench-NAME[-full].json to draw")
     parser.add_argument("--out", type=Path, default=DATA.parent / "img" / "families-full-depth.png")
     args = parser.parse_args()
     draw(args.families, args.out)
