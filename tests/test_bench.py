@@ -20,7 +20,8 @@ TINY = [(2, 64, 128)]  # blocks, tokens, dim
 MEASURED = ["none", "ref: torch.utils.checkpoint", "ref: torch.utils.checkpoint (FFN)", "torch", "torch-ffn",
             "torch, interval 2"]
 ROW_KEYS = {"workload", "tokens", "strategy", "peak_gib", "step_ms", "status", "pinned_allocations_after_warmup",
-            "pinned_gib", "depth", "blocks", "vs_none", "vs_torch", "step_times_ms"}
+            "pinned_gib", "depth", "blocks", "vs_none", "vs_torch", "step_times_ms", "forward_peak_gib",
+            "backward_peak_gib"}
 
 
 @pytest.fixture(scope="module")

@@ -173,6 +173,10 @@ def _diffusers_checkpointing(model: nn.Module) -> Iterator[None]:
         model.disable_gradient_checkpointing()
 
 
+def _gib(value: float | None) -> float | None:
+    return round(value, 3) if value is not None else None
+
+
 def run_rows(
     workload: str,
     tokens: int,
@@ -221,7 +225,8 @@ def run_rows(
             result = Result(workload, tokens, name, round(got.peak_gib, 9 if cpu else 3), round(got.step_ms, 1),
                             pinned_allocations_after_warmup=got.pinned_allocations_after_warmup,
                             pinned_gib=None if cpu or name == "ref: save_on_cpu" else round(got.pinned_gib, 3),
-                            depth=depth, blocks=blocks)
+                            depth=depth, blocks=blocks,
+                            forward_peak_gib=_gib(got.forward_peak_gib), backward_peak_gib=_gib(got.backward_peak_gib))
         except gradseam.UnsupportedStrategyError as exc:
             result = Result(workload, tokens, name, None, None, f"unsupported: {exc}", depth=depth, blocks=blocks)
         except Exception as exc:  # one broken cell must not lose the sweep; the row says what broke
@@ -300,7 +305,7 @@ def synthetic(
         x = torch.randn(1, tokens, dim, device=device, dtype=dtype)
         inputs = {"hidden_states": x.requires_grad_(True)}
 
-        def make_step(model: nn.Module = model, inputs: dict[str, Any] = inputs) -> Callable[[], int]:
+        def make_step(model: nn.Module = model, inputs: dict[str, Any] = inputs) -> Callable[[], Any]:
             return measuring.forward_backward(model, inputs, count_saved=cpu)
 
         workload = f"synthetic {blocks}x{tokens}x{dim}"
@@ -386,7 +391,7 @@ def real(
                 rule_out = ruled_out_at(run, label, depth, device)
             with at_depth(workload.model, plan, depth):
 
-                def step_factory(inputs: dict[str, Any] = inputs) -> Callable[[], int]:
+                def step_factory(inputs: dict[str, Any] = inputs) -> Callable[[], Any]:
                     return measuring.forward_backward(workload.model, inputs, count_saved=cpu)
 
                 run.results += run_rows(
@@ -405,7 +410,7 @@ def ruled_out_at(run: RealRun, workload: str, depth: int, device: str) -> Callab
     past the limit can take the machine down); one whose predicted peak is beyond the GPU by more
     than the fit's error margin would only run out of memory after minutes, so it is skipped too.
     """
-    from .depth import predict
+    from .depth import predict, predict_peak
     from .host import pinnable_gib
 
     pinnable = pinnable_gib(run.host_available_gib)
@@ -420,7 +425,7 @@ def ruled_out_at(run: RealRun, workload: str, depth: int, device: str) -> Callab
         if pinned is not None and pinnable is not None and pinned[0] > pinnable:
             return (f"ruled out: needs ~{pinned[0]:.1f} GiB of pinned host memory at depth {depth}, more than "
                     f"the {pinnable:.1f} GiB this machine can pin")
-        peak = predict(run.results, workload, name, run.fit_depths, depth, "peak_gib")
+        peak = predict_peak(run.results, workload, name, run.fit_depths, depth)
         if peak is not None and gpu_free is not None and peak[0] > 1.1 * gpu_free:
             return f"ruled out: predicted peak {peak[0]:.1f} GiB at depth {depth}, {gpu_free:.1f} GiB free on the GPU"
         return None

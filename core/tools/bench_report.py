@@ -13,13 +13,16 @@ The JSON written by ``gradseam bench`` (see :func:`payload`)::
         "fit": [int, int],     # the two depths every row was measured at
         "unit": str,           # what one unit of depth is
         "exact": bool,         # every depth keeps each list in its real proportion
-        "measured_full": bool  # the full depth was measured too (--full)
+        "measured_full": bool, # the full depth was measured too (--full)
+        "unseen_lists": [str], # block lists the fit depths keep the same blocks of (DepthPlan.unseen)
+        "warning": str | null  # what that means for the predictions, and the depths that avoid it
       },
       "full_depth": [          # real models only: one per (workload, strategy), the figures to read first
         {"workload": str, "strategy": str, "status": str,   # "ok" or why there is no figure
          "peak_gib": float | null, "peak_source": "measured" | "predicted" | null,
          "predicted_peak_gib": float | null, "prediction_error": float | null,  # measured / predicted - 1
-         "growth_gib_per_unit": float | null, "fixed_gib": float | null,
+         "peak_fit": "step" | "forward" | "backward" | null,  # whose fit predicts the peak (depth.predict_peak)
+         "growth_gib_per_unit": float | null, "fixed_gib": float | null,  # of that fit
          "pinned_gib": float | null, "pinned_source": str | null,
          "step_ms": float | null, "step_source": str | null, "vs_none": float | null}
       ],
@@ -28,6 +31,7 @@ The JSON written by ``gradseam bench`` (see :func:`payload`)::
          "peak_gib": float | null, "step_ms": float | null, "pinned_gib": float | null,
          "status": str,        # "ok", "OOM", "needs CUDA", "ruled out: ...", "unsupported: ...", "error: ..."
          "pinned_allocations_after_warmup": int | null,
+         "forward_peak_gib": float | null, "backward_peak_gib": float | null,  # GPU: each pass's own peak
          "vs_none": float | null, "vs_torch": float | null,  # step-time ratios at the same workload and depth
          "step_times_ms": [float] | null}  # every timed step (step_ms is their median); null: not measured
       ]
@@ -40,7 +44,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from .depth import predict
+from .depth import predict, predict_peak
 from .measure import GiB, MiB, noise_marks, noise_note, spread
 
 if TYPE_CHECKING:
@@ -108,7 +112,12 @@ def full_depth_rows(run: RealRun) -> list[dict[str, Any]]:
             at_full = next((r for r in mine if r.depth == target), None)
         row: dict[str, Any] = {"workload": workload, "strategy": strategy, "status": "ok"}
         for key, out_key in (("peak_gib", "peak"), ("pinned_gib", "pinned"), ("step_ms", "step")):
-            guess = predict(run.results, workload, strategy, fit_depths, target, key)
+            if key == "peak_gib":
+                peak_guess = predict_peak(run.results, workload, strategy, fit_depths, target)
+                guess = peak_guess[:2] if peak_guess is not None else None
+                row["peak_fit"] = peak_guess[2] if peak_guess is not None else None
+            else:
+                guess = predict(run.results, workload, strategy, fit_depths, target, key)
             measured = getattr(at_full, key) if at_full is not None and at_full.status == "ok" else None
             value, source = (measured, "measured") if measured is not None else (
                 (guess[0], "predicted") if guess is not None else (None, None))
@@ -138,7 +147,8 @@ def full_depth_rows(run: RealRun) -> list[dict[str, Any]]:
 def depth_info(run: RealRun, measured_full: bool) -> dict[str, Any]:
     return {"full": run.full_depth, "blocks": run.plan.describe(min(run.full_depth, run.plan.full)),
             "fit": list(run.fit_depths), "unit": run.plan.unit_note(), "exact": run.plan.exact,
-            "measured_full": measured_full}
+            "measured_full": measured_full, "unseen_lists": run.plan.unseen(run.fit_depths),
+            "warning": run.plan.unseen_note(run.fit_depths)}
 
 
 def payload(
@@ -170,21 +180,33 @@ def full_depth_markdown(rows: list[dict[str, Any]], depth: dict[str, Any]) -> st
         "measured / predicted |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
+    if depth.get("warning"):
+        lines[1:1] = ["", f"Note: {depth['warning']}"]
     last = None
+    passes = set()
     for r in rows:
         workload = r["workload"] if r["workload"] != last else ""
         last = r["workload"]
         if r["peak_gib"] is None:
             lines.append(f"| {workload} | {r['strategy']} | {r['status']} | | | | | |")
             continue
+        peak = _figure(r["peak_gib"], r["peak_source"], ".2f")
+        if r["peak_source"] == "predicted" and r.get("peak_fit") in ("forward", "backward"):
+            passes.add(r["peak_fit"])
+            peak += " †"
         growth = f"{r['growth_gib_per_unit']:.3f}" if r["growth_gib_per_unit"] is not None else ""
         check = f"{r['prediction_error'] + 1:.3f}" if r["prediction_error"] is not None else ""
         vs_none = f"{r['vs_none']:.2f}" if r["vs_none"] is not None else ""
         lines.append(
-            f"| {workload} | {r['strategy']} | {_figure(r['peak_gib'], r['peak_source'], '.2f')} | {growth} | "
+            f"| {workload} | {r['strategy']} | {peak} | {growth} | "
             f"{_figure(r['pinned_gib'], r['pinned_source'], '.1f')} | {_figure(r['step_ms'], r['step_source'], '.0f')} "
             f"| {vs_none} | {check} |"
         )
+    if passes:
+        which = " or ".join(f"the {p}" for p in sorted(passes))
+        lines += ["", f"† predicted from {which} pass's own peak, which grows with depth faster than the whole "
+                      "step's peak did between the fit depths: there the other pass set the peak (a fixed transient), "
+                      "hiding what each block adds. Measure with --full where it fits."]
     return "\n".join(lines)
 
 

@@ -137,7 +137,7 @@ def _run(
     inputs = _inputs(dev, dtype, image_tokens, text_tokens)
     inner = measuring.forward_backward(model, inputs, count_saved=dev.type == "cpu")
 
-    def step() -> int:
+    def step() -> int | measuring.Phases:
         model.zero_grad(set_to_none=True)  # every step allocates the parameter grads, as a training step does
         return inner()
 

@@ -36,6 +36,11 @@ def resolve(root: Any, path: str) -> Any:
     return root
 
 
+# A fit that leaves out the growth of fewer blocks than this share of the model is not worth a
+# warning: HunyuanVideo's second token-refiner block (1 of 62) moves its figures by well under 1%.
+UNSEEN_WARN_SHARE = 0.05
+
+
 @dataclass(frozen=True)
 class DepthPlan:
     """How the block lists of one model shrink with depth."""
@@ -76,6 +81,44 @@ class DepthPlan:
     def describe(self, depth: int) -> str:
         counts = self.counts(depth)
         return " + ".join(str(n) for n in counts.values()) + " blocks"
+
+    def unseen(self, depths: tuple[int, int]) -> list[str]:
+        """Block lists that keep the same number of blocks at both ``depths`` though the real model has
+        more: a fit from those depths cannot see them grow, so its full-depth figures leave out what
+        their other blocks add (Flux 3's three 5-block mode lists beside 28 single blocks keep one
+        block each at depths 2 and 4: its no-checkpointing peak measured 12% above the fit)."""
+        low, high = self.counts(depths[0]), self.counts(depths[1])
+        return [path for path, n in self.totals.items() if low[path] == high[path] < n]
+
+    def unseen_share(self, depths: tuple[int, int]) -> float:
+        """The fraction of the real model's blocks that lie in :meth:`unseen` lists beyond what the fit
+        depths keep of them: the blocks whose growth the fit leaves out."""
+        kept = self.counts(depths[1])
+        missing = sum(self.totals[path] - kept[path] for path in self.unseen(depths))
+        return missing / max(sum(self.totals.values()), 1)
+
+    def depth_growing_every_list(self, low: int) -> int | None:
+        """The smallest depth above ``low`` at which every list that can still grow has more blocks
+        than at ``low``; None if there is none short of the full depth."""
+        base = self.counts(low)
+        for depth in range(low + 1, self.full):
+            got = self.counts(depth)
+            if all(got[path] > base[path] for path, n in self.totals.items() if base[path] < n):
+                return depth
+        return None
+
+    def unseen_note(self, depths: tuple[int, int]) -> str | None:
+        """The warning a fit from ``depths`` needs (:meth:`unseen`), or None when every list grows."""
+        lists = self.unseen(depths)
+        if not lists or self.unseen_share(depths) < UNSEEN_WARN_SHARE:
+            return None
+        low = self.counts(depths[0])
+        names = ", ".join(f"{path} ({low[path]} of {self.totals[path]})" for path in lists)
+        better = self.depth_growing_every_list(depths[0])
+        fix = f"--depths {depths[0]},{better} (every list grows there) or --full" if better else "--full"
+        return (f"the fit depths {depths[0]} and {depths[1]} keep the same blocks of {names}: their growth is "
+                f"not in the fit, so its full-depth figures are low by what their other blocks add; measure "
+                f"with {fix}.")
 
     def unit_note(self) -> str:
         if len(self.totals) == 1:
@@ -155,6 +198,22 @@ def fit(depths: tuple[int, int], values: tuple[float, float]) -> LinearFit:
     return LinearFit(depths, values)
 
 
+# What a step's activation peak is fitted from: the whole step's, and (GPU rows) each pass's own
+PEAK_KEYS = {"step": "peak_gib", "forward": "forward_peak_gib", "backward": "backward_peak_gib"}
+
+
+def highest(lines: Mapping[str, LinearFit], depth: int) -> tuple[str, LinearFit]:
+    """The name and line of the fit that is highest at ``depth`` (``lines`` non-empty).
+
+    A step's peak is the larger of its passes' peaks, and each pass's peak grows on its own line:
+    where a fixed transient in one pass sets the peak at both fit depths, the whole step's fit is
+    flat, while the other pass's line climbs past it further down. The highest line at the depth
+    asked for is the one that speaks for it; taking the whole step's line too keeps the answer
+    never below what the fit of the whole step alone would say.
+    """
+    return max(lines.items(), key=lambda item: item[1].at(depth))
+
+
 def parse_depths(text: str | None, full: int) -> tuple[int, int]:
     """``"2,4"`` -> (2, 4); None -> two small depths of the model (2 and 4 units, or what it has)."""
     if text is None:
@@ -182,9 +241,25 @@ def predict(rows: list[Any], workload: str, strategy: str, fit_depths: tuple[int
     ``rows`` are measured rows with ``workload``, ``strategy``, ``depth``, ``status`` and ``key``
     attributes (bench's results); None when either fit depth lacks a good measurement.
     """
-    found = {r.depth: getattr(r, key) for r in rows
+    found = {r.depth: getattr(r, key, None) for r in rows
              if r.workload == workload and r.strategy == strategy and r.status == "ok" and r.depth in fit_depths}
     if any(found.get(d) is None for d in fit_depths):
         return None
     line = fit(fit_depths, (float(found[fit_depths[0]]), float(found[fit_depths[1]])))
     return line.at(depth), line
+
+
+def predict_peak(rows: list[Any], workload: str, strategy: str, fit_depths: tuple[int, int],
+                 depth: int) -> tuple[float, LinearFit, str] | None:
+    """The activation peak of one strategy at ``depth``: :func:`predict` of the whole step's peak and
+    of each pass's own (rows that have them), the highest at ``depth`` (see :func:`highest`), with the
+    name of the fit it came from (``"step"``, ``"forward"`` or ``"backward"``); None without a fit."""
+    lines = {}
+    for name, key in PEAK_KEYS.items():
+        got = predict(rows, workload, strategy, fit_depths, depth, key)
+        if got is not None:
+            lines[name] = got[1]
+    if not lines:
+        return None
+    name, line = highest(lines, depth)
+    return line.at(depth), line, name

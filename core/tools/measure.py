@@ -17,7 +17,12 @@ beside a number in another. Now the protocol is written once:
   makes none). Not the CUDA host allocator's statistics: on torch 2.11 their peak did not reset
   between rows, so every row seemed to pin what all the rows before it had;
 * on the CPU, where there is no allocator peak to read, the memory figure is the bytes autograd
-  keeps between forward and backward, counted by saved-tensor hooks (:func:`count_saved_bytes`).
+  keeps between forward and backward, counted by saved-tensor hooks (:func:`count_saved_bytes`);
+* on a GPU the forward's and the backward's peaks are also read on their own (:class:`Phases`):
+  a fixed transient in the forward (Ideogram 4's 3.1 GiB at 1,024²) can set the whole step's peak
+  at the shallow depths a fit measures and hide what the backward adds per block, which then
+  surfaces only at the real depth (3.9 GiB at 34 blocks where the whole-step fit said 3.1). Each
+  phase's own peak grows with depth on its own line, so the fit can see it.
 """
 
 from __future__ import annotations
@@ -115,21 +120,48 @@ def count_saved_bytes(params: set[int]) -> Iterator[list[int]]:
         yield total
 
 
+@dataclass(frozen=True)
+class Phases:
+    """The allocator's peak (bytes, as ``torch.cuda.max_memory_allocated`` reads) in one step's
+    forward (loss included) and, counted from the end of that forward, in its backward."""
+
+    forward: int
+    backward: int
+
+
 def forward_backward(
     model: nn.Module,
     inputs: Mapping[str, Any],
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     *,
     count_saved: bool = False,
-) -> Callable[[], int]:
-    """One forward + backward of ``model(**inputs)``; returns the saved bytes when ``count_saved``, else 0."""
+    phases: bool | None = None,
+) -> Callable[[], int | Phases]:
+    """One forward + backward of ``model(**inputs)``.
+
+    The step returns the saved bytes when ``count_saved``; else, with ``phases`` (default: when an
+    input is on a CUDA device), the :class:`Phases` peaks, read by resetting the allocator's peak
+    between the two passes (host-side bookkeeping, no device synchronize); else 0.
+    :func:`measure` takes the whole step's peak from those, so the reset loses nothing.
+    """
     loss_fn = loss_fn or default_loss
     leaves = grad_leaves(inputs)
     params = {id(p) for p in model.parameters()} if count_saved else set()
+    if phases is None:
+        phases = not count_saved and any(t.is_cuda for t in tensors(dict(inputs)))
 
-    def step() -> int:
+    def step() -> int | Phases:
         for t in leaves:
             t.grad = None
+        if phases:
+            loss = loss_fn(model(**inputs))
+            forward = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            loss.backward()
+            del loss
+            backward = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            return Phases(forward, backward)
         if not count_saved:
             loss_fn(model(**inputs)).backward()
             return 0
@@ -151,6 +183,9 @@ class Measurement:
     pinned_allocations_after_warmup: int | None = None  # None: no gradseam pool in the row
     base_gib: float = 0.0  # allocated before the timed steps (weights, inputs, optimizer state)
     step_times_ms: tuple[float, ...] = field(default=())  # every timed step, in order; step_ms is their median
+    # GPU steps made by forward_backward: each pass's own activation peak (peak_gib is the larger)
+    forward_peak_gib: float | None = None
+    backward_peak_gib: float | None = None
 
     @property
     def spread(self) -> float | None:
@@ -283,14 +318,21 @@ def measure(
             torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1000)
     allocations = pool.pinned_allocations - allocations_before if pool is not None else None
+    forward = backward = None
     if cuda:
-        peak = (torch.cuda.max_memory_allocated() - base) / GiB
+        if all(isinstance(k, Phases) for k in kept):
+            # the step reset the allocator's peak between its passes: the whole peak is the larger one
+            forward = (max(k.forward for k in kept) - base) / GiB
+            backward = (max(k.backward for k in kept) - base) / GiB
+            peak = max(forward, backward)
+        else:
+            peak = (torch.cuda.max_memory_allocated() - base) / GiB
         pinned = getattr(pool, "pinned_bytes", 0) / GiB
     else:
         peak = max(int(k or 0) for k in kept) / GiB
         pinned = 0.0
     got = Measurement(peak, statistics.median(times), pinned, allocations, base / GiB if cuda else 0.0,
-                      tuple(times))
+                      tuple(times), forward, backward)
     for log in _recorders:
         log.append(got)
     return got

@@ -23,6 +23,8 @@ class Result:
     pinned_gib: float | None = None  # pinned host memory in use at its peak (GPU rows)
     depth: int | None = None  # real models: the depth measured (units of gradseam.tools.depth)
     blocks: str | None = None  # real models: the blocks kept per list at that depth, e.g. "2 + 4 blocks"
+    forward_peak_gib: float | None = None  # GPU rows: the forward's own activation peak (loss included)
+    backward_peak_gib: float | None = None  # GPU rows: the backward's own peak (peak_gib is the larger)
 
 
 @dataclass
