@@ -21,7 +21,7 @@ MEASURED = ["none", "ref: torch.utils.checkpoint", "ref: torch.utils.checkpoint 
             "torch, interval 2"]
 ROW_KEYS = {"workload", "tokens", "strategy", "peak_gib", "step_ms", "status", "pinned_allocations_after_warmup",
             "pinned_gib", "depth", "blocks", "vs_none", "vs_torch", "step_times_ms", "forward_peak_gib",
-            "backward_peak_gib"}
+            "backward_peak_gib", "first_step_ms"}
 
 
 @pytest.fixture(scope="module")
@@ -219,3 +219,17 @@ def test_counting_saved_bytes_keeps_autograds_in_place_check():
         z = x.exp()
     z.sum().backward()  # untouched: backward runs
     assert torch.equal(x.grad, x.detach().exp())
+
+
+def test_every_row_keeps_its_first_step_and_a_slow_one_is_named(results):
+    # measure() times its warm-up steps apart from the timed ones; bench keeps the first of them
+    got = b.measuring.measure(lambda: 1024, steps=1, warmup=2, device="cpu")
+    assert len(got.warmup_times_ms) == 2 and len(got.step_times_ms) == 1
+    assert all(r.first_step_ms is not None and r.first_step_ms >= 0 for r in results if r.status == "ok")
+    rows = [{"strategy": "none", "status": "ok", "step_ms": 494.0, "first_step_ms": 900.0, "depth": 2},
+            {"strategy": "compile", "status": "ok", "step_ms": 483.3, "first_step_ms": 53101.0, "depth": 2},
+            {"strategy": "unsloth-compile", "status": "ok", "step_ms": 491.0, "first_step_ms": 35713.3},
+            {"strategy": "torch", "status": "OOM", "step_ms": None, "first_step_ms": None}]
+    assert report.first_steps_note(rows) == ("First steps (compiling, once per shape and row; not in the step "
+                                             "times above): compile at depth 2 53.1 s; unsloth-compile 35.7 s.")
+    assert report.first_steps_note(rows[:1]) is None  # a warm-up under 5x its step: not worth a line

@@ -141,7 +141,7 @@ def test_bench_option_errors():
 TINY_BENCH = ["bench", "--device", "cpu", "--blocks", "2", "--tokens", "64", "--dim", "128", "--steps", "1"]
 ROW_KEYS = {"workload", "tokens", "strategy", "peak_gib", "step_ms", "status", "pinned_allocations_after_warmup",
             "pinned_gib", "depth", "blocks", "vs_none", "vs_torch", "step_times_ms", "forward_peak_gib",
-            "backward_peak_gib"}
+            "backward_peak_gib", "first_step_ms"}
 
 
 def _bench_json(tmp_path, *extra: str, path=None):

@@ -226,7 +226,8 @@ def run_rows(
                             pinned_allocations_after_warmup=got.pinned_allocations_after_warmup,
                             pinned_gib=None if cpu or name == "ref: save_on_cpu" else round(got.pinned_gib, 3),
                             depth=depth, blocks=blocks,
-                            forward_peak_gib=_gib(got.forward_peak_gib), backward_peak_gib=_gib(got.backward_peak_gib))
+                            forward_peak_gib=_gib(got.forward_peak_gib), backward_peak_gib=_gib(got.backward_peak_gib),
+                            first_step_ms=round(got.warmup_times_ms[0], 1) if got.warmup_times_ms else None)
         except gradseam.UnsupportedStrategyError as exc:
             result = Result(workload, tokens, name, None, None, f"unsupported: {exc}", depth=depth, blocks=blocks)
         except Exception as exc:  # one broken cell must not lose the sweep; the row says what broke

@@ -32,6 +32,7 @@ The JSON written by ``gradseam bench`` (see :func:`payload`)::
          "status": str,        # "ok", "OOM", "needs CUDA", "ruled out: ...", "unsupported: ...", "error: ..."
          "pinned_allocations_after_warmup": int | null,
          "forward_peak_gib": float | null, "backward_peak_gib": float | null,  # GPU: each pass's own peak
+         "first_step_ms": float | null,  # the first warm-up step (a compiled row compiles there)
          "vs_none": float | null, "vs_torch": float | null,  # step-time ratios at the same workload and depth
          "step_times_ms": [float] | null}  # every timed step (step_ms is their median); null: not measured
       ]
@@ -244,7 +245,29 @@ def to_markdown(rows: list[dict[str, Any]], *, cpu: bool = False) -> str:
         lines.append(
             f"| {workload} |{depth} {r['strategy']} | {peak:.2f} | {pinned} | {step} | {vs_none} | {vs_torch} |"
         )
+    note = first_steps_note(rows)
+    if note:
+        lines += ["", note]
     return "\n".join(lines)
+
+
+# A first step this many times the row's median is worth a line: a compile (tens of seconds on a real
+# model), not the allocator's or the pinned pool's warm-up, which cost a step or two.
+SLOW_FIRST_STEP = 5.0
+
+
+def first_steps_note(rows: list[dict[str, Any]]) -> str | None:
+    """One line naming the rows whose first step took far longer than the rest (compiled rows compile
+    there, once per shape): what a user waits through before the table's step time applies."""
+    slow = [r for r in rows if r.get("status") == "ok" and r.get("first_step_ms") and r.get("step_ms")
+            and r["first_step_ms"] >= SLOW_FIRST_STEP * r["step_ms"]]
+    if not slow:
+        return None
+    parts = []
+    for r in slow:
+        where = f" at depth {r['depth']}" if r.get("depth") is not None else ""
+        parts.append(f"{r['strategy']}{where} {r['first_step_ms'] / 1000:.1f} s")
+    return "First steps (compiling, once per shape and row; not in the step times above): " + "; ".join(parts) + "."
 
 
 def chart(rows: list[dict[str, Any]], path: Any, title: str = "gradseam bench", *, cpu: bool = False) -> bool:

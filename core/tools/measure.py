@@ -6,7 +6,9 @@ beside a number in another. Now the protocol is written once:
 
 * the step is one forward + backward (:func:`forward_backward`); the inputs' grads are dropped
   first, so every step allocates the same;
-* ``warmup`` steps run untimed (allocator, kernels, the pinned pool, compiled graphs);
+* ``warmup`` steps run outside the median (allocator, kernels, the pinned pool, compiled graphs);
+  their times are kept apart (``Measurement.warmup_times_ms``): a compiled row's first step is its
+  compile, which a user waits through and a table should say;
 * the activation peak is ``max_memory_allocated`` over the timed steps minus what was allocated
   before them (weights, inputs, optimizer state are not activations);
 * the step time is the median of the timed steps, each ended by a device synchronize; every
@@ -186,6 +188,7 @@ class Measurement:
     # GPU steps made by forward_backward: each pass's own activation peak (peak_gib is the larger)
     forward_peak_gib: float | None = None
     backward_peak_gib: float | None = None
+    warmup_times_ms: tuple[float, ...] = field(default=())  # the untimed warm-up steps' times (the first compiles)
 
     @property
     def spread(self) -> float | None:
@@ -302,8 +305,14 @@ def measure(
     if steps < 1:
         raise ValueError(f"steps must be >= 1 (the median of the timed steps is reported), got {steps}.")
     cuda = device != "cpu"
+    warmups = []
     for _ in range(warmup):
+        # timed too: a compiled row's first step is its compile, which a user waits through
+        start = time.perf_counter()
         step()
+        if cuda:
+            torch.cuda.synchronize()
+        warmups.append((time.perf_counter() - start) * 1000)
     pool = getattr(engine, "pool", None)
     allocations_before = pool.pinned_allocations if pool is not None else None
     if cuda:
@@ -332,7 +341,7 @@ def measure(
         peak = max(int(k or 0) for k in kept) / GiB
         pinned = 0.0
     got = Measurement(peak, statistics.median(times), pinned, allocations, base / GiB if cuda else 0.0,
-                      tuple(times), forward, backward)
+                      tuple(times), forward, backward, tuple(warmups))
     for log in _recorders:
         log.append(got)
     return got
