@@ -173,6 +173,16 @@ def _diffusers_checkpointing(model: nn.Module) -> Iterator[None]:
         model.disable_gradient_checkpointing()
 
 
+def _compiles(config: dict[str, Any] | None) -> bool:
+    """Whether a row compiles blocks: the compiler's own rows, or a gradseam backend whose runner compiles."""
+    if not config:
+        return False
+    from ..backends import CATALOG
+
+    backend = CATALOG.get(str(config.get("gradient_checkpointing_backend", "")))
+    return bool(config.get("compile_blocks")) or (backend is not None and backend.runner == "compiled")
+
+
 def _gib(value: float | None) -> float | None:
     return round(value, 3) if value is not None else None
 
@@ -217,7 +227,7 @@ def run_rows(
             with ctx:
                 step = make_step()
                 handle = getattr(ctx, "handle", None) or gradseam.handle_of(model)
-                compiled = bool(config and config.get("compile_blocks"))
+                compiled = _compiles(config)
                 # looked up per call, so tests can replace measuring.measure
                 got = measuring.measure(step, steps=steps, warmup=2 if compiled else 1, device=device,
                                         engine=getattr(handle, "engine", None))
@@ -227,7 +237,7 @@ def run_rows(
                             pinned_gib=None if cpu or name == "ref: save_on_cpu" else round(got.pinned_gib, 3),
                             depth=depth, blocks=blocks,
                             forward_peak_gib=_gib(got.forward_peak_gib), backward_peak_gib=_gib(got.backward_peak_gib),
-                            first_step_ms=round(got.warmup_times_ms[0], 1) if got.warmup_times_ms else None)
+                            first_step_ms=round(got.warmup_times_ms[0], 1) if compiled and got.warmup_times_ms else None)
         except gradseam.UnsupportedStrategyError as exc:
             result = Result(workload, tokens, name, None, None, f"unsupported: {exc}", depth=depth, blocks=blocks)
         except Exception as exc:  # one broken cell must not lose the sweep; the row says what broke

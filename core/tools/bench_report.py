@@ -32,7 +32,7 @@ The JSON written by ``gradseam bench`` (see :func:`payload`)::
          "status": str,        # "ok", "OOM", "needs CUDA", "ruled out: ...", "unsupported: ...", "error: ..."
          "pinned_allocations_after_warmup": int | null,
          "forward_peak_gib": float | null, "backward_peak_gib": float | null,  # GPU: each pass's own peak
-         "first_step_ms": float | null,  # the first warm-up step (a compiled row compiles there)
+         "first_step_ms": float | null,  # compiled rows: the first warm-up step, where they compile
          "vs_none": float | null, "vs_torch": float | null,  # step-time ratios at the same workload and depth
          "step_times_ms": [float] | null}  # every timed step (step_ms is their median); null: not measured
       ]
@@ -251,14 +251,14 @@ def to_markdown(rows: list[dict[str, Any]], *, cpu: bool = False) -> str:
     return "\n".join(lines)
 
 
-# A first step this many times the row's median is worth a line: a compile (tens of seconds on a real
-# model), not the allocator's or the pinned pool's warm-up, which cost a step or two.
+# A compiled row's first step this many times its median is worth a line: a compile of a real model
+# takes tens of seconds; a row whose graphs came from inductor's cache starts within a few steps.
 SLOW_FIRST_STEP = 5.0
 
 
 def first_steps_note(rows: list[dict[str, Any]]) -> str | None:
-    """One line naming the rows whose first step took far longer than the rest (compiled rows compile
-    there, once per shape): what a user waits through before the table's step time applies."""
+    """One line naming the compiled rows (those with ``first_step_ms``) whose first step took far longer
+    than the rest, once per shape: what a user waits through before the table's step time applies."""
     slow = [r for r in rows if r.get("status") == "ok" and r.get("first_step_ms") and r.get("step_ms")
             and r["first_step_ms"] >= SLOW_FIRST_STEP * r["step_ms"]]
     if not slow:

@@ -25,7 +25,7 @@ class Result:
     blocks: str | None = None  # real models: the blocks kept per list at that depth, e.g. "2 + 4 blocks"
     forward_peak_gib: float | None = None  # GPU rows: the forward's own activation peak (loss included)
     backward_peak_gib: float | None = None  # GPU rows: the backward's own peak (peak_gib is the larger)
-    first_step_ms: float | None = None  # the first (warm-up) step: a compiled row compiles there
+    first_step_ms: float | None = None  # compiled rows: the first (warm-up) step, where they compile
 
 
 @dataclass
