@@ -1,0 +1,116 @@
+"""Does the compiler write a broadcast attention mask out densely? The probe for HunyuanVideo's compiled OOM.
+
+docs/benchmarks.md (families of issue 26) gives the likely cause, read from inductor's source:
+HunyuanVideo passes every block a ``(B, 1, 1, N)`` key-padding mask, and inductor's CUDA lowering of
+the memory-efficient attention kernel materializes it as a dense ``(B, 1, N, N)`` bias, ~2 N² bytes
+per attention call (8.5 GiB at 540p's 67,576 tokens). This script measures it, one row per token
+count and variant, on a shallow cut of the preset (``--depth``, default 1 unit: 1 + 1 + 2 blocks):
+
+* ``none``: eager, no checkpointing (the reference peak);
+* ``compile``: gradseam's ``compile`` backend (the compiler's partitioner, what it keeps on the GPU);
+* ``compile, attention eager``: the same, with every declared attention submodule run outside the
+  compiled graph (a graph break around it): the candidate fix, whose bias stays the eager kernel's
+  broadcast view.
+
+If the dense bias is the cause, ``compile``'s peak grows with N² (by about 2 N² bytes per
+attention call at least) and the attention-eager variant's does not. Each row reports its first
+step (the compile) apart from the timed steps. On a CPU the compiled rows use ``aot_eager``, which
+does not lower attention, so there the three peaks say nothing about the question; the script
+only checks that it runs. ::
+
+    python docs/scripts/compiled_mask_probe.py --tokens 8192 --tokens 16384 --tokens 32768 --json probe.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import gradseam
+from gradseam.tools import measure as measuring
+from gradseam.tools.depth import resolve
+from gradseam.tools.workloads import blocks, build
+
+COMPILE = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "compile"}
+
+
+@contextmanager
+def attention_eager(model: nn.Module, family: Any) -> Iterator[int]:
+    """Every declared attention submodule's forward behind ``torch.compiler.disable`` (restored after)."""
+    wrapped: list[nn.Module] = []
+    for block in blocks(model, family):
+        for block_class in family.block_classes:
+            for path in block_class.attention:
+                sub = resolve(block, path)
+                if isinstance(sub, nn.Module) and "forward" not in vars(sub):
+                    sub.forward = torch.compiler.disable(sub.forward)
+                    wrapped.append(sub)
+    try:
+        yield len(wrapped)
+    finally:
+        for sub in wrapped:
+            del sub.forward
+
+
+def measure_row(model: nn.Module, family: Any, inputs: dict[str, Any], label: str, steps: int,
+                device: str) -> dict[str, Any]:
+    row: dict[str, Any] = {"row": label}
+    measuring.release(device)
+    config = None if label == "none" else COMPILE
+    try:
+        handle = gradseam.patch(model, config) if config else None
+        try:
+            with attention_eager(model, family) if label.endswith("attention eager") else nullcontext(0) as n:
+                step = measuring.forward_backward(model, inputs)
+                start = time.perf_counter()
+                step()  # the first step: the compile, timed on its own
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                row["first_step_ms"] = round((time.perf_counter() - start) * 1000, 1)
+                got = measuring.measure(step, steps=steps, warmup=1, device=device)
+                row.update(peak_gib=round(got.peak_gib, 3), step_ms=round(got.step_ms, 1),
+                           attention_modules_eager=n)
+        finally:
+            if handle is not None:
+                handle.remove()
+    except Exception as exc:  # a row that does not fit is the finding, not the end of the probe
+        row["status"] = "OOM" if measuring.is_oom(exc) else f"error: {type(exc).__name__}: {exc}"[:300]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", default="hunyuanvideo")
+    parser.add_argument("--preset", default="13b-540p")
+    parser.add_argument("--depth", type=int, default=1, help="units of depth kept (default 1)")
+    parser.add_argument("--tokens", type=int, action="append", help="video tokens (repeat; default 8192)")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+
+    work = build(args.family, args.preset, depth=args.depth, device=args.device)
+    results = []
+    for tokens in args.tokens or [8192]:
+        inputs = work.inputs(tokens)
+        for label in ("none", "compile", "compile, attention eager"):
+            row = {"tokens": tokens, **measure_row(work.model, work.family, inputs, label, args.steps, args.device)}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+        del inputs
+    if args.json:
+        args.json.write_text(json.dumps({"family": args.family, "preset": args.preset, "depth": args.depth,
+                                         "device": args.device, "torch": torch.__version__, "rows": results},
+                                        indent=1))
+
+
+if __name__ == "__main__":
+    main()
