@@ -12,6 +12,14 @@ module in backward, or a chain computing a later member ahead of its call, does 
 the seam's call, so :class:`Original` routes such calls through the module's current outer
 ``forward`` (the wrappers), with the seam passing straight through, exactly as the model's own
 call ran it.
+
+That is right for wrappers that touch the module (cast or onload its weights), wrong for one that
+transforms the call's arguments: diffusers' context parallelism splits a block's inputs across
+ranks in a hook of its own. Installed after gradseam, that hook sits outside the seam, and a
+recompute routed through it would split the already split inputs a second time (seen on a Wan
+block: a shape mismatch in the rotary embedding; with other shapes it could compute on the wrong
+shard without a word). The seam refuses that order when it sees it (:func:`_argument_hook_outside`);
+context parallelism enabled *before* patching sits inside the seam and is exact.
 """
 
 from __future__ import annotations
@@ -84,6 +92,43 @@ class Original:
         return type(self.module).forward(self.module, *args, **kwargs)
 
 
+# diffusers' context-parallel hooks (diffusers.hooks.context_parallel): they split a module's inputs
+# and gather its outputs, so running them twice on one call is not a no-op
+_ARGUMENT_HOOKS = ("cp_input---", "cp_output---")
+
+
+def _argument_hook_outside(seam: SeamForward) -> str | None:
+    """The name of a diffusers hook registered on the seam's module *after* the seam that rewrites the
+    call's arguments or outputs (context parallelism's), or None.
+
+    diffusers' registry wraps whatever ``forward`` the module has when a hook registers, so the hooks
+    from the first one that wrapped this seam onwards are the ones outside it.
+    """
+    registry = getattr(seam.module, "_diffusers_hook", None)
+    refs, order = getattr(registry, "_fn_refs", None), getattr(registry, "_hook_order", None)
+    if not refs or not order:
+        return None
+    first = next((i for i, ref in enumerate(refs)
+                  if getattr(ref, "forward", None) is seam or getattr(ref, "original_forward", None) is seam), None)
+    if first is None:
+        return None
+    return next((name for name in order[first:] if name.startswith(_ARGUMENT_HOOKS)), None)
+
+
+def _refuse_argument_hooks(seam: SeamForward) -> None:
+    name = _argument_hook_outside(seam)
+    if name is not None:
+        from ..errors import GradseamError
+
+        raise GradseamError(
+            f"diffusers' context parallelism was enabled after gradseam patched the model: its hook {name!r} on "
+            f"{type(seam.module).__name__} wraps gradseam's seam, and a block recomputed in backward would have its "
+            "already split inputs split again. Enable context parallelism first and patch afterwards "
+            "(model.enable_parallelism(config=...), then gradseam.patch(model, ...)); on a patched model, "
+            "handle.remove(), enable_parallelism, then patch again."
+        )
+
+
 class SeamForward:
     """The object installed as ``module.forward``; delegates to a strategy handler.
 
@@ -123,6 +168,8 @@ class SeamForward:
             return handler(self.original, args, kwargs)
         if _calls.bypass and _has(_calls.bypass, self):  # re-entered through an outer wrapper
             return self.original.direct(*args, **kwargs)
+        if self.module.__dict__.get("forward") is not self:  # wrapped after gradseam: by what?
+            _refuse_argument_hooks(self)
         if _calls.frontier and self.epoch > _calls.frontier[-1]:
             # A region's recompute meets a seam installed after that region ran forward (a re-patch
             # between a forward and its backward): it passes through, so the recompute computes
