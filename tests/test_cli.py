@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 from conftest import builtin_plugins
+from test_bench import ROW_KEYS  # the documented row schema, written once
 from typer.testing import CliRunner
 
 import gradseam
@@ -139,9 +140,6 @@ def test_bench_option_errors():
 
 
 TINY_BENCH = ["bench", "--device", "cpu", "--blocks", "2", "--tokens", "64", "--dim", "128", "--steps", "1"]
-ROW_KEYS = {"workload", "tokens", "strategy", "peak_gib", "step_ms", "status", "pinned_allocations_after_warmup",
-            "pinned_gib", "depth", "blocks", "vs_none", "vs_torch", "step_times_ms", "forward_peak_gib",
-            "backward_peak_gib", "first_step_ms"}
 
 
 def _bench_json(tmp_path, *extra: str, path=None):

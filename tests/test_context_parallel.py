@@ -21,7 +21,6 @@ support return_lse=True"): on GPUs the flash backends have it (docs/trainer.md).
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 
 import pytest
@@ -29,24 +28,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from cases import WAN
+from test_fsdp import WORLD, _free_port
 
 import gradseam
 from gradseam.offload import cpu_test_mode
 from gradseam.testing import COMPILED_TOLERANCE, Case, assert_same_step, run_step
 from gradseam.tools.named_strategies import rows
 
-WORLD = 2
 ROWS = rows("torch", "torch-ffn", "unsloth", "unsloth-ffn", "attention offload", "torch, interval 2",
             "torch + attention kept", "unsloth + attention offload", "compile", "unsloth-compile")
 COMPILED = {"compile", "unsloth-compile"}
 # diffusers' gather hook takes tensors only: the model must return a tuple
 CASE = Case("wan-cp", WAN.build, lambda g: {**WAN.inputs(g), "return_dict": False}, lambda out: out[0], WAN.seed)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _enable(model: torch.nn.Module) -> None:

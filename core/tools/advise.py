@@ -300,7 +300,7 @@ def depth_measure(
     from ..patcher import family_for
     from . import measure as measuring
     from .compiled import applied
-    from .depth import PEAK_KEYS, at_depth, fit, highest, parse_depths, plan_for
+    from .depth import at_depth, fit, highest, parse_depths, peak_lines, plan_for
     from .workloads import blocks as list_blocks
 
     family = family or family_for(model)
@@ -312,8 +312,9 @@ def depth_measure(
         depths = depths or parse_depths(None, plan.full)
         note = (f"depth {target} ({plan.describe(min(target, plan.full))}; {plan.unit_note()}), predicted from "
                 f"measurements at depths {depths[0]} and {depths[1]}")
-        if plan.unseen_note(depths):
-            note += f" (note: {plan.unseen_note(depths)})"
+        unseen = plan.unseen_note(depths)
+        if unseen:
+            note += f" (note: {unseen})"
 
     def once(config: Mapping[str, Any], depth: int) -> measuring.Measurement:
         with at_depth(model, plan, depth), applied(model, config, list_blocks(model, family)):
@@ -331,10 +332,7 @@ def depth_measure(
             got = once(config, plan.full)
             return Estimate(got.peak_gib, got.step_ms, got.pinned_gib)
         a, b = once(config, depths[0]), once(config, depths[1])
-        # each pass's own peak where the GPU gave them (depth.highest says why)
-        lines = {name: fit(depths, (getattr(a, key), getattr(b, key))) for name, key in PEAK_KEYS.items()
-                 if getattr(a, key) is not None and getattr(b, key) is not None}
-        _, peak = highest(lines, target)
+        _, peak = highest(peak_lines(depths, a, b), target)  # each pass's own line too (depth.highest)
         ms = fit(depths, (a.step_ms, b.step_ms))
         pinned = fit(depths, (a.pinned_gib, b.pinned_gib))
         return Estimate(peak.at(target), ms.at(target), pinned.at(target), peak.growth, f"predicted at depth {target}")

@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 import gradseam
 
+from ..backends import CATALOG
 from ..family import Family
 from . import measure as measuring
 from .compiled import BUDGETS, applied, budget_config, budget_label, compiled_rows
@@ -177,8 +178,6 @@ def _compiles(config: dict[str, Any] | None) -> bool:
     """Whether a row compiles blocks: the compiler's own rows, or a gradseam backend whose runner compiles."""
     if not config:
         return False
-    from ..backends import CATALOG
-
     backend = CATALOG.get(str(config.get("gradient_checkpointing_backend", "")))
     return bool(config.get("compile_blocks")) or (backend is not None and backend.runner == "compiled")
 

@@ -234,6 +234,13 @@ def parse_depths(text: str | None, full: int) -> tuple[int, int]:
     return d1, d2
 
 
+def _fit_rows(rows: list[Any], workload: str, strategy: str, fit_depths: tuple[int, int]) -> list[Any] | None:
+    """One strategy's good rows at the two fit depths, in their order; None if either is missing."""
+    found = {r.depth: r for r in rows
+             if r.workload == workload and r.strategy == strategy and r.status == "ok" and r.depth in fit_depths}
+    return [found[d] for d in fit_depths] if all(d in found for d in fit_depths) else None
+
+
 def predict(rows: list[Any], workload: str, strategy: str, fit_depths: tuple[int, int], depth: int,
             key: str) -> tuple[float, LinearFit] | None:
     """``key`` (e.g. ``"peak_gib"``) of one strategy at ``depth``, fitted from its rows at the fit depths.
@@ -241,24 +248,32 @@ def predict(rows: list[Any], workload: str, strategy: str, fit_depths: tuple[int
     ``rows`` are measured rows with ``workload``, ``strategy``, ``depth``, ``status`` and ``key``
     attributes (bench's results); None when either fit depth lacks a good measurement.
     """
-    found = {r.depth: getattr(r, key, None) for r in rows
-             if r.workload == workload and r.strategy == strategy and r.status == "ok" and r.depth in fit_depths}
-    if any(found.get(d) is None for d in fit_depths):
+    pair = _fit_rows(rows, workload, strategy, fit_depths)
+    values = [getattr(r, key, None) for r in pair] if pair else [None]
+    if any(v is None for v in values):
         return None
-    line = fit(fit_depths, (float(found[fit_depths[0]]), float(found[fit_depths[1]])))
+    line = fit(fit_depths, (float(values[0]), float(values[1])))
     return line.at(depth), line
+
+
+def peak_lines(depths: tuple[int, int], first: Any, second: Any) -> dict[str, LinearFit]:
+    """The lines of the whole step's peak and of each pass's own (where both measurements have it)
+    through two measurements at ``depths`` (bench's rows or :class:`~gradseam.tools.measure.Measurement`)."""
+    lines = {}
+    for name, key in PEAK_KEYS.items():
+        a, b = getattr(first, key, None), getattr(second, key, None)
+        if a is not None and b is not None:
+            lines[name] = fit(depths, (float(a), float(b)))
+    return lines
 
 
 def predict_peak(rows: list[Any], workload: str, strategy: str, fit_depths: tuple[int, int],
                  depth: int) -> tuple[float, LinearFit, str] | None:
-    """The activation peak of one strategy at ``depth``: :func:`predict` of the whole step's peak and
-    of each pass's own (rows that have them), the highest at ``depth`` (see :func:`highest`), with the
-    name of the fit it came from (``"step"``, ``"forward"`` or ``"backward"``); None without a fit."""
-    lines = {}
-    for name, key in PEAK_KEYS.items():
-        got = predict(rows, workload, strategy, fit_depths, depth, key)
-        if got is not None:
-            lines[name] = got[1]
+    """The activation peak of one strategy at ``depth``: the highest of :func:`peak_lines` there (see
+    :func:`highest`), with the name of its fit (``"step"``, ``"forward"`` or ``"backward"``); None
+    without a fit."""
+    pair = _fit_rows(rows, workload, strategy, fit_depths)
+    lines = peak_lines(fit_depths, *pair) if pair else {}
     if not lines:
         return None
     name, line = highest(lines, depth)

@@ -160,7 +160,6 @@ def forward_backward(
             forward = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             loss.backward()
-            del loss
             backward = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             return Phases(forward, backward)

@@ -14,7 +14,7 @@ count and variant, on a shallow cut of the preset (``--depth``, default 1 unit: 
 
 If the dense bias is the cause, ``compile``'s peak grows with N² (by about 2 N² bytes per
 attention call at least) and the attention-eager variant's does not. Each row reports its first
-step (the compile) apart from the timed steps. On a CPU the compiled rows use ``aot_eager``, which
+step (the compile) apart from the timed steps (measure's warm-up times). On a CPU the compiled rows use ``aot_eager``, which
 does not lower attention, so there the three peaks say nothing about the question; the script
 only checks that it runs. ::
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -69,15 +68,10 @@ def measure_row(model: nn.Module, family: Any, inputs: dict[str, Any], label: st
         handle = gradseam.patch(model, config) if config else None
         try:
             with attention_eager(model, family) if label.endswith("attention eager") else nullcontext(0) as n:
-                step = measuring.forward_backward(model, inputs)
-                start = time.perf_counter()
-                step()  # the first step: the compile, timed on its own
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                row["first_step_ms"] = round((time.perf_counter() - start) * 1000, 1)
-                got = measuring.measure(step, steps=steps, warmup=1, device=device)
-                row.update(peak_gib=round(got.peak_gib, 3), step_ms=round(got.step_ms, 1),
-                           attention_modules_eager=n)
+                got = measuring.measure(measuring.forward_backward(model, inputs), steps=steps, warmup=2,
+                                        device=device)
+                row.update(first_step_ms=round(got.warmup_times_ms[0], 1),  # the compile
+                           peak_gib=round(got.peak_gib, 3), step_ms=round(got.step_ms, 1), attention_modules_eager=n)
         finally:
             if handle is not None:
                 handle.remove()
