@@ -22,7 +22,9 @@ class RegionView:
     attention-offload region: the offloaded calls of its submodule); ``runs`` the checkpoint regions
     computed (a whole chunk counts once); ``chunk_calls`` the calls that ran a whole chunk and
     ``served`` the later members answered from it; ``fallbacks`` maps each reason a member had to
-    compute on its own (or a kept kernel output had to be computed again) to how often it happened.
+    compute on its own (or a kept kernel output had to be computed again) to how often it happened;
+    ``notes`` the same for ways a call ran as planned that are worth telling (a compiled block whose
+    attention ran outside its graph).
     """
 
     list_path: str
@@ -35,6 +37,7 @@ class RegionView:
     chunk_calls: int = 0
     served: int = 0
     fallbacks: Mapping[str, int] = field(default_factory=dict)
+    notes: Mapping[str, int] = field(default_factory=dict)
     runner: str = ""
     offload: Offload = Offload.NOTHING
     kept: Kept = Kept.NOWHERE
@@ -46,7 +49,8 @@ class RegionView:
             spec.list_path, spec.blocks, spec.kind, spec.block_class, spec.seam,
             calls=tuple(s.member_calls) if s else (), runs=s.runs if s else 0,
             chunk_calls=s.chunk_calls if s else 0, served=s.served if s else 0,
-            fallbacks=dict(s.fallbacks) if s else {}, runner=spec.runner, offload=spec.offload,
+            fallbacks=dict(s.fallbacks) if s else {}, notes=dict(s.notes) if s else {}, runner=spec.runner,
+            offload=spec.offload,
             kept=spec.kept,
         )
 
@@ -126,6 +130,7 @@ class Summary:
         emit()
         notes = [_fallback_note(r) for r in views if r.fallbacks and r.runner != "compiled"]
         notes += _compiled_notes([r for r in views if r.fallbacks and r.runner == "compiled"])
+        notes += _ran_notes([r for r in views if r.notes])
         if pending:
             notes.append(f"offload pending: {model_name or 'the model'} is on the CPU; offloading starts "
                          "once it is on a GPU")
@@ -173,6 +178,18 @@ def _compiled_notes(regions: list[RegionView]) -> list[str]:
     return [f"{len(regions)} compiled block(s), from {regions[0].label}, did not run gradseam's compiled call: {why}. "
             "With a compiled backend compile nothing yourself, or keep your compile with a non-compiling "
             "backend such as 'torch'"]
+
+
+def _ran_notes(regions: list[RegionView]) -> list[str]:
+    """One note per way regions ran as planned but worth telling, summed over the regions it applies to."""
+    by_note: dict[str, list[int]] = {}
+    for r in regions:
+        for note, n in r.notes.items():
+            count = by_note.setdefault(note, [0, 0])
+            count[0] += 1
+            count[1] += n
+    return [f"{blocks} region(s), from {next(r.label for r in regions if note in r.notes)}: {calls} call(s) with {note}"
+            for note, (blocks, calls) in by_note.items()]
 
 
 def describe(region: RegionSpec, *, pending: bool = False) -> str:

@@ -154,6 +154,8 @@ def record_regions(handle: Any) -> Iterator[list[RegionView]]:
                 r, calls=calls, runs=r.runs - (old.runs if old else 0),
                 chunk_calls=r.chunk_calls - (old.chunk_calls if old else 0),
                 served=r.served - (old.served if old else 0), fallbacks={k: v for k, v in fallbacks.items() if v},
+                notes={k: v - (old.notes.get(k, 0) if old else 0) for k, v in r.notes.items()
+                       if v - (old.notes.get(k, 0) if old else 0)},
             ))
 
 

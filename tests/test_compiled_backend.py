@@ -405,7 +405,7 @@ def test_a_compiler_failure_is_an_error_naming_the_block_and_the_eager_backends(
 
     from gradseam.run.compiled import CompiledBlocks
 
-    def failing(self, device):
+    def failing(self, device, outside=False):
         def call(*args, **kwargs):
             raise BackendCompilerFailed("inductor", RuntimeError("Found a custom (non-ATen) operator"), None)
 
@@ -562,3 +562,76 @@ def test_a_graph_break_inside_a_compiled_block_never_compiles_the_offload_hooks(
         (moved,) = _step(HIDREAM, OFFLOADED)
     assert traced and not any(traced), f"{sum(traced)} of {len(traced)} packs ran inside dynamo's tracing"
     assert_same_step(kept, moved, what="HiDream unsloth-compile vs compile")
+
+
+# -- attention under a broadcast mask ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("shape", "dtype", "broadcast"), [
+    ((2, 1, 1, 40), torch.bool, True),  # HunyuanVideo's key-padding mask
+    ((1, 1, 1, 40), torch.float32, True),  # an additive one
+    ((1, 1, 40, 40), torch.bool, False),  # a dense mask: nothing to expand
+    ((1, 40, 1, 32), torch.float32, False),  # Wan's rotary table
+    ((2, 1, 1, 40), torch.int64, False),  # not a mask the kernel takes
+    ((2, 1, 40), torch.bool, False),
+])
+def test_a_mask_broadcast_over_heads_and_queries_is_recognised(shape, dtype, broadcast):
+    from gradseam.run.compiled import broadcast_mask
+
+    value = torch.zeros(shape, dtype=dtype)
+    assert broadcast_mask((), {"attention_mask": value}) is broadcast
+    assert broadcast_mask((torch.zeros(1, 40, 8), value), {}) is broadcast
+    # inputs of more than half the dense bias's elements: the bias is small beside them, kept in the graph
+    assert not broadcast_mask((torch.zeros(2, 40, 21), value), {})
+    assert broadcast_mask((torch.zeros(2, 40, 9), value), {}) is broadcast
+
+
+@pytest.mark.parametrize("config", [COMPILE, OFFLOADED], ids=["compile", "unsloth-compile"])
+def test_attention_under_a_broadcast_mask_runs_outside_the_compiled_graph(config):
+    """HunyuanVideo hands its blocks a (B, 1, 1, N) key-padding mask, which inductor would write out as a
+    dense (B, 1, N, N) bias per attention call on CUDA. The attention of such blocks then runs eagerly (the
+    refiner builds a dense mask of its own and stays whole in the graph), exact, without a recompile in the
+    next step, and the attention modules are left as they were."""
+    from test_family_hunyuanvideo import _model, hv_inputs
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch._dynamo.utils import counters
+
+    from gradseam.run.compiled import ATTENTION_OUTSIDE
+
+    def longer(g: torch.Generator) -> dict:  # 2 x 6 x 6 video tokens: a bias of 78² beside inputs of 78 x 16
+        from gradseam.testing import randn
+
+        return {**hv_inputs(g), "hidden_states": randn(g, 1, 4, 2, 6, 6, grad=True)}
+
+    # one block of each stream and one refiner block (compiling is the slow part on a CPU)
+    HV = Case("hunyuanvideo-1+1", _model(num_layers=1, num_single_layers=1, num_refiner_layers=1), longer)
+    torch._dynamo.reset()
+    (reference,) = _step(HV, None)
+    torch.manual_seed(HV.seed)
+    model = HV.build()
+    with cpu_test_mode(), gradseam.patch(model, config) as handle:
+        first = run_step(model, HV, seed=1)
+        graphs = counters["stats"]["unique_graphs"]
+        again = run_step(model, HV, seed=1)
+        assert counters["stats"]["unique_graphs"] == graphs, "a second step compiled again"
+        notes = str(handle.summary())
+    assert_same_step(reference, first, atol=COMPILED_TOLERANCE)
+    assert_same_step(first, again)
+    assert f"2 region(s), from transformer_blocks[0]: 4 call(s) with {ATTENTION_OUTSIDE}" in notes
+    assert not any("forward" in vars(m) for m in model.modules() if m is not model), "a module kept a wrapper"
+    # dynamo resumed inside the block after the break: the compiled code lives on the handle's function
+    block_forward = type(model.transformer_blocks[0]).forward.__code__
+    assert not _debug_get_cache_entry_list(block_forward)
+
+
+def test_attention_without_a_broadcast_mask_stays_in_the_compiled_graph():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(WAN.seed)
+    model = WAN.build()
+    with gradseam.patch(model, COMPILE) as handle:
+        run_step(model, WAN)
+        assert not handle.summary().notes
+    assert not counters["graph_break"], f"Wan's compiled blocks broke their graphs: {dict(counters['graph_break'])}"

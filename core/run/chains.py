@@ -153,6 +153,7 @@ class ChainStats:
     chunk_calls: int = 0  # head calls that ran the whole chain
     served: int = 0  # follower calls answered from the chain's kept outputs
     fallbacks: Counter[str] = field(default_factory=Counter)  # cause -> calls that computed alone
+    notes: Counter[str] = field(default_factory=Counter)  # how calls ran as planned, where it is worth telling
 
 
 class _Flight:

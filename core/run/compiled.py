@@ -28,22 +28,71 @@ Why it is built this way (each point a decision, measured on the H200; docs/benc
   another resolution costs no recompile.
 * **CPU: ``aot_eager``.** It runs the same partitioner on the same graph without code generation,
   so the CPU suite checks the budget's recompute bit for bit; CUDA models use inductor.
+* **Attention under a long broadcast mask runs outside the graph.** A block handed a mask broadcast
+  over heads and queries (HunyuanVideo's and HunyuanImage 2.1's ``(B, 1, 1, N)`` key-padding mask)
+  has inductor write that mask out as a dense ``(B, 1, N, N)`` bias for every attention call: its
+  CUDA lowering of the memory-efficient kernel keeps a broadcast dimension only where the next stride
+  is a multiple of 8, and the query dimension's next stride is 1 (``sdpa_constraint`` in
+  ``torch/_inductor/lowering.py``). Measured on the H200 (docs/benchmarks.md), four HunyuanVideo
+  blocks at 32,768 tokens: 51.6 GiB compiled, 8.5 GiB with nothing compiled. Where that bias would
+  hold at least twice the elements of the block's floating inputs (:func:`broadcast_mask`), the block's
+  declared attention submodules run eagerly for the call (a graph break around each, in a compiled
+  function of its own), so the kernel gets the broadcast view as in eager: 6.8 GiB there, at
+  no-checkpointing's step (818 against 815 ms). Shorter sequences stay in the graph: the bias is then small, and
+  the eager attention's own saved tensors cost more (HunyuanImage 2.1 at 1,024 image tokens: 1.68x
+  with them offloaded, against ~1.02x in the graph). Only the attention submodule is taken out of the
+  graph (a torch-function mode around the kernel alone made dynamo break the graph at every
+  ``Tensor.unflatten`` as well); what it saves goes to the same offload group. Dynamo resumes
+  tracing inside the block after the break (``nested_graph_breaks``), so the compiled code stays on
+  this handle's function, not on the block class's ``forward``. ``summary()`` counts these calls.
 """
 
 from __future__ import annotations
 
+import contextlib
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..errors import UnsupportedStrategyError, warn_once
+from ..planning import resolve
 from .chains import ChainStats
 from .scopes import refuse_transforms
 from .unused import UnusedOutputs
 
 TRACED_BY_USER = "traced by your own torch.compile (no memory budget, no offload)"
+
+
+ATTENTION_OUTSIDE = ("attention run outside the compiled graph: the block's mask is broadcast over the queries, "
+                     "which the compiler would write out as a dense bias per attention call")
+
+
+BIAS_OVER_INPUTS = 2  # outside the graph from a dense bias this many times the block's floating inputs
+
+
+def broadcast_mask(args: tuple, kwargs: dict) -> bool:
+    """Whether a block call passes a 4-D mask broadcast over heads and queries, ``(B, 1, 1, N)``, whose dense
+    ``(B, 1, N, N)`` bias would hold at least :data:`BIAS_OVER_INPUTS` times the elements of the block's
+    floating inputs together (hidden states, text states, embeddings).
+
+    The factor sits between two measurements on the H200: HunyuanImage 2.1 at 1,024 image + 1,128 text
+    tokens (bias 1.1x its inputs) is faster with the bias in the graph (~1.02x none, 1.68x with its
+    attention eager and what that saves offloaded); HunyuanVideo at 8,192 tokens (2.6x) is smaller and
+    faster with it out (1.73 GiB at 81 ms against 3.96 GiB at 91 ms, four blocks). Only the block's
+    own arguments are looked at (a mask built inside the block is the compiler's to see); rotary
+    tables and hidden states never have both middle dimensions of size 1 with a longer last one.
+    """
+    values = (*args, *kwargs.values())
+    inputs = sum(v.numel() for v in values if isinstance(v, torch.Tensor) and v.is_floating_point())
+    for value in values:
+        if (isinstance(value, torch.Tensor) and value.dim() == 4 and value.shape[1] == 1 and value.shape[2] == 1
+                and value.shape[3] > 1 and (value.dtype == torch.bool or value.is_floating_point())
+                and value.shape[0] * value.shape[3] ** 2 >= BIAS_OVER_INPUTS * inputs):
+            return True
+    return False
 
 
 def _block_forward(function: Callable[..., Any], module: Any, args: tuple, kwargs: dict) -> Any:
@@ -67,7 +116,8 @@ class CompiledBlocks:
         self.budget = budget
         self.engine = engine
         self.unused = UnusedOutputs(tied)  # an output the loss leaves unused: None gradients, as in eager
-        self._compiled: dict[str, Callable[..., Any]] = {}
+        self._compiled: dict[tuple[str, bool], Callable[..., Any]] = {}
+        self._eager: dict[int, tuple[nn.Module, Any, Callable[..., Any]]] = {}  # id(sub) -> (sub, inner, wrapper)
         self._shapes: set[tuple] = set()  # the input shapes seen with gradients, up to the recompile limit
         self._past_limit = False
 
@@ -97,18 +147,48 @@ class CompiledBlocks:
                 "fixed resolutions (aspect-ratio buckets), or raise torch._dynamo.config.recompile_limit."
             )
 
-    def compiled(self, device: str) -> Callable[..., Any]:
-        found = self._compiled.get(device)
+    def compiled(self, device: str, outside: bool = False) -> Callable[..., Any]:
+        """The compiled block function for ``device``; ``outside``: the one whose blocks run their attention
+        eagerly (its own code object, so graphs with and without the break never evict each other)."""
+        found = self._compiled.get((device, outside))
         if found is None:
             backend = "inductor" if device == "cuda" else "aot_eager"
-            found = self._compiled[device] = torch.compile(_fresh(_block_forward), backend=backend)
+            found = self._compiled[device, outside] = torch.compile(_fresh(_block_forward), backend=backend)
         return found
 
     def functions(self) -> list[Callable[..., Any]]:
-        """The compiled functions made so far (one per device type)."""
+        """The compiled functions made so far (per device type, with and without eager attention)."""
         return list(self._compiled.values())
 
-    def run(self, original: Any, stats: ChainStats, args: tuple, kwargs: dict) -> Any:
+    @contextlib.contextmanager
+    def _attention_eager(self, subs: Sequence[nn.Module]) -> Iterator[None]:
+        """Each of ``subs`` called through a ``torch.compiler.disable``-d forward, for the block call only.
+
+        A submodule's wrapper is made once and kept: dynamo guards on the object it finds there, so a new
+        one per call would recompile every call. Whatever ``forward`` the instance had is put back after.
+        """
+        missing = object()
+        before = []
+        for sub in subs:
+            inner = sub.__dict__.get("forward", missing)
+            cached = self._eager.get(id(sub))
+            if cached is None or cached[0] is not sub or cached[1] is not inner:
+                call = sub.forward if inner is missing else inner
+                cached = self._eager[id(sub)] = (sub, inner, torch.compiler.disable(call, recursive=True))
+            before.append((sub, inner))
+            sub.forward = cached[2]
+        try:
+            with _nested_breaks():
+                yield
+        finally:
+            for sub, inner in before:
+                if inner is missing:
+                    del sub.__dict__["forward"]
+                else:
+                    sub.__dict__["forward"] = inner
+
+    def run(self, original: Any, stats: ChainStats, args: tuple, kwargs: dict,
+            attention: tuple[str, ...] = ()) -> Any:
         if not torch.is_grad_enabled():
             return original(*args, **kwargs)
         if torch.compiler.is_compiling():
@@ -127,14 +207,19 @@ class CompiledBlocks:
         device = _device_of(original.module)
         import torch._functorch.config as functorch_config
 
+        subs = _attention_modules(original.module, attention) if attention and broadcast_mask(args, kwargs) else []
+        if subs:
+            stats.notes[ATTENTION_OUTSIDE] += 1
+        compiled = self.compiled(device, outside=bool(subs))
         try:
-            with functorch_config.patch(activation_memory_budget=self.budget):
+            with functorch_config.patch(activation_memory_budget=self.budget), \
+                    self._attention_eager(subs) if subs else contextlib.nullcontext():
                 if self.engine is None:
-                    outputs = self.compiled(device)(function, module, args, kwargs)
+                    outputs = compiled(function, module, args, kwargs)
                 else:
                     refuse_transforms("gradseam's compiled offload backend")
                     with self.engine.group():
-                        outputs = self.compiled(device)(function, module, args, kwargs)
+                        outputs = compiled(function, module, args, kwargs)
         except Exception as exc:
             if type(exc).__name__ != "BackendCompilerFailed":
                 raise
@@ -158,6 +243,25 @@ class CompiledBlocks:
         )
 
 
+def _attention_modules(block: Any, paths: tuple[str, ...]) -> list[nn.Module]:
+    found = [resolve(block, path) for path in paths]
+    return [sub for sub in found if isinstance(sub, nn.Module)]
+
+
+@contextlib.contextmanager
+def _nested_breaks() -> Iterator[None]:
+    """Dynamo resumes tracing in the block's own frame after a graph break inside it (torch >= 2.9 has the
+    switch); without it the break goes up to the compiled function and the block's forward is compiled
+    as a frame of its own."""
+    from torch._dynamo import config as dynamo_config
+
+    if hasattr(dynamo_config, "nested_graph_breaks"):
+        with dynamo_config.patch(nested_graph_breaks=True):
+            yield
+    else:
+        yield
+
+
 def _call_previous(previous: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return previous(*args, **kwargs)
 
@@ -171,10 +275,10 @@ def _device_of(module: Any) -> str:
 class CompiledMember:
     """One block's seam handler: its counts, and the handle's compiled function."""
 
-    __slots__ = ("blocks", "stats")
+    __slots__ = ("attention", "blocks", "stats")
 
-    def __init__(self, blocks: CompiledBlocks, stats: ChainStats) -> None:
-        self.blocks, self.stats = blocks, stats
+    def __init__(self, blocks: CompiledBlocks, stats: ChainStats, attention: tuple[str, ...] = ()) -> None:
+        self.blocks, self.stats, self.attention = blocks, stats, attention  # attention: the block's submodule paths
 
     def __call__(self, original: Any, args: tuple, kwargs: dict) -> Any:
-        return self.blocks.run(original, self.stats, args, kwargs)
+        return self.blocks.run(original, self.stats, args, kwargs, self.attention)

@@ -128,7 +128,7 @@ def compiled_region(spec: RegionSpec, ctx: Context) -> Installed:
     if blocks is None:
         blocks = ctx.compiled[key] = CompiledBlocks(spec.budget, engine, tied=_tied(ctx.model))
     stats = ChainStats([0])
-    seam = seams.install(spec.modules[0], CompiledMember(blocks, stats), owner=ctx.model)
+    seam = seams.install(spec.modules[0], CompiledMember(blocks, stats, spec.attention), owner=ctx.model)
     return Installed(spec, seams=[seam], stats=stats)
 
 

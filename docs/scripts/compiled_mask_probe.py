@@ -1,22 +1,22 @@
 """Does the compiler write a broadcast attention mask out densely? The probe for HunyuanVideo's compiled OOM.
 
-docs/benchmarks.md (families of issue 26) gives the likely cause, read from inductor's source:
-HunyuanVideo passes every block a ``(B, 1, 1, N)`` key-padding mask, and inductor's CUDA lowering of
-the memory-efficient attention kernel materializes it as a dense ``(B, 1, N, N)`` bias, ~2 N² bytes
-per attention call (8.5 GiB at 540p's 67,576 tokens). This script measures it, one row per token
-count and variant, on a shallow cut of the preset (``--depth``, default 1 unit: 1 + 1 + 2 blocks):
+HunyuanVideo passes every block a ``(B, 1, 1, N)`` key-padding mask; inductor's CUDA lowering of the
+memory-efficient attention kernel (``sdpa_constraint``) materializes it as a dense ``(B, 1, N, N)``
+bias, ~2 N² bytes per attention call (8.5 GiB at 540p's 67,576 tokens). gradseam's compiled backends
+therefore run the attention of blocks handed such a mask outside the compiled graph
+(:mod:`gradseam.run.compiled`). This script measures both on a shallow cut of the preset
+(``--depth``, default 1 unit: 1 + 1 + 2 blocks), one row per token count and variant:
 
 * ``none``: eager, no checkpointing (the reference peak);
-* ``compile``: gradseam's ``compile`` backend (the compiler's partitioner, what it keeps on the GPU);
-* ``compile, attention eager``: the same, with every declared attention submodule run outside the
-  compiled graph (a graph break around it): the candidate fix, whose bias stays the eager kernel's
-  broadcast view.
+* ``compile, attention in graph``: gradseam's ``compile`` backend with the broadcast-mask check
+  switched off, so inductor compiles the attention with the mask (what it did before);
+* ``compile``: the backend as it ships, the attention of such blocks eager.
 
-If the dense bias is the cause, ``compile``'s peak grows with N² (by about 2 N² bytes per
-attention call at least) and the attention-eager variant's does not. Each row reports its first
-step (the compile) apart from the timed steps (measure's warm-up times). On a CPU the compiled rows use ``aot_eager``, which
-does not lower attention, so there the three peaks say nothing about the question; the script
-only checks that it runs. ::
+If the dense bias is the cause, the in-graph row's peak grows with N² (by about 2 N² bytes per
+attention call at least) and the shipped row's does not. Each row reports its first step (the
+compile) apart from the timed steps (measure's warm-up times). On a CPU the compiled rows use
+``aot_eager``, which does not lower attention, so there the peaks say nothing about the question;
+the script only checks that it runs. ::
 
     python docs/scripts/compiled_mask_probe.py --tokens 8192 --tokens 16384 --tokens 32768 --json probe.json
 """
@@ -34,44 +34,38 @@ import torch
 from torch import nn
 
 import gradseam
+from gradseam.run import compiled as compiled_blocks
 from gradseam.tools import measure as measuring
-from gradseam.tools.depth import resolve
-from gradseam.tools.workloads import blocks, build
+from gradseam.tools.workloads import build
 
 COMPILE = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "compile"}
 
 
 @contextmanager
-def attention_eager(model: nn.Module, family: Any) -> Iterator[int]:
-    """Every declared attention submodule's forward behind ``torch.compiler.disable`` (restored after)."""
-    wrapped: list[nn.Module] = []
-    for block in blocks(model, family):
-        for block_class in family.block_classes:
-            for path in block_class.attention:
-                sub = resolve(block, path)
-                if isinstance(sub, nn.Module) and "forward" not in vars(sub):
-                    sub.forward = torch.compiler.disable(sub.forward)
-                    wrapped.append(sub)
+def attention_in_graph() -> Iterator[None]:
+    """gradseam's broadcast-mask check switched off: the compiler sees the attention and its mask."""
+    check = compiled_blocks.broadcast_mask
+    compiled_blocks.broadcast_mask = lambda args, kwargs: False
     try:
-        yield len(wrapped)
+        yield
     finally:
-        for sub in wrapped:
-            del sub.forward
+        compiled_blocks.broadcast_mask = check
 
 
-def measure_row(model: nn.Module, family: Any, inputs: dict[str, Any], label: str, steps: int,
-                device: str) -> dict[str, Any]:
+def measure_row(model: nn.Module, inputs: dict[str, Any], label: str, steps: int, device: str) -> dict[str, Any]:
     row: dict[str, Any] = {"row": label}
     measuring.release(device)
     config = None if label == "none" else COMPILE
     try:
         handle = gradseam.patch(model, config) if config else None
         try:
-            with attention_eager(model, family) if label.endswith("attention eager") else nullcontext(0) as n:
+            with attention_in_graph() if label.endswith("in graph") else nullcontext():
                 got = measuring.measure(measuring.forward_backward(model, inputs), steps=steps, warmup=2,
                                         device=device)
                 row.update(first_step_ms=round(got.warmup_times_ms[0], 1),  # the compile
-                           peak_gib=round(got.peak_gib, 3), step_ms=round(got.step_ms, 1), attention_modules_eager=n)
+                           peak_gib=round(got.peak_gib, 3), step_ms=round(got.step_ms, 1))
+                if handle is not None:
+                    row["notes"] = handle.summary().notes
         finally:
             if handle is not None:
                 handle.remove()
@@ -95,8 +89,8 @@ def main() -> None:
     results = []
     for tokens in args.tokens or [8192]:
         inputs = work.inputs(tokens)
-        for label in ("none", "compile", "compile, attention eager"):
-            row = {"tokens": tokens, **measure_row(work.model, work.family, inputs, label, args.steps, args.device)}
+        for label in ("none", "compile, attention in graph", "compile"):
+            row = {"tokens": tokens, **measure_row(work.model, inputs, label, args.steps, args.device)}
             results.append(row)
             print(json.dumps(row), flush=True)
         del inputs
