@@ -16,7 +16,7 @@ ran and whether it ran as one region.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
@@ -149,14 +149,18 @@ def record_regions(handle: Any) -> Iterator[list[RegionView]]:
         for r in handle.regions():
             old = before.get(r.label)
             calls = tuple(c - (old.calls[i] if old and old.calls else 0) for i, c in enumerate(r.calls))
-            fallbacks = {k: v - (old.fallbacks.get(k, 0) if old else 0) for k, v in r.fallbacks.items()}
             found.append(replace(
                 r, calls=calls, runs=r.runs - (old.runs if old else 0),
                 chunk_calls=r.chunk_calls - (old.chunk_calls if old else 0),
-                served=r.served - (old.served if old else 0), fallbacks={k: v for k, v in fallbacks.items() if v},
-                notes={k: v - (old.notes.get(k, 0) if old else 0) for k, v in r.notes.items()
-                       if v - (old.notes.get(k, 0) if old else 0)},
+                served=r.served - (old.served if old else 0),
+                fallbacks=_since(r.fallbacks, old.fallbacks if old else {}),
+                notes=_since(r.notes, old.notes if old else {}),
             ))
+
+
+def _since(now: Mapping[str, int], before: Mapping[str, int]) -> dict[str, int]:
+    """The counts gained between two readings of a cause -> count map (causes that did not move left out)."""
+    return {k: v - before.get(k, 0) for k, v in now.items() if v != before.get(k, 0)}
 
 
 def assert_regions_ran(regions: list[RegionView], *, what: str = "") -> None:
