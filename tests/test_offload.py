@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -225,6 +226,34 @@ def test_storage_saved_twice_is_copied_once():
         y = (h.sin() + h.cos() + h * h).sum()  # h saved four times
     assert engine.copies == 1
     y.backward()
+
+
+def test_a_save_after_an_in_place_edit_is_a_copy_of_its_own():
+    """A processor saves its query once for a side statistic, scales it in place (a softmax temperature),
+    then the kernel saves it again: the second save must come back with the scaled bytes (it came back
+    with the first pack's, and the version check passed), the statistic's own backward still raises."""
+    def run(engine):
+        x = torch.randn(8, 8, requires_grad=True)
+        w = torch.randn(8, 8, requires_grad=True)
+        context = engine.group() if engine is not None else contextlib.nullcontext()
+        with context:
+            q = x @ w
+            statistic = q.square().mean()  # saves q at version 0
+            with torch.no_grad():
+                q.mul_(0.5)  # version 1
+            out = (q * w).sum()  # saves q again, at version 1
+        out.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            statistic.backward()
+        return x.grad, w.grad
+
+    torch.manual_seed(0)
+    want = run(None)
+    torch.manual_seed(0)
+    engine = _engine()
+    got = run(engine)
+    assert engine.copies == 4  # x, w (saved twice, copied once), q before and q after the edit
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
 
 
 def test_in_place_modification_of_a_saved_tensor_still_raises():

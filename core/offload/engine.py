@@ -22,8 +22,9 @@ How the copies stay off the critical path (each point is a decision, not an acci
   CPU once their copies complete would not work: the CPU runs far ahead of the GPU, so at pack
   time almost no copy has completed yet, and nothing would ever be freed in time.
 * **One copy per storage.** q, k and v are often views of one projection; the Linear layers of one
-  attention save the same input three times. Packs are keyed by storage (within a group), the
-  storage span is copied once, and each view is rebuilt with its own size, stride and offset.
+  attention save the same input three times. Packs are keyed by storage and version (within a
+  group), the storage span is copied once, and each view is rebuilt with its own size, stride and
+  offset. A save after an in-place edit has another version, so it gets a copy of its own.
 * **Pinned buffers from a pool.** Pinning costs ~1 s/GiB, so buffers are pooled by size class and
   dtype (at most ``max_buckets`` classes) and reused across steps; a size with no bucket under the
   cap, or a failed pinning, falls back to pageable memory (warning once for the failure). The pool
@@ -153,7 +154,7 @@ class _Group:
 
     def __init__(self, engine: OffloadEngine) -> None:
         self.engine = engine
-        self.by_storage: dict[tuple[int, int, int], _Stored] = {}
+        self.by_storage: dict[tuple[int, int, int, int], _Stored] = {}
         self.stored: list[weakref.ref[_Stored]] = []
         self.closed = False
         self.prefetched = False
@@ -303,7 +304,10 @@ class OffloadEngine:
             span_lo, span_hi = 0, storage.nbytes()
         else:  # keep the view's alignment in the reloaded copy (kernels pick vector widths by address)
             span_lo -= span_lo % _ALIGN
-        key = (storage.data_ptr(), span_lo, span_hi)
+        # The version is part of the key: a tensor saved, edited in place, then saved again (a processor that
+        # scales its query in place between two uses) holds other bytes the second time, so it is a copy of
+        # its own; the first pack keeps the bytes it saw, and its version check still guards its backward.
+        key = (storage.data_ptr(), span_lo, span_hi, t._version)
         stored = group.by_storage.get(key)
         if stored is None:
             stored = self._copy_out(group, t, storage, span_lo, span_hi)
