@@ -8,7 +8,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .config import BACKENDS, CheckpointConfig
-from .errors import GradseamError, PluginConflictError, UnsupportedModelError, UnsupportedStrategyError
+from .errors import (
+    ConfigFileNotFoundError,
+    GradseamError,
+    PluginConflictError,
+    UnsupportedModelError,
+    UnsupportedStrategyError,
+)
 from .family import BlockClass, BlockList, Carry, Family, Preset
 from .hookspecs import hookimpl
 
@@ -27,6 +33,7 @@ __all__ = [
     "BlockList",
     "Carry",
     "CheckpointConfig",
+    "ConfigFileNotFoundError",
     "Family",
     "GradseamError",
     "PluginConflictError",
@@ -50,10 +57,16 @@ def patch(target: Any, config: Any = None, **kwargs: Any) -> PatchHandle | Pipel
     """Patch a diffusers model (or every supported component of a pipeline).
 
     ``config`` is a :class:`CheckpointConfig`, a mapping of the config keys, the path of a JSON
-    config file, or omitted in favour of keyword arguments (which override it key by key). Anything
-    else (``True``, ``0``, a list) is a ``TypeError`` rather than a silent fall back to the defaults,
-    and every keyword is read as a config key: to pick the gradseam keys out of a whole trainer
-    config, pass ``CheckpointConfig.from_dict(trainer_config, ignore_unknown=True)`` as ``config``.
+    config file, or omitted in favour of keyword arguments (which override it key by key). The keys
+    are merged as given and resolved once, so any mix gives the config of the same keys in one dict
+    (:meth:`CheckpointConfig.coerce`). Anything else (``True``, ``0``, a list) is a ``TypeError``
+    rather than a silent fall back to the defaults, and every keyword is read as a config key: to
+    pick the gradseam keys out of a whole trainer config, pass
+    ``CheckpointConfig.from_dict(trainer_config, ignore_unknown=True)`` as ``config``. A path that
+    names no file is a :class:`ConfigFileNotFoundError` (a ``FileNotFoundError``).
+
+    A model inside a thin wrapper (PEFT's ``PeftModel``, ``DistributedDataParallel`` and other
+    wrappers holding it as ``.module``) is unwrapped: the diffusers model inside is patched.
     Returns a handle whose ``remove()`` restores the model exactly.
     """
     from .patcher import patch as _patch
@@ -72,10 +85,17 @@ def advise(model: Any, example_inputs: Any, budget: str | float, *args: Any, **k
 
 
 def handle_of(model: Any) -> PatchHandle | None:
-    """The active patch handle of a model, or None."""
+    """The active patch handle of a model (or of the model inside a wrapper ``patch`` unwraps), or None."""
     from .patcher import handle_of as _handle_of
+    from .patcher import unwrap_model
 
-    return _handle_of(model)
+    return _handle_of(unwrap_model(model)[0]) if _is_module(model) else None
+
+
+def _is_module(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, torch.nn.Module)
 
 
 def patching(config: Any = None, **kwargs: Any) -> AbstractContextManager[list[PatchHandle]]:

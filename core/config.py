@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from .backends import CATALOG
-from .errors import warn_once
+from .errors import ConfigFileNotFoundError, warn_once
 
 BACKENDS: tuple[str, ...] = tuple(CATALOG)
 DEFAULT_PIN_BUCKETS = 12
@@ -178,6 +178,83 @@ def _config_type_error(value: Any) -> TypeError:
     )
 
 
+_PREFIX = "gradient_checkpointing_"
+
+# What to do about an unknown key depends on where it was written: only from_dict / from_json take
+# ignore_unknown (patch() and patching() read every keyword as a key and refuse ignore_unknown).
+REMEDY_FROM_DICT = "Pass ignore_unknown=True to read the gradseam keys out of a larger trainer config."
+REMEDY_PATCH = (
+    "gradseam.patch() and gradseam.patching() read every key of a mapping and every keyword argument as a "
+    "gradseam config key (they take no ignore_unknown); to read the gradseam keys out of a larger trainer "
+    "config, pass CheckpointConfig.from_dict(trainer_config, ignore_unknown=True) as the config."
+)
+
+
+def _remedy_file(path: str) -> str:
+    return (f"To read the gradseam keys out of a whole trainer config file, pass "
+            f"CheckpointConfig.from_json({path!r}, ignore_unknown=True) as the config.")
+
+
+def suggest_key(key: Any, known: tuple[str, ...] | None = None) -> str | None:
+    """The config key ``key`` most likely stands for: a typo (``gradient_checkpointing_intervall``), a
+    short name without the prefix (``backend``, ``interval``, ``stride``, ``budget``), a flag's
+    spelling (``--segment-stride``) or another case; None when nothing is close."""
+    known = tuple(known or CheckpointConfig.keys())
+    written = str(key)
+    text = written.strip().lstrip("-").replace("-", "_").lower()
+    if text in known:
+        return text
+    if text == "checkpointing":
+        return "gradient_checkpointing"
+    if _PREFIX + text in known:
+        return _PREFIX + text
+    close = difflib.get_close_matches(written, sorted(known), n=1, cutoff=0.6)
+    if close:
+        return close[0]
+    shorts = {k.removeprefix(_PREFIX): k for k in known if k.startswith(_PREFIX)}
+    close = difflib.get_close_matches(text.removeprefix(_PREFIX), sorted(shorts), n=1, cutoff=0.75)
+    if close:
+        return shorts[close[0]]
+    ends = [k for k in known if text and k.endswith("_" + text)]
+    return ends[0] if len(ends) == 1 else None
+
+
+def _unknown_key_error(key: Any, remedy: str, where: str = "") -> ValueError:
+    known = sorted(CheckpointConfig.keys())
+    close = suggest_key(key, tuple(known))
+    hint = f" Did you mean '{close}'?" if close else ""
+    return ValueError(f"unknown gradseam config key {key!r}{where}.{hint} Valid keys: {known}. {remedy}")
+
+
+def read_json_keys(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The keys of a JSON config file as written (nothing resolved), every file-level mistake named."""
+    where = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as file:
+            text = file.read()
+    except FileNotFoundError:
+        raise ConfigFileNotFoundError(
+            where,
+            f"gradseam config file {where!r} does not exist (looked for {os.path.abspath(where)!r}). A str or "
+            "os.PathLike config is read as the path of a JSON file holding an object of gradseam config keys, "
+            'such as {"gradient_checkpointing": true}; check the path, or pass the keys as a dict, a '
+            "CheckpointConfig or keyword arguments.",
+        ) from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"gradseam config file {where!r} is not UTF-8 text: {exc}") from None
+    duplicates = _Duplicates()
+    try:
+        data = json.loads(text, object_pairs_hook=duplicates, parse_int=_json_int)
+    except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nesting too deep
+        raise ValueError(f"gradseam config file {where!r} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError(
+            f"gradseam config file {where!r} must hold a JSON object of keys, got {type(data).__name__}."
+        )
+    _check_json(where, data, duplicates)
+    return data
+
+
 # Keys that only act with checkpointing on: setting one (and leaving gradient_checkpointing out) turns it
 # on; setting one beside an explicit `gradient_checkpointing: false` warns (CheckpointConfig.warn_if_idle).
 # Attention offload and the pinned pool work without checkpointing, so they turn nothing on.
@@ -258,7 +335,8 @@ class CheckpointConfig:
                 allow_none=False,
             ),
         )
-        set_(self, "_left_out", auto)  # not a field: how the value came, for warn_if_idle only
+        set_(self, "_left_out", auto)  # not fields: how the values came (warn_if_idle, given_keys)
+        set_(self, "_backend_given", given_backend)
         if auto:
             # The one rule of patch(), patching() and `gradseam run`: left out, checkpointing is on when
             # a key that only acts with it is set (the backend even at "torch"; the others away from
@@ -323,21 +401,39 @@ class CheckpointConfig:
     def keys(cls) -> tuple[str, ...]:
         return tuple(f.name for f in fields(cls))
 
+    def given_keys(self) -> dict[str, Any]:
+        """The keys as they were given, before the defaults were resolved: every field, except
+        ``gradient_checkpointing`` where it was left out and ``gradient_checkpointing_backend`` where it
+        was not given (left out, they are decided from the other keys). What a config contributes
+        when ``patch()`` merges keyword arguments over it: ``CheckpointConfig.from_dict(given_keys())``
+        equals the config, and so does the merge of the same keys from any sources."""
+        keys = asdict(self)
+        if getattr(self, "_left_out", False):
+            del keys["gradient_checkpointing"]
+        if not getattr(self, "_backend_given", True):
+            del keys[BACKEND_KEY]
+        return keys
+
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, ignore_unknown: bool = False) -> CheckpointConfig:
         """Read the gradseam keys from a mapping; with ``ignore_unknown`` a whole trainer config can be passed."""
         if not isinstance(data, Mapping):
             raise TypeError(f"gradseam config must be a mapping of keys to values, got {type(data).__name__}.")
+        return cls._resolve(data, REMEDY_FROM_DICT, ignore_unknown=ignore_unknown)
+
+    @classmethod
+    def _resolve(cls, data: Mapping[str, Any], remedy: str, *, ignore_unknown: bool = False,
+                 origin: Mapping[str, str] | None = None) -> CheckpointConfig:
+        """The one resolution of user keys: unknown keys refused (with ``remedy``, and the file a key came
+        from per ``origin``), written nulls refused where null means "not given", then the defaults."""
         known = set(cls.keys())
         unknown = [k for k in data if k not in known]
         if unknown and not ignore_unknown:
             key = unknown[0]
-            close = difflib.get_close_matches(str(key), sorted(known), n=1, cutoff=0.6)
-            hint = f" Did you mean '{close[0]}'?" if close else ""
-            raise ValueError(
-                f"unknown gradseam config key {key!r}.{hint} Valid keys: {sorted(known)}. "
-                "Pass ignore_unknown=True to read the gradseam keys out of a larger trainer config."
-            )
+            path = (origin or {}).get(key)
+            if path is not None:
+                raise _unknown_key_error(key, _remedy_file(path), f" in gradseam config file {path!r}")
+            raise _unknown_key_error(key, remedy)
         keys = {k: v for k, v in data.items() if k in known}
         if "gradient_checkpointing" in keys and keys["gradient_checkpointing"] is None:
             _parse_bool("gradient_checkpointing", None)  # a written null is refused like any non-bool
@@ -347,29 +443,22 @@ class CheckpointConfig:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str], *, ignore_unknown: bool = False) -> CheckpointConfig:
-        try:
-            with open(path, encoding="utf-8") as file:
-                text = file.read()
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"gradseam config file {os.fspath(path)!r} is not UTF-8 text: {exc}") from None
-        duplicates = _Duplicates()
-        try:
-            data = json.loads(text, object_pairs_hook=duplicates, parse_int=_json_int)
-        except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nesting too deep
-            raise ValueError(f"gradseam config file {os.fspath(path)!r} is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise ValueError(
-                f"gradseam config file {os.fspath(path)!r} must hold a JSON object of keys, "
-                f"got {type(data).__name__}."
-            )
-        _check_json(os.fspath(path), data, duplicates)
-        return cls.from_dict(data, ignore_unknown=ignore_unknown)
+        """Read the gradseam keys from a JSON file (an object of keys). A missing file is a
+        :class:`gradseam.errors.ConfigFileNotFoundError` (a ``FileNotFoundError``)."""
+        return cls.from_dict(read_json_keys(path), ignore_unknown=ignore_unknown)
 
     @classmethod
     def coerce(
         cls, value: CheckpointConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None, **kwargs: Any
     ) -> CheckpointConfig:
         """Accept what ``patch`` accepts: a config, a mapping, a JSON file path, or keyword arguments.
+
+        One rule whatever the mix: the keys as given (a file's or a mapping's keys as written, a
+        config's :meth:`given_keys`), then the keyword arguments over them key by key, resolved once,
+        so the result is the config of the same keys in one dict (and what ``gradseam run --config FILE``
+        with the same keys as options gives). A key left out is decided from the merged keys, never
+        from a source's own defaults: a file without ``gradient_checkpointing`` plus
+        ``gradient_checkpointing_backend="torch"`` checkpoints.
 
         Anything else is a TypeError rather than falling back to the defaults: ``patch(model, True)``
         or ``patch(model, [])`` would otherwise train without checkpointing while the user believes
@@ -383,22 +472,27 @@ class CheckpointConfig:
                 "CheckpointConfig.from_dict(trainer_config, ignore_unknown=True) (or "
                 "CheckpointConfig.from_json(path, ignore_unknown=True)) as the config."
             )
+        origin: dict[str, str] = {}
         if isinstance(value, (str, os.PathLike)):
             if isinstance(value, str) and value.lstrip().startswith("{") and not os.path.exists(value):
                 raise ValueError(
                     "gradseam: a str config is read as the path of a JSON file, but this one looks like JSON "
                     "text; pass json.loads(text) instead."
                 )
-            value = cls.from_json(value)
+            path = os.fspath(value)
+            value = read_json_keys(path)
+            origin = dict.fromkeys(value, path)
         if isinstance(value, CheckpointConfig):
-            if kwargs:
-                return cls.from_dict({**asdict(value), **kwargs})  # unknown kwargs get the key suggestion
-            return value
-        if value is None:
-            return cls.from_dict(kwargs)
-        if not isinstance(value, Mapping):
+            if not kwargs:
+                return value
+            value = value.given_keys()
+        elif value is None:
+            value = {}
+        elif not isinstance(value, Mapping):
             raise _config_type_error(value)
-        return cls.from_dict({**value, **kwargs})
+        for key in kwargs:
+            origin.pop(key, None)  # a keyword replaces the file's key
+        return cls._resolve({**value, **kwargs}, REMEDY_PATCH, origin=origin)
 
     def to_dict(self) -> dict[str, Any]:
         """The keys as a trainer would write them (JSON-ready)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import warnings
@@ -19,6 +20,25 @@ class UnsupportedModelError(GradseamError, TypeError):
 
 class UnsupportedStrategyError(GradseamError, ValueError):
     """The family cannot run the requested strategy safely (e.g. no FFN boundary for ``-ffn``)."""
+
+
+class ConfigFileNotFoundError(FileNotFoundError):
+    """A config given as a path (``gradseam.patch(model, "gradseam.json")``) names no file.
+
+    A ``FileNotFoundError`` (``errno``, ``strerror`` and ``filename`` as ``open()`` sets them), so code
+    catching the plain error or ``OSError`` keeps working; its message says which path was read
+    (and from which directory) and what was expected there.
+    """
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(errno.ENOENT, os.strerror(errno.ENOENT), path)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return type(self), (self.filename, self.message)
 
 
 class PluginError(GradseamError):

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .errors import warn_once
-from .planning import Plan, plan, resolve, unwrap
+from .planning import Plan, cpu_sibling, plan, resolve, unwrap
 from .summary import RegionView, Summary
 
 if TYPE_CHECKING:
@@ -84,13 +84,18 @@ class _ModelHooks:
                 warn_once(
                     f"gradseam: {type(handle.model).__name__} is training on the CPU with "
                     f"{handle._offload_what()}; nothing is offloaded until the model is on a GPU "
-                    "(model.to('cuda')). On the CPU the step runs as with the 'torch' / 'torch-ffn' "
-                    "backend; summary() says 'offload pending' until then."
+                    f"(model.to('cuda')). On the CPU the step runs as with {handle._runs_as_on_cpu()}; "
+                    "summary() says 'offload pending' until then."
                 )
 
 
 class PatchHandle:
-    """A patched model: ``.remove()`` undoes everything, ``.summary()`` says what was done."""
+    """A patched model: ``.remove()`` undoes everything, ``.summary()`` says what was done.
+
+    ``model`` is the diffusers model patched (the one inside a wrapper ``patch`` unwrapped); ``active``
+    is true until ``remove()`` or until a later ``patch()`` of the same model replaces this patch,
+    which then sits in ``replaced_by`` (``remove()`` on a replaced handle warns and changes nothing).
+    """
 
     def __init__(self, model: nn.Module, plan: Plan) -> None:
         self.model = model
@@ -106,6 +111,7 @@ class PatchHandle:
         self.engine: Any = None  # the OffloadEngine, for offload configurations
         self.deferred_device = False  # load-time patching: offload starts once the model is on a GPU
         self.active = False
+        self.replaced_by: PatchHandle | None = None  # the later patch() of the same model that replaced this one
 
     def _install(self) -> None:
         model, config = self.model, self.config
@@ -183,6 +189,13 @@ class PatchHandle:
     def _offload_what(self) -> str:
         return " and ".join(self.plan.strategy.offloaded())
 
+    def _runs_as_on_cpu(self) -> str:
+        backend = self.plan.strategy.backend
+        if backend is None:
+            return "no checkpointing and nothing offloaded"
+        return f"the {cpu_sibling(backend)!r} backend" + (" and no attention offload"
+                                                          if self.plan.strategy.attention_offload else "")
+
     def regions(self) -> tuple[RegionView, ...]:
         """What this handle installed, region by region, with how each has run so far (read-only;
         the counts stay readable after ``remove()``)."""
@@ -194,8 +207,17 @@ class PatchHandle:
             self._installed.follow()
 
     def remove(self) -> None:
-        """Restore the model exactly as it was (idempotent)."""
+        """Restore the model exactly as it was (idempotent). On a handle that a later ``patch()`` of the
+        same model replaced, it changes nothing (the later patch is the model's) and warns, naming the
+        handle to remove instead."""
         if not self.active:
+            if self.replaced_by is not None:
+                warn_once(
+                    f"gradseam: remove() on a replaced handle does nothing: this patch of {type(self.model).__name__} "
+                    f"({self.config.describe()}) was replaced by a later gradseam.patch() of the same model, "
+                    f"{self.replaced_by!r}. To restore the model, remove that handle "
+                    "(gradseam.handle_of(model).remove())."
+                )
             return
         self._uninstall_regions()
         for name in ("enable_gradient_checkpointing", "disable_gradient_checkpointing"):
@@ -224,11 +246,15 @@ class PatchHandle:
         self.remove()
 
     def summary(self) -> Summary:
-        return Summary.of(self.plan, self.regions(), pending=self.offload_pending(),
-                          model_name=type(self.model).__name__)
+        summary = Summary.of(self.plan, self.regions(), pending=self.offload_pending(),
+                             model_name=type(self.model).__name__, device=model_device(self.model))
+        if not self.active and self.replaced_by is not None:
+            summary.notes.append(f"replaced by a later gradseam.patch() of this model ({self.replaced_by!r}): "
+                                 "this patch no longer runs; the model's summary is that handle's")
+        return summary
 
     def __repr__(self) -> str:
-        state = "active" if self.active else "removed"
+        state = "active" if self.active else "replaced by a later patch" if self.replaced_by is not None else "removed"
         return f"<gradseam patch {self.family.name} [{self.config.describe()}] {state}>"
 
 

@@ -47,7 +47,15 @@ from typing import Any
 from torch import nn
 
 from .config import CheckpointConfig
-from .patcher import PatchHandle, PipelineHandle, handle_of, patch_model, patch_models, pipeline_components
+from .patcher import (
+    PatchHandle,
+    PipelineHandle,
+    handle_of,
+    patch_model,
+    patch_models,
+    pipeline_components,
+    unwrap_model,
+)
 from .registry import REGISTRY
 
 # (module, class, classmethod) of every loader that builds a model or a pipeline
@@ -181,7 +189,7 @@ def handles(target: Any) -> PatchHandle | PipelineHandle | None:
     however they were patched (at load time, by ``gradseam.patch``, or passed in patched).
     """
     if isinstance(target, nn.Module):
-        return handle_of(target)
+        return handle_of(unwrap_model(target)[0])  # a PeftModel or DDP wrapper: the model inside
     components = pipeline_components(target)
     if components is None:
         raise TypeError(f"gradseam.handles expects a diffusers model or pipeline, got {type(target).__name__}.")

@@ -7,17 +7,21 @@ was installed.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
 
+from .backends import Scope
 from .config import CheckpointConfig
 from .errors import PLUGIN_GUIDE, UnsupportedModelError, UnsupportedStrategyError
 from .family import Family
 from .handle import PatchHandle, PipelineHandle, handle_of, model_device
 from .planning import (  # noqa: F401 - GradseamWarning and warned are re-exported for callers of this module
     GradseamWarning,
+    cpu_sibling,
+    is_optimized,
     plan,
     resolve,
     unwrap,
@@ -29,7 +33,23 @@ from .spec import Plan, RegionSpec  # noqa: F401 - re-exported for callers of th
 from .summary import RegionView
 
 __all__ = ["PatchHandle", "PipelineHandle", "RegionView", "family_for", "handle_of", "patch", "patch_model",
-           "patch_models"]
+           "patch_models", "unwrap_model"]
+
+
+def _cpu_instead(planned: Plan) -> str:
+    """What runs on a CPU model instead of what offloads: the backend's sibling that keeps its scope and
+    runner but offloads nothing (``unsloth`` -> ``torch``, ``unsloth-ffn`` -> ``torch-ffn``,
+    ``unsloth-compile`` -> ``compile``), and attention offload left out."""
+    steps = []
+    backend = planned.strategy.backend
+    if backend is not None and backend.offloads:
+        sibling = cpu_sibling(backend)
+        steps.append(f"backend {sibling!r} (what {backend.name!r} does, keeping its activations in the model's memory)")
+    if planned.strategy.attention_offload:
+        steps.append("no gradient_checkpointing_offload_attention"
+                     + (" (gradient_checkpointing_keep_attention keeps the kernel outputs in the model's memory instead)"
+                        if backend is not None and backend.scope is Scope.BLOCK and backend.kept_attention else ""))
+    return " and ".join(steps)
 
 
 def _check_offload_device(model: nn.Module, config: CheckpointConfig, planned: Plan) -> None:
@@ -41,19 +61,80 @@ def _check_offload_device(model: nn.Module, config: CheckpointConfig, planned: P
             f"{' and '.join(wants)} {'moves' if len(wants) == 1 else 'move'} activations from GPU to CPU "
             f"memory and {'needs' if len(wants) == 1 else 'need'} a CUDA model, but "
             f"{type(model).__name__} is on the CPU. Move the model to a GPU first (model.to('cuda')), "
-            "or use backend 'torch' / 'torch-ffn' on the CPU."
+            f"or on the CPU use {_cpu_instead(planned)}."
         )
 
 
-def family_for(model: nn.Module) -> Family:
+def _handled(module: Any) -> bool:
+    return isinstance(module, nn.Module) and REGISTRY.for_model_type(type(module)) is not None
+
+
+def _wrapped(module: nn.Module) -> tuple[str, nn.Module] | None:
+    """The module a thin wrapper holds, with the attribute path to it, or None for anything else:
+    PEFT's ``PeftModel`` (``base_model.model``) and its tuner (``LoraModel.model``), and wrappers
+    that hold the model as their ``module`` submodule (torch's ``DistributedDataParallel``, tested;
+    ``DataParallel`` and accelerate's or DeepSpeed's engines follow the same pattern)."""
+    peft = sys.modules.get("peft")
+    if peft is not None:
+        peft_model = getattr(peft, "PeftModel", None)
+        if peft_model is not None and isinstance(module, peft_model):
+            inner = module.get_base_model()
+            if isinstance(inner, nn.Module) and inner is not module:
+                base = module._modules.get("base_model")
+                path = "base_model.model" if base is not None and getattr(base, "model", None) is inner else "base_model"
+                return path, inner
+        tuners = sys.modules.get("peft.tuners.tuners_utils")
+        base_tuner = getattr(tuners, "BaseTuner", None)
+        if base_tuner is not None and isinstance(module, base_tuner) and isinstance(module._modules.get("model"), nn.Module):
+            return "model", module._modules["model"]
+    inner = module._modules.get("module")
+    if isinstance(inner, nn.Module) and not is_optimized(module):
+        return "module", inner
+    return None
+
+
+def unwrap_model(target: nn.Module) -> tuple[nn.Module, str]:
+    """The diffusers model inside the thin wrappers trainers pass (:func:`_wrapped`), and the attribute
+    path to it (``""`` for a model passed as it is). A module a family handles is never unwrapped."""
+    model, path = target, ""
+    while not _handled(model):
+        found = _wrapped(model)
+        if found is None:
+            break
+        attr, model = found
+        path = f"{path}.{attr}" if path else attr
+    return model, path
+
+
+def family_for(model: nn.Module, *, outer: nn.Module | None = None, path: str = "") -> Family:
+    """The family of ``model``; ``outer`` and ``path``: the wrapper it was unwrapped from, for the message."""
     family = REGISTRY.for_model_type(type(model))
     if family is None:
         installed = ", ".join(f.name for f in REGISTRY.families()) or "none"
+        inside = ""
+        if outer is not None and path:
+            inside = f" (found inside the {type(outer).__name__} passed, at .{path})"
         raise UnsupportedModelError(
-            f"no gradseam family handles {type(model).__module__}.{type(model).__qualname__}. "
-            f"Installed families: {installed}. To support it, install or write a plugin: see {PLUGIN_GUIDE}."
+            f"no gradseam family handles {type(model).__module__}.{type(model).__qualname__}{inside}. "
+            f"{_pass_instead(model)}Installed families: {installed}. To support it, install or write a plugin: "
+            f"see {PLUGIN_GUIDE}."
         )
     return family
+
+
+def _pass_instead(model: nn.Module) -> str:
+    """For a wrapper no family handles: the attribute holding a model one does, to pass instead."""
+    if is_optimized(model) and isinstance(model._modules.get("_orig_mod"), nn.Module):
+        inner = model._modules["_orig_mod"]
+        return (f"It is torch.compile's wrapper around {type(inner).__name__} (its ._orig_mod): patch the model "
+                "before compiling it (gradseam.patch(model, ...), then torch.compile(model)); the compiled "
+                "wrapper of a patched model runs the patch. ")
+    found = [(name, m) for name, m in model.named_modules() if name and _handled(m)]
+    if not found:
+        return ""
+    name, inner = min(found, key=lambda nm: nm[0].count("."))
+    return (f"Its submodule .{name} is a {type(inner).__name__}, which family "
+            f"{REGISTRY.for_model_type(type(inner)).name!r} handles: pass that (gradseam.patch(model.{name}, ...)). ")
 
 
 def patch_models(
@@ -79,12 +160,15 @@ def patch_models(
                 replaced.append(previous)
             handle = PatchHandle(model, plans[name])
             handle.deferred_device = not check_device
+            if previous is not None:
+                previous.replaced_by = handle  # its remove() says so, and which handle to remove
             handle._install()
             done[name] = handle
     except BaseException:
         for handle in done.values():
             handle.remove()
         for previous in replaced:  # put back what the failed patch replaced
+            previous.replaced_by = None
             previous.plan = plan(previous.model, previous.family, previous.config)
             previous._install()
         raise
@@ -112,7 +196,10 @@ def patch(
     if components is None:
         if not isinstance(target, nn.Module):
             raise TypeError(f"gradseam.patch expects a diffusers model or pipeline, got {type(target).__name__}.")
-        return patch_model(target, cfg)
+        model, path = unwrap_model(target)  # PeftModel, DDP-style .module: the diffusers model inside
+        if path:  # refused naming the wrapper and what to pass; a model passed as it is: patch_model refuses
+            family_for(model, outer=target, path=path)
+        return patch_model(model, cfg)
     supported = {n: m for n, m in components.items() if REGISTRY.for_model_type(type(m)) is not None}
     if not supported:
         installed = ", ".join(f.name for f in REGISTRY.families()) or "none"

@@ -56,13 +56,13 @@ def unwrap(module: nn.Module) -> nn.Module:
     while True:
         inner = getattr(module, "_checkpoint_wrapped_module", None)
         if not isinstance(inner, nn.Module):
-            inner = module._modules.get("_orig_mod") if _is_optimized(module) else None
+            inner = module._modules.get("_orig_mod") if is_optimized(module) else None
         if not isinstance(inner, nn.Module):
             return module
         module = inner
 
 
-def _is_optimized(module: nn.Module) -> bool:
+def is_optimized(module: nn.Module) -> bool:
     return type(module).__name__ == "OptimizedModule" and type(module).__module__.startswith("torch._dynamo")
 
 
@@ -79,7 +79,7 @@ def _refuse_user_compiled(model: nn.Module, family: Family, backend: Backend) ->
         )
     for block_list in family.block_lists:
         for index, outer in enumerate(resolve(model, block_list.path) or ()):
-            if _is_optimized(outer) or getattr(unwrap(outer), "_compiled_call_impl", None) is not None:
+            if is_optimized(outer) or getattr(unwrap(outer), "_compiled_call_impl", None) is not None:
                 raise UnsupportedStrategyError(
                     f"{type(model).__name__}.{block_list.path}[{index}] is already compiled with torch.compile "
                     f"(torch.compile(block), block.compile() or compile_repeated_blocks), and backend "
@@ -87,6 +87,35 @@ def _refuse_user_compiled(model: nn.Module, family: Family, backend: Backend) ->
                     "model and let the backend compile (remove your torch.compile of the blocks), or keep your "
                     "compile with a non-compiling backend such as 'torch'."
                 )
+
+
+LAYERWISE_CASTING = "layerwise_casting"  # the name diffusers registers its casting hook under
+
+
+def layerwise_cast(module: nn.Module) -> list[str]:
+    """The submodules of ``module`` under diffusers' layerwise casting (``enable_layerwise_casting``)."""
+    found = []
+    for name, sub in module.named_modules():
+        registry = getattr(sub, "_diffusers_hook", None)
+        get = getattr(registry, "get_hook", None)
+        if get is not None and get(LAYERWISE_CASTING) is not None:
+            found.append(name or type(module).__name__)
+    return found
+
+
+def refuse_layerwise_casting(model: nn.Module, backend: str) -> None:
+    """diffusers' layerwise casting stores weights in one dtype and casts them per call in a hook that swaps
+    ``.data``; traced by the compiler, the backward of a compiled block then multiplies float32 by float16
+    ("expected m1 and m2 to have the same dtype"), deep in the first step. Refused before anything runs."""
+    cast = layerwise_cast(model)
+    if cast:
+        raise UnsupportedStrategyError(
+            f"backend {backend!r} cannot compile blocks under diffusers' layerwise casting (enabled on "
+            f"{len(cast)} modules of {type(model).__name__}, e.g. {cast[0]!r}): the compiled backward fails on "
+            "the mixed dtypes. Use an eager backend ('unsloth' with gradient_checkpointing_offload_attention, "
+            "or 'torch'), which run layerwise casting exactly, or store the weights in the compute dtype "
+            "(model.to(torch.bfloat16)) instead of layerwise casting."
+        )
 
 
 def _externally_checkpointed(model: nn.Module) -> set[int]:
@@ -186,6 +215,16 @@ def _refuse_shared(model: nn.Module, family: Family, lists: list[tuple[BlockList
                 )
 
 
+def cpu_sibling(backend: Backend) -> str:
+    """The backend that does what ``backend`` does (same scope, same runner) without offloading: what a
+    CPU model can run instead, and what an offload backend runs as while its model is on the CPU
+    (``unsloth`` -> ``torch``, ``unsloth-ffn`` -> ``torch-ffn``, ``unsloth-compile`` -> ``compile``)."""
+    if not backend.offloads:
+        return backend.name
+    return next((b.name for b in CATALOG.values()
+                 if b.runner == backend.runner and b.scope is backend.scope and not b.offloads), "torch")
+
+
 def check_config(config: CheckpointConfig) -> None:
     """Refuse a setting the backend does not do, whatever the model (its catalog entry says): never
     silently ignored. Model-free, so ``gradseam run`` refuses these before the program starts."""
@@ -255,6 +294,41 @@ def _check_strategy(family: Family, config: CheckpointConfig, strategy: Strategy
             )
 
 
+def _warn_longer_than_lists(model: nn.Module, config: CheckpointConfig, strategy: Strategy,
+                            lists: list[tuple[BlockList, list[nn.Module]]]) -> None:
+    """An interval or a stride longer than every block list is accepted (the same config may serve a
+    deeper model), but does not do what it says here: say what runs instead."""
+    backend = strategy.backend
+    lengths = [(bl, len(blocks)) for bl, blocks in lists]
+    if backend is None or not lengths or max(n for _, n in lengths) == 0:
+        return
+    name = type(model).__name__
+    stride, interval = config.stride, config.interval
+    longest = max(n for _, n in lengths)
+    if stride is not None and stride > longest:
+        kept = sum(min(interval, n) for _, n in lengths)
+        plain = sum(n for _, n in lengths) - kept
+        shown = ", ".join(f"{bl.path}: {n}" for bl, n in lengths)
+        warn_once(
+            f"gradient_checkpointing_segment_stride={stride} is longer than every block list of {name} ({shown}): "
+            f"each list holds one window of the stride, so backend {backend.name!r} takes only the first {interval} "
+            f"block(s) of each list ({kept} block(s) in all) and the other {plain} run without checkpointing "
+            f"(their activations kept). Use a stride of at most {longest} to repeat the pattern along the lists, "
+            "or leave the stride out to checkpoint every block."
+        )
+        return
+    chunkable = [(bl, n) for bl, n in lengths if bl.carry is not None]
+    if (config.gradient_checkpointing_interval and interval > 1 and backend.scope is Scope.BLOCK and backend.chunks
+            and chunkable and interval > max(n for _, n in chunkable)):
+        shown = ", ".join(f"{bl.path}: {n}" for bl, n in chunkable)
+        warn_once(
+            f"gradient_checkpointing_interval={interval} is longer than every block list of {name} that can be "
+            f"chunked ({shown}): each of them is checkpointed as one chunk of all its blocks, as an interval of "
+            f"{max(n for _, n in chunkable)} would do, so backward recomputes a whole list at once. Use an "
+            "interval of at most the list's length to choose the chunk size."
+        )
+
+
 def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
     """Decide every region, and how it runs, without touching the model."""
     strategy = strategy_of(config)
@@ -272,10 +346,12 @@ def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
                   "budget": config.memory_budget if backend.budget else None}
 
     lists = _blocks(model, family)
+    _warn_longer_than_lists(model, config, strategy, lists)
     if backend is not None or strategy.attention_offload:
         _refuse_shared(model, family, lists)
     if backend is not None and backend.budget:
         _refuse_user_compiled(model, family, backend)
+        refuse_layerwise_casting(model, backend.name)
     wrapped = _externally_checkpointed(model) if backend is not None else set()
     regions: list[RegionSpec] = []
     plain: list[tuple[str, int, str]] = []

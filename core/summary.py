@@ -91,12 +91,15 @@ class Summary:
 
     @classmethod
     def of(cls, plan: Plan, views: tuple[RegionView, ...], *, pending: bool = False, model_name: str = "",
-           component: str = "") -> Summary:
-        """The rows of one patched model: its plan's specs, and notes from how the regions ran."""
+           component: str = "", device: str = "cuda") -> Summary:
+        """The rows of one patched model: its plan's specs, and notes from how the regions ran.
+
+        ``device``: the model's device type; what stays on it is worded by it ("GPU memory" on a CUDA
+        model, "CPU memory" on a CPU one)."""
         merged: dict[tuple[str, tuple[int, ...]], list[str]] = {}
         classes: dict[tuple[str, tuple[int, ...]], str] = {}
         for region in plan.regions:
-            what = describe(region, pending=pending)
+            what = describe(region, pending=pending, device=device)
             if region.kind in (Kind.BLOCK, Kind.CHUNK):
                 for i in region.blocks:
                     key = (region.list_path, (i,))
@@ -109,7 +112,7 @@ class Summary:
         for path, index, block_class in plan.plain:
             key = (path, (index,))
             classes[key] = block_class
-            merged.setdefault(key, []).append("none (activations kept on GPU)")
+            merged.setdefault(key, []).append(f"none (activations kept on {memory_of(device)})")
         rows = []
         # Collapse consecutive blocks with the same strategy into one row.
         paths = [bl.path for bl in plan.family.block_lists]
@@ -192,13 +195,20 @@ def _ran_notes(regions: list[RegionView]) -> list[str]:
             for note, (blocks, calls) in by_note.items()]
 
 
-def describe(region: RegionSpec, *, pending: bool = False) -> str:
-    """What a region does, in words, from its spec alone."""
+def memory_of(device: str) -> str:
+    """The words for a device type's memory: ``cuda`` -> "GPU", ``cpu`` -> "CPU", ``mps`` -> "MPS"."""
+    return {"cuda": "GPU", "cpu": "CPU"}.get(device, device.upper())
+
+
+def describe(region: RegionSpec, *, pending: bool = False, device: str = "cuda") -> str:
+    """What a region does, in words, from its spec alone; what stays on the model's device is worded
+    by ``device`` (its type: "cuda", "cpu")."""
     later = " (pending: the model is on the CPU)" if pending and region.offloads else ""
+    own = memory_of(device)
     if region.kind is Kind.ATTENTION_OFFLOAD:
         return f"offload {region.seam[0]} saved tensors{later}"
     if region.budget is not None:
-        where = "CPU" if region.offload is Offload.SAVED else "GPU"
+        where = "CPU" if region.offload is Offload.SAVED else own
         return (f"{region.backend}: compiled, the compiler recomputes under memory budget {region.budget:g}; "
                 f"what it keeps in {where} memory{later}")
     if region.kind is Kind.FFN:
@@ -207,7 +217,7 @@ def describe(region: RegionSpec, *, pending: bool = False) -> str:
         unit = f"chunks of {len(region.blocks)} blocks" if region.kind is Kind.CHUNK else "each block"
     what = f"{region.backend}: recompute {unit}"
     if region.kept is not Kept.NOWHERE:
-        what += f" except attention kernels (outputs kept in {'CPU' if region.kept is Kept.CPU else 'GPU'} memory)"
+        what += f" except attention kernels (outputs kept in {'CPU' if region.kept is Kept.CPU else own} memory)"
     if region.offload_inputs:
         what += " + CPU offload of region inputs"
     return what + later

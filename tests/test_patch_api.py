@@ -245,7 +245,8 @@ def test_patch_twice_replaces(checkpoint_calls):
         assert len(checkpoint_calls) == 4
     assert not _fell_back(second)
 
-    first.remove()  # a stale handle must not undo the active patch
+    with pytest.warns(GradseamWarning, match="remove\\(\\) on a replaced handle does nothing"):
+        first.remove()  # a stale handle must not undo the active patch, and says which handle to remove
     assert second.active and gradseam.handle_of(model) is second
     second.remove()
     assert instance_forwards(model) == []
@@ -518,7 +519,7 @@ def test_summary_names_block_lists_and_strategy():
     assert text.splitlines()[0] == "flux: torch-ffn, stride 2"
     assert "torch-ffn: recompute ff; torch-ffn: recompute ff_context" in text
     assert "torch-ffn: recompute proj_mlp→act_mlp" in text
-    assert "none (activations kept on GPU)" in text  # odd blocks are left alone with stride 2
+    assert "none (activations kept on CPU)" in text  # odd blocks are left alone with stride 2 (a CPU model)
     assert "single_transformer_blocks[1]" in text
 
 
@@ -552,7 +553,7 @@ def test_disabled_with_settings_warns_nothing_runs(checkpoint_calls):
     checkpoint_calls.clear()
     assert_same_step(reference, run_step(model, WAN))
     assert checkpoint_calls == []
-    assert "none (activations kept on GPU)" in str(handle.summary())
+    assert "none (activations kept on CPU)" in str(handle.summary())  # a CPU model
     handle.remove()
 
 
