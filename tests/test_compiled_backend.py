@@ -485,7 +485,7 @@ def test_unused_outputs_under_gradient_accumulation_and_a_later_step_that_uses_t
 
 
 class _TwoStreams(torch.nn.Module):
-    """A block with two outputs, the second reached by ``b`` alone; ``tied`` is shared with the caller."""
+    """A block with two outputs, the second reached by ``b`` alone."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -495,7 +495,7 @@ class _TwoStreams(torch.nn.Module):
         return self.a(x), self.b(x)
 
 
-def _watched_call(block, tied=frozenset(), function=None):
+def _watched_call(block, function=None):
     from gradseam.run.unused import UnusedOutputs
 
     def forward(module, x):
@@ -506,22 +506,22 @@ def _watched_call(block, tied=frozenset(), function=None):
     x = torch.randn(2, 4, requires_grad=True)
     outputs = compiled(block, x)
     state = torch.get_rng_state()
-    UnusedOutputs(tied).watch(function, block, (x,), {}, outputs)
+    UnusedOutputs().watch(function, block, block, (x,), {}, outputs)
     assert torch.equal(torch.get_rng_state(), state)  # the eager probe ran with the RNG restored
     return outputs
 
 
-def test_the_reach_probe_keeps_the_rng_and_leaves_tied_parameters_alone():
+def test_the_reach_probe_keeps_the_rng_and_another_paths_gradient_lands():
     torch._dynamo.reset()
     block = _TwoStreams()
     first, _ = _watched_call(block)
     first.sum().backward()
     assert block.a.weight.grad is not None and block.b.weight.grad is None and block.b.bias.grad is None
     block.zero_grad(set_to_none=True)
-    first, _ = _watched_call(block, tied=frozenset({id(block.b.weight)}))
-    first.sum().backward()
-    # a tied parameter may get a real gradient elsewhere in the same backward: its zeros stay
-    assert torch.count_nonzero(block.b.weight.grad) == 0 and block.b.bias.grad is None
+    first, _ = _watched_call(block)
+    # another path to b.weight in the same backward (a tied use, a penalty): its gradient lands, exactly
+    (first.sum() + (3 * block.b.weight).sum()).backward()
+    assert torch.equal(block.b.weight.grad, torch.full_like(block.b.weight, 3.0)) and block.b.bias.grad is None
 
 
 def test_outputs_from_several_compiled_graphs_warn_and_change_nothing():

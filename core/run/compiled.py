@@ -58,8 +58,15 @@ import torch
 from torch import nn
 
 from ..errors import UnsupportedStrategyError, warn_once
-from ..planning import resolve
+from ..planning import refuse_layerwise_casting, resolve
 from .chains import ChainStats
+from .compiler import (
+    allow_retained_graph,
+    compile_block_function,
+    compiling,
+    drop_compiled,
+    frames_compiled_apart,
+)
 from .scopes import refuse_transforms
 from .unused import UnusedOutputs
 
@@ -108,31 +115,51 @@ class CompiledBlocks:
     """The handler of every block seam of one handle's compiled regions.
 
     ``engine`` (or None) receives what each compiled block keeps; ``budget`` is the activation memory
-    budget the partitioner plans under; ``tied`` names the parameters the model registers more than
-    once (:mod:`gradseam.run.unused` leaves their gradients alone).
+    budget the partitioner plans under (:mod:`gradseam.run.compiler` says how blocks are compiled).
     """
 
-    def __init__(self, budget: float, engine: Any = None, tied: frozenset[int] = frozenset()) -> None:
+    def __init__(self, budget: float, engine: Any = None) -> None:
         self.budget = budget
         self.engine = engine
-        self.unused = UnusedOutputs(tied)  # an output the loss leaves unused: None gradients, as in eager
+        self.unused = UnusedOutputs()  # an output the loss leaves unused: None gradients, as in eager
         self._compiled: dict[tuple[str, bool], Callable[..., Any]] = {}
         self._eager: dict[int, tuple[nn.Module, Any, Callable[..., Any]]] = {}  # id(sub) -> (sub, inner, wrapper)
         self._shapes: set[tuple] = set()  # the input shapes seen with gradients, up to the recompile limit
         self._past_limit = False
+        self._apart: dict[str, Any] = {}  # functions dynamo compiled on their own after a graph break
 
-    def _note_shapes(self, args: tuple, kwargs: dict) -> None:
+    def _check_apart(self, block: nn.Module) -> None:
+        """After a call that compiled (a new input shape): warn once if a graph break made dynamo compile
+        functions of the block's classes on their own (:func:`gradseam.run.compiler.frames_compiled_apart`),
+        and remember them, to drop their compiled code at :meth:`close`."""
+        apart = frames_compiled_apart(block)
+        if apart:
+            self._apart.update(apart)
+            warn_once(
+                f"gradseam: a graph break inside {type(block).__name__} made torch.compile compile "
+                f"{', '.join(apart)} as frames of their own. Those graphs are shared by every model of that "
+                "class and keep the memory budget of the first model that ran them, until this patch is "
+                "removed. Patch one such model at a time, or use an eager backend ('unsloth' with "
+                "gradient_checkpointing_offload_attention, or 'torch') for this one."
+            )
+
+    def close(self) -> None:
+        """The handle is removed: drop what dynamo compiled for the frames compiled apart."""
+        drop_compiled(self._apart.values())
+        self._apart.clear()
+
+    def _note_shapes(self, args: tuple, kwargs: dict) -> bool:
         """Warn once when the inputs have taken more shapes than dynamo keeps compiled versions of a function.
 
         Past ``torch._dynamo.config.recompile_limit`` dynamo runs the block eagerly: still exact, but with
         no budget and no offload, so the memory jumps without a word from the training loop. Automatic
         dynamic shapes can serve several shapes with one graph, so this counts shapes, not recompiles:
-        a warning, not an error.
+        a warning, not an error. Returns whether the shapes are new (so the call may compile).
         """
         key = tuple(a.shape for a in args if isinstance(a, torch.Tensor)) + tuple(
             (k, v.shape) for k, v in kwargs.items() if isinstance(v, torch.Tensor))
         if key in self._shapes:
-            return
+            return False
         self._shapes.add(key)
         from torch._dynamo import config as dynamo_config
 
@@ -146,14 +173,14 @@ class CompiledBlocks:
                 "exact but without the memory budget or the offload, so its memory can jump. Train on a few "
                 "fixed resolutions (aspect-ratio buckets), or raise torch._dynamo.config.recompile_limit."
             )
+        return True
 
     def compiled(self, device: str, outside: bool = False) -> Callable[..., Any]:
         """The compiled block function for ``device``; ``outside``: the one whose blocks run their attention
         eagerly (its own code object, so graphs with and without the break never evict each other)."""
         found = self._compiled.get((device, outside))
         if found is None:
-            backend = "inductor" if device == "cuda" else "aot_eager"
-            found = self._compiled[device, outside] = torch.compile(_fresh(_block_forward), backend=backend)
+            found = self._compiled[device, outside] = compile_block_function(_fresh(_block_forward), device)
         return found
 
     def functions(self) -> list[Callable[..., Any]]:
@@ -178,8 +205,7 @@ class CompiledBlocks:
             before.append((sub, inner))
             sub.forward = cached[2]
         try:
-            with _nested_breaks():
-                yield
+            yield
         finally:
             for sub, inner in before:
                 if inner is missing:
@@ -200,20 +226,18 @@ class CompiledBlocks:
             return original(*args, **kwargs)
         stats.member_calls[0] += 1
         stats.runs += 1
-        if not self._past_limit:
-            self._note_shapes(args, kwargs)
+        new_shape = not self._past_limit and self._note_shapes(args, kwargs)
+        if new_shape:  # before a compile: layerwise casting enabled after patching is refused as at patch time
+            refuse_layerwise_casting(original.module, "unsloth-compile" if self.engine is not None else "compile")
         previous = original.previous
         function, module = (_call_previous, previous) if previous is not None else (original.function, original.module)
         device = _device_of(original.module)
-        import torch._functorch.config as functorch_config
-
         subs = _attention_modules(original.module, attention) if attention and broadcast_mask(args, kwargs) else []
         if subs:
             stats.notes[ATTENTION_OUTSIDE] += 1
         compiled = self.compiled(device, outside=bool(subs))
         try:
-            with functorch_config.patch(activation_memory_budget=self.budget), \
-                    self._attention_eager(subs) if subs else contextlib.nullcontext():
+            with compiling(self.budget), self._attention_eager(subs) if subs else contextlib.nullcontext():
                 if self.engine is None:
                     outputs = compiled(function, module, args, kwargs)
                 else:
@@ -224,7 +248,10 @@ class CompiledBlocks:
             if type(exc).__name__ != "BackendCompilerFailed":
                 raise
             raise self._compile_failed(original.module, exc) from exc
-        self.unused.watch(function, module, args, kwargs, outputs)
+        if new_shape:
+            self._check_apart(original.module)
+        allow_retained_graph(outputs)
+        self.unused.watch(function, module, original.module, args, kwargs, outputs)
         return outputs
 
     def _compile_failed(self, block: Any, exc: Exception) -> UnsupportedStrategyError:
@@ -246,20 +273,6 @@ class CompiledBlocks:
 def _attention_modules(block: Any, paths: tuple[str, ...]) -> list[nn.Module]:
     found = [resolve(block, path) for path in paths]
     return [sub for sub in found if isinstance(sub, nn.Module)]
-
-
-@contextlib.contextmanager
-def _nested_breaks() -> Iterator[None]:
-    """Dynamo resumes tracing in the block's own frame after a graph break inside it (torch >= 2.9 has the
-    switch); without it the break goes up to the compiled function and the block's forward is compiled
-    as a frame of its own."""
-    from torch._dynamo import config as dynamo_config
-
-    if hasattr(dynamo_config, "nested_graph_breaks"):
-        with dynamo_config.patch(nested_graph_breaks=True):
-            yield
-    else:
-        yield
 
 
 def _call_previous(previous: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

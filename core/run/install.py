@@ -126,19 +126,10 @@ def compiled_region(spec: RegionSpec, ctx: Context) -> Installed:
     key = (spec.budget, engine is not None)
     blocks = ctx.compiled.get(key)
     if blocks is None:
-        blocks = ctx.compiled[key] = CompiledBlocks(spec.budget, engine, tied=_tied(ctx.model))
+        blocks = ctx.compiled[key] = CompiledBlocks(spec.budget, engine)
     stats = ChainStats([0])
     seam = seams.install(spec.modules[0], CompiledMember(blocks, stats, spec.attention), owner=ctx.model)
     return Installed(spec, seams=[seam], stats=stats)
-
-
-def _tied(model: nn.Module) -> frozenset[int]:
-    """The ids of parameters registered at more than one place in ``model`` (tied weights)."""
-    seen: set[int] = set()
-    tied: set[int] = set()
-    for _, p in model.named_parameters(remove_duplicate=False):
-        (tied if id(p) in seen else seen).add(id(p))
-    return frozenset(tied)
 
 
 RUNNERS: dict[str, Callable[[RegionSpec, Context], Installed]] = {
@@ -215,4 +206,6 @@ class Installation:
             done.seams.clear()
             done.chain = None
         self._slots.clear()
+        for blocks in self.compiled.values():
+            blocks.close()
         self.compiled.clear()

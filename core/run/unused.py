@@ -8,22 +8,22 @@ so they get zeros (``torch.compile`` alone does the same). The two are not the s
 AdamW skips a ``None`` gradient but steps its moments and weight decay on a zero one. Why it is
 built this way:
 
-* **Which parameters each output reaches comes from one eager forward of the block**, the first time
-  the block runs with more than one differentiable output, under saved-tensor hooks that keep
-  nothing (so it costs the compute of one forward and no activation memory) and with the RNG state
-  restored after it. A trace under fake tensors would cost nothing either, but it writes fake
-  tensors into whatever state the block's code stores (caches, a hook's list); the eager forward
-  runs the block's code once more, as every recompute of checkpointing does. Blocks with a single
-  output need nothing: if it is unused the compiled node never runs.
-* **Which outputs a backward leaves unused is known exactly, just before the compiled node runs**: a
-  pre-hook on that node sees ``None`` for every output no gradient reached (the node materializes
-  zeros only after). Per call it costs one pre-hook registration; the work is done only in a backward
-  that leaves an output unused.
-* **The zeros are undone right after they land**, by a post-accumulate hook on each parameter that
-  had no gradient before this backward and is reached by unused outputs only; the hooks are removed
-  when this backward ends (``queue_callback``), so none can fire in a later one. A parameter the
-  model registers in several places (tied weights) is left alone: another path may give it a real
-  gradient in the same backward, which the hook cannot tell from the zeros.
+* **Only the compiled node's own contribution is dropped, never a gradient.** A hook on the node
+  (``register_hook``) sees which of its outputs no gradient reached (``None``: the node materializes
+  zeros only inside) and returns ``None`` instead of the zeros it computed for every parameter only
+  those outputs reach. Autograd then never accumulates anything from this node into them: whatever
+  else reaches the parameter in the same backward (an L2 penalty on the weights, a tied use
+  elsewhere) lands as in eager, and a parameter with no other path keeps ``None``.
+* **Which parameters each output reaches comes from one eager forward of the block**, keeping no
+  activation (saved-tensor hooks that keep nothing), with the RNG state restored after it and the
+  module hooks of the block's submodules (and the global ones) switched off, so a feature-capture
+  hook never sees the probe's tensors. It runs the block's code once more, as every recompute of
+  checkpointing does; a trace under fake tensors would write fake tensors into whatever state the
+  block's code stores (caches, lists).
+* **It is learnt again when the block changed**: each call checks that every parameter the compiled
+  node takes a gradient for is one the probe saw (by identity, not by ``id()``, which Python
+  reuses). A checkpoint loaded with ``load_state_dict(..., assign=True)``, a LoRA adapter added or
+  switched with ``set_adapter``: the next call probes again.
 * **Outputs that are views of one graph output** (Flux's single block returns two slices of one
   tensor) need nothing: that output is used, or the node does not run. **Where the block's outputs
   do not all come from one compiled node** (a graph break inside the block), or the eager forward
@@ -32,16 +32,16 @@ built this way:
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ..errors import warn_once
-
-Reach = list[frozenset[int]]  # per differentiable output leaf, in order: the ids of the parameters it reaches
 
 
 def _differentiable(value: Any) -> list[torch.Tensor]:
@@ -58,9 +58,10 @@ def _source(tensor: torch.Tensor) -> tuple[Any, int]:
     return base.grad_fn, base.output_nr
 
 
-def _reached(tensor: torch.Tensor) -> frozenset[int]:
-    """The ids of the leaf tensors (parameters) ``tensor``'s autograd graph leads to."""
-    found, seen, stack = set(), set(), [tensor.grad_fn]
+def _reached(tensor: torch.Tensor) -> dict[int, torch.Tensor]:
+    """The leaf tensors (parameters) ``tensor``'s autograd graph leads to, by id."""
+    found: dict[int, torch.Tensor] = {}
+    seen, stack = set(), [tensor.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
@@ -68,23 +69,56 @@ def _reached(tensor: torch.Tensor) -> frozenset[int]:
         seen.add(node)
         variable = getattr(node, "variable", None)  # an AccumulateGrad node
         if variable is not None:
-            found.add(id(variable))
+            found[id(variable)] = variable
         stack.extend(next_node for next_node, _ in node.next_functions)
-    return frozenset(found)
+    return found
 
 
-def probe(function: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict) -> Reach:
-    """Run ``function(module, *args, **kwargs)`` eagerly, keeping no activation, on detached inputs, and
-    say which of the module's parameters each differentiable output reaches."""
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_pre_hooks",
+               "_backward_hooks")
+
+
+@contextlib.contextmanager
+def _module_hooks_off(module: nn.Module) -> Iterator[None]:
+    """No module hook (the submodules' own and the global ones) fires inside this block.
+
+    The dicts are emptied and refilled in place: a hook's removable handle points at its dict, so it
+    stays valid. diffusers' own hooks (group offloading, layerwise casting) replace ``forward`` and run."""
+    from torch.nn.modules import module as torch_module
+
+    held: list[tuple[dict, dict]] = []
+    globals_ = [getattr(torch_module, name, None) for name in (
+        "_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_always_called",
+        "_global_forward_hooks_with_kwargs", "_global_backward_pre_hooks", "_global_backward_hooks")]
+    for table in [*globals_, *(getattr(m, n, None) for m in module.modules() for n in _HOOK_DICTS)]:
+        if isinstance(table, dict) and table:
+            held.append((table, dict(table)))
+            table.clear()
+    try:
+        yield
+    finally:
+        for table, content in held:
+            table.update(content)
+
+
+def probe(function: Callable[..., Any], first: Any, args: tuple, kwargs: dict,
+          hooks_of: nn.Module | None = None) -> list[dict[int, torch.Tensor]]:
+    """Run ``function(first, *args, **kwargs)`` eagerly, keeping no activation, on detached inputs, with
+    the module hooks of ``hooks_of`` off, and say which leaf tensors each differentiable output reaches."""
     def detached(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             return value.detach().requires_grad_(value.requires_grad)
         return value
 
     args, kwargs = tree_map(detached, (args, kwargs))
-    devices = sorted({p.device.index or 0 for p in module.parameters() if p.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices), torch.autograd.graph.saved_tensors_hooks(_drop, _dropped):
-        outputs = function(module, *args, **kwargs)
+    owner = hooks_of if hooks_of is not None else first
+    params = list(owner.parameters()) if isinstance(owner, nn.Module) else []
+    devices = sorted({p.device.index or 0 for p in params if p.device.type == "cuda"})
+    hooks = _module_hooks_off(owner) if isinstance(owner, nn.Module) else contextlib.nullcontext()
+    with torch.random.fork_rng(devices=devices), hooks, \
+            torch.autograd.graph.saved_tensors_hooks(_drop, _dropped):
+        outputs = function(first, *args, **kwargs)
     return [_reached(t) for t in _differentiable(outputs)]
 
 
@@ -96,70 +130,90 @@ def _dropped(nothing: None) -> torch.Tensor:
     raise RuntimeError("gradseam: the reach probe's graph is never run backward")
 
 
+class _Reach:
+    """What one probe learnt of a block: per output, the parameters it reaches (held weakly)."""
+
+    __slots__ = ("alive", "outputs")
+
+    def __init__(self, outputs: list[dict[int, torch.Tensor]]) -> None:
+        self.outputs = [frozenset(found) for found in outputs]
+        self.alive = {key: weakref.ref(t) for found in outputs for key, t in found.items()}
+
+    def knows(self, variable: torch.Tensor) -> bool:
+        ref = self.alive.get(id(variable))
+        return ref is not None and ref() is variable
+
+
+def _edge_variables(node: Any) -> list[torch.Tensor | None]:
+    """Per input edge of the compiled node: the leaf tensor it accumulates into, or None."""
+    return [getattr(next_node, "variable", None) if next_node is not None else None
+            for next_node, _ in node.next_functions]
+
+
 class UnusedOutputs:
-    """Per compiled-block handler: what each block's outputs reach, and the hooks that undo the zeros."""
+    """Per compiled-block handler: what each block's outputs reach, and the hooks that drop the zeros."""
 
-    def __init__(self, tied: frozenset[int]) -> None:
-        self.tied = tied  # ids of parameters registered more than once in the model
-        self._reach: weakref.WeakKeyDictionary[torch.nn.Module, Reach | None] = weakref.WeakKeyDictionary()
+    def __init__(self) -> None:
+        self._reach: weakref.WeakKeyDictionary[nn.Module, _Reach | None] = weakref.WeakKeyDictionary()
 
-    def watch(self, function: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict,
+    def watch(self, function: Callable[..., Any], first: Any, block: nn.Module, args: tuple, kwargs: dict,
               outputs: Any) -> None:
-        """Called with each compiled call's outputs (training, gradients on)."""
+        """Called with each compiled call's outputs (training, gradients on). ``function(first, ...)`` is the
+        call that ran compiled; ``block`` the block whose parameters it uses."""
         tensors = _differentiable(outputs)
         if len(tensors) < 2:
             return
         sources = [_source(t) for t in tensors]
         node = sources[0][0]
         if node is None or any(n is not node for n, _ in sources):
-            warn_once(f"gradseam: the outputs of a compiled {type(module).__name__} come from several compiled "
+            warn_once(f"gradseam: the outputs of a compiled {type(block).__name__} come from several compiled "
                       "graphs (a graph break inside the block); an output the loss does not use gives its "
                       "parameters zero gradients there, not None as in eager autograd.")
             return
         positions = [at for _, at in sources]
         if len(set(positions)) < 2:  # views of one graph output: it is used, or the node does not run
             return
-        if module not in self._reach:
-            self._reach[module] = self._probe(function, module, args, kwargs, len(tensors))
-        reach = self._reach[module]
-        if reach is None:
-            return
-        node.register_prehook(_Undo(reach, positions, module, self.tied))
+        variables = _edge_variables(node)
+        reach = self._reach.get(block)
+        if reach is None or not all(reach.knows(v) for v in variables if isinstance(v, nn.Parameter)):
+            reach = self._reach[block] = self._probe(function, first, block, args, kwargs, len(tensors))
+        if reach is not None:
+            node.register_hook(_DropZeros(reach, positions, variables))
 
-    def _probe(self, function: Callable[..., Any], module: torch.nn.Module, args: tuple, kwargs: dict,
-               count: int) -> Reach | None:
+    def _probe(self, function: Callable[..., Any], first: Any, block: nn.Module, args: tuple, kwargs: dict,
+               count: int) -> _Reach | None:
         try:
-            reach = probe(function, module, args, kwargs)
+            found = probe(function, first, args, kwargs, hooks_of=block)
         except Exception as exc:  # the same forward just ran compiled; say so, change nothing
-            warn_once(f"gradseam: could not run a compiled {type(module).__name__} eagerly to learn which "
+            warn_once(f"gradseam: could not run a compiled {type(block).__name__} eagerly to learn which "
                       f"parameters each of its outputs reaches ({type(exc).__name__}: {exc}); an output the "
                       "loss does not use gives its parameters zero gradients there, not None as in eager.")
             return None
-        return reach if len(reach) == count else None
+        return _Reach(found) if len(found) == count else None
 
 
-class _Undo:
-    """The pre-hook on one call's compiled node."""
+class _DropZeros:
+    """The hook on one call's compiled node: ``None`` instead of its zeros for what only unused outputs reach."""
 
-    __slots__ = ("module", "positions", "reach", "tied")
+    __slots__ = ("positions", "reach", "variables")
 
-    def __init__(self, reach: Reach, positions: list[int], module: torch.nn.Module, tied: frozenset[int]) -> None:
-        self.reach, self.positions, self.module, self.tied = reach, positions, module, tied
+    def __init__(self, reach: _Reach, positions: list[int], variables: list[torch.Tensor | None]) -> None:
+        self.reach, self.positions = reach, positions
+        self.variables = [weakref.ref(v) if v is not None else None for v in variables]
 
-    def __call__(self, grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
-        unused = [i for i, at in enumerate(self.positions) if at < len(grad_outputs) and grad_outputs[at] is None]
-        if not unused:
+    def __call__(self, grad_inputs: tuple[torch.Tensor | None, ...],
+                 grad_outputs: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...] | None:
+        unused = {i for i, at in enumerate(self.positions) if at < len(grad_outputs) and grad_outputs[at] is None}
+        if not unused or len(grad_inputs) != len(self.variables):
             return None
-        used = frozenset().union(*(r for i, r in enumerate(self.reach) if i not in unused))
-        only = frozenset().union(*(self.reach[i] for i in unused)) - used
+        outputs = self.reach.outputs
+        used = frozenset().union(*(r for i, r in enumerate(outputs) if i not in unused))
+        only = frozenset().union(*(outputs[i] for i in unused)) - used
         if not only:
             return None
-        handles = [p.register_post_accumulate_grad_hook(_to_none) for p in self.module.parameters()
-                   if id(p) in only and id(p) not in self.tied and p.requires_grad and p.grad is None]
-        if handles:
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: [h.remove() for h in handles])
-        return None
-
-
-def _to_none(param: torch.Tensor) -> None:
-    param.grad = None
+        kept = list(grad_inputs)
+        for i, ref in enumerate(self.variables):
+            variable = ref() if ref is not None else None
+            if variable is not None and id(variable) in only and self.reach.knows(variable):
+                kept[i] = None
+        return tuple(kept)
