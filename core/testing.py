@@ -10,7 +10,11 @@ exact: same outputs, same gradient for every parameter and every input, to the b
 alone is not enough, though: a seam that the model never calls is trivially exact and saves
 nothing, and an interval chunk that falls back to per-block regions is exact but not what the
 user asked for. :func:`check_regions` therefore also records, per planned region, how often it
-ran and whether it ran as one region.
+ran and whether it ran as one region, and :func:`check_declared_sides` where attention kernels run
+against what the family declares (no FFN seam around attention, no kernel outside the attention side).
+
+The module is also a pytest plugin (registered by the first :class:`ConformanceSuite` pytest collects):
+it declares the kit's ``compiled`` marker and leaves the compiled rows out unless ``-m`` selects them.
 """
 
 from __future__ import annotations
@@ -227,6 +231,188 @@ def count_kernels() -> Iterator[list[int]]:
         yield count
 
 
+# -- where attention kernels are called, against what the family declares ----------------------
+
+
+@dataclass(frozen=True)
+class KernelSite:
+    """One attention kernel call of an unpatched step, and where in the model it was made.
+
+    ``block`` labels the declared block it ran in (``"transformer_blocks[3]"``; ``""`` outside every
+    block), ``module`` is the innermost submodule of that block whose ``forward`` was running (a path
+    relative to the block, ``""`` for the block's own ``forward``), ``stack`` every submodule of the
+    block on the call stack, outermost first.
+    """
+
+    op: str
+    block: str
+    block_type: str
+    module: str
+    stack: tuple[str, ...]
+
+
+@dataclass
+class KernelMap:
+    """What :func:`locate_kernels` saw: each kernel call, which block submodules ran, and the declarations."""
+
+    sites: list[KernelSite] = field(default_factory=list)
+    called: set[tuple[str, str]] = field(default_factory=set)  # (block, submodule path) of every call
+    declared: dict[str, Any] = field(default_factory=dict)  # block label -> its BlockClass
+
+    @property
+    def count(self) -> int:
+        return len(self.sites)
+
+
+@contextmanager
+def locate_kernels(model: nn.Module, family: Any) -> Iterator[KernelMap]:
+    """Count the attention kernel calls (:mod:`gradseam.run.kernels`) in the block, as :func:`count_kernels`
+    does, and record for each which submodule of which declared block made it.
+
+    For an unpatched model: forward hooks on every submodule of every block the family declares keep
+    a call stack, and an outermost dispatch mode reads it whenever a kernel runs. The hooks are removed
+    on exit.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from .planning import resolve, unwrap
+    from .run.kernels import attention_kernels
+
+    kernels = attention_kernels()
+    found = KernelMap()
+    stack: list[tuple[str, str]] = []
+    handles: list[Any] = []
+    block_types: dict[str, str] = {}  # block label -> the block's class name
+
+    def enter(label: str, path: str) -> Callable[..., None]:
+        def pre(module: nn.Module, args: Any) -> None:
+            stack.append((label, path))
+            found.called.add((label, path))
+
+        return pre
+
+    def leave(label: str, path: str) -> Callable[..., None]:
+        def post(module: nn.Module, args: Any, output: Any) -> None:
+            for i in range(len(stack) - 1, -1, -1):  # the latest entry (a module shared by blocks is hooked twice)
+                if stack[i] == (label, path):
+                    del stack[i]
+                    break
+
+        return post
+
+    for block_list in family.block_lists:
+        blocks = resolve(model, block_list.path)
+        if blocks is None:
+            continue
+        for index, raw in enumerate(blocks):
+            block = unwrap(raw)
+            declared = family.block_class_for(type(block))
+            if declared is None:
+                continue
+            label = f"{block_list.path}[{index}]"
+            found.declared[label] = declared
+            block_types[label] = type(block).__qualname__
+            for path, sub in block.named_modules():
+                handles.append(sub.register_forward_pre_hook(enter(label, path)))
+                handles.append(sub.register_forward_hook(leave(label, path), always_call=True))
+
+    class _Locate(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            if kernels(func):
+                label = stack[-1][0] if stack else ""
+                inside = tuple(path for owner, path in stack if owner == label and path)
+                found.sites.append(KernelSite(func._schema.name, label, block_types.get(label, ""),
+                                              inside[-1] if inside else "", inside))
+            return func(*args, **(kwargs or {}))
+
+    try:
+        with _Locate():
+            yield found
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _on_stack(site: KernelSite, path: str) -> bool:
+    return path in site.stack
+
+
+def assert_seams_hold_no_attention(found: KernelMap, *, what: str = "") -> None:
+    """No FFN seam calls an attention kernel. The ``-ffn`` backends recompute each seam in backward and keep
+    only its input: a seam around attention recomputes attention and keeps every feed-forward activation,
+    the opposite of what they are for, while every result stays exact (so parity alone cannot tell)."""
+    prefix = f"{what}: " if what else ""
+    for site in found.sites:
+        declared = found.declared.get(site.block)
+        if declared is None:
+            continue
+        for seam in declared.ffn:
+            inside = [p for p in seam if _on_stack(site, p)]
+            if inside:
+                where = f"in {site.module!r}" if site.module != inside[0] else ""
+                raise AssertionError(
+                    f"{prefix}FFN seam {'→'.join(seam)} of {site.block_type} ({site.block}) contains attention: "
+                    f"{inside[0]!r} calls an attention kernel ({site.op}){' ' + where if where else ''}. The -ffn "
+                    "backends recompute a seam in backward and keep only its input, so this seam recomputes "
+                    "attention and keeps every feed-forward activation: exact, but the opposite of what they are "
+                    "for. Declare the feed-forward modules (the MLP) as the seam and the attention modules as the "
+                    "attention side (see 'FFN seams' in docs/plugins.md)."
+                )
+
+
+def assert_attention_side_covers_kernels(found: KernelMap, *, what: str = "") -> None:
+    """Every attention kernel a block calls runs inside its declared attention side (for block classes that
+    declare one). Kept attention enters its kernel modes only inside the declared attention submodules, so a
+    kernel called elsewhere is recomputed in backward (and attention offload leaves its saved tensors where
+    they are) while ``summary()`` still says "except attention kernels"."""
+    prefix = f"{what}: " if what else ""
+    for site in found.sites:
+        declared = found.declared.get(site.block)
+        if declared is None or not declared.attention:
+            continue
+        if any(_on_stack(site, p) for p in declared.attention):
+            continue
+        notes = []
+        for path in declared.attention:
+            if (site.block, path) not in found.called:
+                notes.append(f"{path!r} is never called by this block")
+            elif not any(s.block == site.block and _on_stack(s, path) for s in found.sites):
+                notes.append(f"{path!r} calls no attention kernel")
+        declared_side = repr(tuple(declared.attention))
+        if site.module:
+            where = f"submodule {site.module!r}"
+            fix = f"Declare {site.module!r} in BlockClass(attention=...)"
+            if notes:
+                fix += " in place of the module(s) that call no kernel"
+        else:
+            where = "the block's own forward, outside any submodule"
+            fix = ("No attention side can cover that: declare none (attention=()), and kept attention watches "
+                   "the whole block")
+        raise AssertionError(
+            f"{prefix}{site.block_type} ({site.block}) calls an attention kernel ({site.op}) in {where}, which "
+            f"is outside its declared attention side {declared_side}{' (' + '; '.join(notes) + ')' if notes else ''}. "
+            "Kept attention keeps kernel outputs only inside the declared attention modules, so this kernel is "
+            "recomputed in backward while summary() says 'except attention kernels', and attention offload "
+            f"leaves its saved tensors in place. {fix} (see 'Attention side' in docs/plugins.md)."
+        )
+
+
+def check_declared_sides(case: Case) -> KernelMap:
+    """One unpatched step of ``case``'s model, watched for where attention kernels run: no FFN seam may call
+    one (:func:`assert_seams_hold_no_attention`), and every one a block with an attention side calls must run
+    inside that side (:func:`assert_attention_side_covers_kernels`). Returns what it saw."""
+    from .patcher import family_for
+
+    torch.manual_seed(case.seed)
+    model = case.build()
+    family = family_for(model)
+    with locate_kernels(model, family) as found:
+        run_step(model, case, count_bytes=False)
+    assert_seams_hold_no_attention(found, what=case.name)
+    assert_attention_side_covers_kernels(found, what=case.name)
+    return found
+
+
 @dataclass
 class ParityReport:
     config: CheckpointConfig
@@ -263,9 +449,23 @@ def check_strategy(
     before_dicts = {name: set(m.__dict__) for name, m in model.named_modules()}
     keys_before = list(model.state_dict().keys())
     # Kernel counts need a dispatch mode, under which torch.compile cannot compile: only where kept kernels are checked.
-    counting = count_kernels if strategy.kept is not Kept.NOWHERE else lambda: nullcontext([0])
-    with counting() as unpatched_kernels:
+    kept = strategy.kept is not Kept.NOWHERE
+    counting = count_kernels if kept else lambda: nullcontext([0])
+    if kept or strategy.scope is Scope.FFN:
+        # where the kernels run, against the declaration: a seam around attention, or an attention side that
+        # misses the module calling the kernel, is exact, so it is said here, by name, before anything else
+        from .patcher import family_for
+
+        with locate_kernels(model, family_for(model)) as found:
+            reference = run_step(model, case)
+        unpatched_kernels = [found.count]
+        if strategy.scope is Scope.FFN:
+            assert_seams_hold_no_attention(found, what=what)
+        if kept:
+            assert_attention_side_covers_kernels(found, what=what)
+    else:
         reference = run_step(model, case)
+        unpatched_kernels = [0]
     handle = gradseam.patch(model, cfg)
     try:
         assert list(model.state_dict().keys()) == keys_before, "patching changed state_dict() keys"
@@ -277,7 +477,12 @@ def check_strategy(
         if strategy.kept is not Kept.NOWHERE and unpatched_kernels[0] and not any(r.fallbacks for r in regions):
             assert patched_kernels[0] == unpatched_kernels[0], (
                 f"{what}: attention kernels ran {patched_kernels[0]} times in a step, unpatched "
-                f"{unpatched_kernels[0]}: with attention kept they must not be recomputed"
+                f"{unpatched_kernels[0]}: with attention kept they must not be recomputed. Every kernel call runs "
+                "where kept attention looks (inside the declared attention side, or anywhere in a block that "
+                "declares none), so it did not see the call that reaches the kernel: it sees "
+                "F.scaled_dot_product_attention and registered kernel ops called by the model's code, not a "
+                "kernel reached inside another torch function (nn.MultiheadAttention's "
+                "F.multi_head_attention_forward, say)"
             )
             # a second step must be exact too (chains and kept outputs keep state between calls)
             assert_same_step(reference, run_step(model, case), atol=atol, what=f"{what} step 2")
@@ -446,9 +651,9 @@ def pick(configs: list[dict[str, Any]], *wanted: dict[str, Any]) -> list[dict[st
 
 
 def _compiles(config: dict[str, Any]) -> bool:
-    """Rows of a compiled backend: the kit marks them ``compiled``. Compiling each family's tiny model costs
-    5-90 s on a CPU, so a project's quick runs may deselect them (``-m "not compiled"``); run them with
-    ``-m compiled``."""
+    """Rows of a compiled backend: the kit marks them ``compiled`` (:data:`COMPILED_MARK`). Compiling each
+    family's tiny model costs 5-90 s on a CPU, so they run only when ``-m`` selects them (see
+    :func:`pytest_collection_modifyitems`)."""
     backend = strategy_of(CheckpointConfig.coerce(config)).backend
     return backend is not None and backend.budget
 
@@ -459,9 +664,96 @@ def config_id(config: dict[str, Any]) -> str:
     return cfg.describe().replace(", ", "+").replace(" ", "")
 
 
+# -- pytest integration: the kit's marker, and its compiled rows opt-in ---------------------------
+#
+# gradseam.testing is a pytest plugin. A ConformanceSuite registers it when pytest collects the suite, so a
+# plugin's test file needs no setup: the marker is declared (no PytestUnknownMarkWarning, --strict-markers
+# passes) and the compiled rows are deselected unless -m selects them. Listing it in a conftest.py
+# (``pytest_plugins = ["gradseam.testing"]``) or ``-p gradseam.testing`` registers it earlier, the same way.
+
+COMPILED_MARK = "compiled"
+MARKERS = (
+    f"{COMPILED_MARK}: the gradseam conformance kit's compiled-backend rows (5-90 s each on a CPU); left out "
+    "unless -m selects them: -m compiled runs them alone, -m 'compiled or not compiled' everything",
+)
+_PLUGIN_NAME = "gradseam.testing"
+
+
+def pytest_configure(config: Any) -> None:
+    """Declare the kit's markers."""
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)
+
+
+def _kit_compiled_row(item: Any) -> bool:
+    cls = getattr(item, "cls", None)
+    return (isinstance(cls, type) and issubclass(cls, ConformanceSuite)
+            and item.get_closest_marker(COMPILED_MARK) is not None)
+
+
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    """Deselect the kit's compiled rows unless ``-m`` was given (on the command line or in ``addopts``):
+    then the expression decides, as for any marker."""
+    if config.getoption("markexpr", ""):
+        return
+    compiled = [item for item in items if _kit_compiled_row(item)]
+    if compiled:
+        config.hook.pytest_deselected(items=compiled)
+        items[:] = [item for item in items if not _kit_compiled_row(item)]
+        config.stash[_deselected()] = len(compiled)
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: Any, config: Any) -> None:
+    """Say how many compiled rows were left out, and how to run them."""
+    left_out = config.stash.get(_deselected(), 0)
+    if left_out:
+        terminalreporter.write_line(
+            f"gradseam.testing: {left_out} compiled-backend row(s) deselected; run them with -m compiled "
+            "(or -m 'compiled or not compiled' for everything)"
+        )
+
+
+_KEYS: list[Any] = []
+
+
+def _deselected() -> Any:
+    """The stash key for the count of deselected rows (made on first use: the kit does not import pytest)."""
+    if not _KEYS:
+        import pytest
+
+        _KEYS.append(pytest.StashKey[int]())
+    return _KEYS[0]
+
+
+def _use_as_pytest_plugin(config: Any) -> None:
+    """Register this module with pytest, once, if nothing registered it yet (pytest then calls its
+    ``pytest_configure`` at once)."""
+    import sys
+
+    manager = config.pluginmanager
+    module = sys.modules[__name__]
+    if not manager.is_registered(module) and manager.get_plugin(_PLUGIN_NAME) is None:
+        manager.register(module, _PLUGIN_NAME)
+
+
 # -- the pytest suite a plugin subclasses --------------------------------------------------------
 
-_FAMILIES: dict[int, Any] = {}
+
+@contextmanager
+def _matrix_warnings() -> Iterator[None]:
+    """The suite's rows without the warning a row of its own matrix gives by design (``-ffn`` x interval 2:
+    the interval only selects blocks through a stride), so a plugin's green run reads with no warning."""
+    import warnings
+
+    from .errors import GradseamWarning
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"gradient_checkpointing_interval=\d+ does not group FFN regions",
+                                GradseamWarning)
+        yield
+
+
+_FAMILIES: dict[int, tuple[Case, Any]] = {}  # id(case) -> (the case, held so that its id is not reused; its family)
 
 
 def _over(kind: str) -> Callable[[Callable[..., None]], Callable[..., None]]:
@@ -487,6 +779,10 @@ class ConformanceSuite:
     Override ``configs`` / ``offload`` with explicit lists to change them, set ``whole_regions =
     False`` if the case's inputs make chunks fall back on purpose, or ``atol`` to compare with a
     tolerance instead of bit for bit (never needed on the CPU so far).
+
+    Nothing else to set up: collecting a suite registers this module as a pytest plugin, which declares
+    the ``compiled`` marker of the compiled-backend rows and leaves those rows out unless ``-m`` selects
+    them (``-m compiled``).
     """
 
     case: ClassVar[Case]
@@ -503,8 +799,8 @@ class ConformanceSuite:
             from .patcher import family_for
 
             torch.manual_seed(cls.case.seed)
-            _FAMILIES[key] = family_for(cls.case.build())
-        return _FAMILIES[key]
+            _FAMILIES[key] = (cls.case, family_for(cls.case.build()))
+        return _FAMILIES[key][1]
 
     @classmethod
     def strategy_configs(cls) -> list[dict[str, Any]]:
@@ -521,6 +817,7 @@ class ConformanceSuite:
         return offload_configs(ffn=family.has_ffn, interval=family.supports_interval, attention=family.has_attention)
 
     def pytest_generate_tests(self, metafunc: Any) -> None:
+        _use_as_pytest_plugin(metafunc.config)  # the kit's marker, before any test is marked with it
         kind = getattr(metafunc.function, "conformance_configs", None)
         if kind is None or "config" not in metafunc.fixturenames:
             return
@@ -532,8 +829,10 @@ class ConformanceSuite:
         metafunc.parametrize("config", params, ids=[config_id(c) for c in configs])
 
     def test_declaration_matches_the_model(self) -> None:
-        """Every block list the family declares for this model is found and every block is planned:
-        a list path or block class that does not match the installed diffusers fails here by name."""
+        """The model resolves to an installed family, every block list the family declares for this model is
+        found and every block is planned (a list path or block class that does not match the installed
+        diffusers fails here by name), no FFN seam calls an attention kernel, and every kernel a block with an
+        attention side calls runs inside that side (:func:`check_declared_sides`)."""
         from .planning import plan, resolve
 
         family = self.family()
@@ -551,18 +850,20 @@ class ConformanceSuite:
                 "are not planned"
             )
         assert planned.regions, f"{self.case.name}: the family plans no region for this model"
+        check_declared_sides(self.case)
 
     @_over("strategy")
     def test_strategy(self, config: dict[str, Any]) -> None:
         """Exact outputs and gradients, less kept memory, an exact ``remove()``, regions that run whole."""
-        check_strategy(self.case, config, atol=self.atol, whole=self.whole_regions)
+        with _matrix_warnings():
+            check_strategy(self.case, config, atol=self.atol, whole=self.whole_regions)
 
     @_over("offload")
     def test_offload(self, config: dict[str, Any]) -> None:
         """The same through the offload engine (CPU stand-in: host buffers, same copies as on a GPU)."""
         from .offload import cpu_test_mode
 
-        with cpu_test_mode():
+        with cpu_test_mode(), _matrix_warnings():
             check_strategy(self.case, config, atol=self.atol, whole=self.whole_regions)
 
     def test_no_grad(self) -> None:

@@ -69,12 +69,18 @@ def test_families_and_cli_list_the_plugin(installed):
 
 
 def test_plugin_passes_the_conformance_kit_from_its_own_repository(installed):
-    """The plugin's own tests: the kit's whole matrix on a tiny PixArt, exact to the bit."""
+    """The plugin's own tests: the kit's whole matrix on a tiny PixArt, exact to the bit. The repository
+    has no conftest.py and no pytest settings, as the guide's minimal setup: no warning about the kit's
+    ``compiled`` marker, and the compiled rows are left out until ``-m compiled`` asks for them."""
     src, site = installed
-    out = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"], site, cwd=src, timeout=300)
+    out = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-W",
+                "error::pytest.PytestUnknownMarkWarning", "tests"], site, cwd=src, timeout=300)
     summary = out.stdout.strip().splitlines()[-1] if out.stdout.strip() else ""
     assert out.returncode == 0, f"{out.stdout[-4000:]}\n{out.stderr[-2000:]}"
     assert " passed" in summary and "failed" not in summary and "skipped" not in summary, summary
+    assert "PytestUnknownMarkWarning" not in out.stdout + out.stderr
+    assert " deselected" in summary and "compiled-backend row(s) deselected" in out.stdout, summary
+    assert not (src / "conftest.py").exists() and not (src / "tests" / "conftest.py").exists()
 
 
 def test_uninstalling_brings_the_clear_error_back(installed):
