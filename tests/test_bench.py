@@ -39,6 +39,9 @@ def test_cpu_sweep_measures_torch_rows_and_marks_offload_rows(results):
     assert b.CUDA_ONLY_ROWS & set(by)
     for name in b.CUDA_ONLY_ROWS & set(by):
         assert by[name].status == b.NEEDS_CUDA and by[name].peak_gib is None
+    # rows that run on the CPU but are not measured there say so, not "needs CUDA"
+    assert by["compile"].status == b.NOT_ON_CPU_COMPILED and by["compile"].peak_gib is None
+    assert by["torch + attention kept"].status == b.NOT_ON_CPU_KEPT
     # the memory column is bytes kept for backward: exact counts, so these compare exactly
     assert by["torch"].peak_gib == by["ref: torch.utils.checkpoint"].peak_gib < by["torch-ffn"].peak_gib
     assert by["torch-ffn"].peak_gib == by["ref: torch.utils.checkpoint (FFN)"].peak_gib < by["none"].peak_gib

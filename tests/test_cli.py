@@ -121,7 +121,7 @@ def test_bench_skip_row_runs_every_other_row(monkeypatch):
         seen["rows"] = rows
         raise gradseam.GradseamError("stop here")
 
-    monkeypatch.setattr(cli, "_need_cuda", lambda message: None)
+    monkeypatch.setattr(cli, "_need_cuda", lambda *args: None)
     monkeypatch.setattr(bench, "real", fake_real)
     result = _invoke("bench", "--family", "flux", "--skip-row", "ref: save_on_cpu", "--skip-row", "torch")
     assert "stop here" in result.output
@@ -150,7 +150,7 @@ def _bench_json(tmp_path, *extra: str, path=None):
 
 
 def test_bench_synthetic_on_cpu_writes_json_and_png(tmp_path):
-    from gradseam.tools.bench import CUDA_ONLY_ROWS, NEEDS_CUDA
+    from gradseam.tools.bench import CPU_SKIPPED, CPU_STATUS_WHY
     from gradseam.tools.bench_report import MEMORY_CPU
 
     result, doc, path = _bench_json(tmp_path)
@@ -166,11 +166,18 @@ def test_bench_synthetic_on_cpu_writes_json_and_png(tmp_path):
     assert all(r["step_times_ms"] is None for r in doc["rows"] if r["status"] != "ok")
     assert by["torch"]["status"] == "ok" and by["torch"]["vs_torch"] == 1.0
     assert 0 < by["torch"]["peak_gib"] < by["none"]["peak_gib"]
-    assert {n for n, r in by.items() if r["status"] == NEEDS_CUDA} == CUDA_ONLY_ROWS & set(by)
-    assert all(r["status"] == "ok" for n, r in by.items() if n not in CUDA_ONLY_ROWS)
+    # every row the CPU leaves out has its status, and only those: offload "needs CUDA", kept kernels and
+    # compiled rows (which run on the CPU too) "not measured on the CPU (...)"
+    assert {n: r["status"] for n, r in by.items() if r["status"] != "ok"} == {n: CPU_SKIPPED[n] for n in by
+                                                                              if n in CPU_SKIPPED}
     out = result.output
     assert "CPU" in out and "kept for backward" in out and "| torch |" in out
     assert "error" not in out
+    for status, why in CPU_STATUS_WHY.items():  # each status shown is explained under the table, once
+        assert out.count(f"'{status}': {why}.") == 1
+    # --steps 1: no spread, and the ratios say they are one step against one step
+    assert "spread: none, each row was timed in a single step (--steps 1)" in out and " (1 step) |" in out
+    assert "| torch | " in out and f"{by['torch']['vs_none']:.2f}*" in out
     # pasteable markdown even at COLUMNS=60 into a pipe: every row whole, on its own line
     table = [line for line in out.splitlines() if line.startswith("|")]
     assert len(table) == 2 + len(doc["rows"]) and all(line.endswith("|") and line.count("|") == 8 for line in table)
@@ -442,7 +449,7 @@ def test_demo_runs_the_size_its_title_says():
     assert result.exit_code == 0, result.output
     assert torch.get_num_threads() == threads  # the demo's thread count does not outlive it
     assert "small Flux (cpu, 16 image tokens)" in result.output
-    assert "spread" in result.output and "median of the 1 timed steps" in result.output
+    assert "spread: none, each row was timed in a single step (--steps 1)" in result.output
     from gradseam.tools.demo import strategies
 
     # every row's gradient equals the unpatched one ("none" included: its difference to itself)

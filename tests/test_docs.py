@@ -155,16 +155,79 @@ def _code_lines(text: str, lang: str = "bash") -> list[str]:
 
 
 def test_getting_started_installs_and_tests_as_the_readme_does():
+    """The README's commands, in getting-started too: torch's CPU build alone with --index-url (which
+    replaces the package index for its whole command, so never on the install of everything else),
+    the install, the quick subset, the full suite."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    start = readme.index("## Two commands")
-    two = _code_lines(readme[start:readme.index("\n## ", start + 1)])
-    assert len(two) == 2 and two[0].startswith("pip install -e ") and "pytest" in two[1]
+    start = readme.index("## Install, try it, test it")
+    commands = _code_lines(readme[start:readme.index("\n## ", start + 1)])
+    assert len(commands) == 4, commands
+    torch_cpu, install, quick, full = commands
+    assert torch_cpu.startswith("pip install torch --index-url ") and "-e" not in torch_cpu.split("#")[0]
+    assert install.startswith("pip install -e ") and "index-url" not in install
+    assert quick.startswith('python -m pytest -n 2 -m "not slow"')
+    assert full.split("#")[0].split() == ["python", "-m", "pytest", "-n", "auto"]  # everything: no -m
     guide = _code_lines((DOCS / "getting-started.md").read_text(encoding="utf-8"))
-    for line in two:
+    for line in commands:
         assert line in guide, f"docs/getting-started.md lacks the README's {line!r}"
     installs = [line for line in guide if line.startswith("pip install")]
     tests = [line for line in guide if "pytest" in line and "-m cuda" not in line.split("#")[0]]
-    assert installs == [two[0]] and tests == [two[1]], (installs, tests)
+    assert installs == [torch_cpu, install] and tests == [quick, full], (installs, tests)
+
+
+def test_the_quick_subset_is_registered_and_its_times_are_the_same_everywhere():
+    """`-m "not slow"` needs the mark registered (pytest warns on an unknown mark, and the quick subset
+    is only quick if conftest marks what is slow); README and getting-started give one set of figures."""
+    import tomllib
+
+    markers = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["pytest"]["ini_options"]
+    assert any(m.startswith("slow:") for m in markers["markers"])
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    guide = (DOCS / "getting-started.md").read_text(encoding="utf-8")
+    assert "several minutes" not in guide
+    figures = re.search(r'-m "not slow"\s+# the quick subset first: ([\d,]+) tests, ([\d.]+) min', readme)
+    assert figures is not None
+    count, minutes = figures.groups()
+    assert float(minutes) < 2, "the quick subset is for under two minutes on two cores"
+    assert f"{count} tests, took {minutes} minutes" in " ".join(guide.split())
+
+
+def test_readme_config_example_names_every_key():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    start = readme.index("## Use it")
+    example = re.search(r"```python\n(.*?)```", readme[start:], re.DOTALL).group(1)
+    keys = CheckpointConfig.keys()  # a classmethod: the config keys, not a mapping's
+    for key in keys:
+        assert f'"{key}"' in example, f"the README's config example lacks {key!r}"
+
+
+def test_figures_agree_across_the_docs_and_the_demo():
+    """The same measurement is quoted with the same figure wherever it appears (docs/benchmarks.md's)."""
+    from gradseam.tools import cli
+
+    bench = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
+    # Wan 2.1 14B, unsloth-compile at budget 0.1, all 40 blocks
+    assert "| **`unsloth-compile`** (B = 0.1) | 6.33 | 6.33 | 0.00 | **6.33** | 26.8 | 13,395 | **~1.01** |" in bench
+    demo_rule = inspect.getsource(cli.demo)
+    assert "6.33 GiB at ~1.01x" in demo_rule and "6.3 GiB at ~1.02x" not in demo_rule
+    # Flux dev 4k `torch`: 1.44x in the eager rows' run, 1.45x in the compiled backends' run
+    assert "|  | torch | 2.12 | 0.079 | 0.0 | 675 | 1.44 |" in bench
+    assert "| `torch` | 2.13 | 0.079 | 0 | 687 | 1.45 |" in bench
+    for page in (ROOT / "README.md", DOCS / "strategies.md"):
+        text = " ".join(page.read_text(encoding="utf-8").split())
+        # the eager list beside `unsloth` (0.68 GiB, 1.46x) is the eager run's
+        assert "`torch` (2.1 GiB, 1.44x)" in text and "`torch` (2.1 GiB, 1.45x)" not in text, page.name
+
+
+def test_index_lists_every_backend_and_promises_what_each_keeps():
+    from gradseam.backends import CATALOG
+
+    index = (DOCS / "index.md").read_text(encoding="utf-8")
+    listed = re.search(r'"gradient_checkpointing_backend": "[^"]+",\s*# (.*)', index).group(1)
+    assert [b.strip() for b in listed.split("|")] == list(CATALOG)
+    flat = " ".join(index.split())
+    assert "every family and every strategy." not in flat  # bit-exactness is the eager backends' promise
+    assert "within a documented tolerance" in flat and "reliability.md#compiled-backends" in flat
 
 
 def test_readme_says_the_demos_real_step_count():

@@ -54,7 +54,6 @@ def _script(path: Path, body: str) -> Path:
 def test_script_sees_its_argv_main_file_and_path(tmp_path):
     script = _script(tmp_path / "dir" / "probe.py", PROBE)
     out = tmp_path / "seen.json"
-    argv_before, path_before = sys.argv[:], sys.path[:]
     # options after the script, and a second --, belong to the script
     result = _run("--backend", "torch-ffn", "--", str(script), "--lr", "1e-4", "-x", "--", "--backend", "y",
                   env={"PROBE_OUT": str(out)})
@@ -64,7 +63,10 @@ def test_script_sees_its_argv_main_file_and_path(tmp_path):
         "argv": [str(script), "--lr", "1e-4", "-x", "--", "--backend", "y"],
         "name": "__main__", "file": str(script), "path0": str(script.parent), "main": True,
     }
-    assert sys.argv == argv_before and sys.path == path_before  # restored for whoever runs next
+    # left as the program had them for the rest of the process (its threads, atexit), as under python;
+    # conftest puts them back for the next test
+    assert sys.argv == seen["argv"] and sys.path[0] == str(script.parent)
+    assert sys.modules["__main__"].__file__ == str(script)
     assert "[gradseam] running " in result.stderr and "torch-ffn" in result.stderr
 
 

@@ -21,7 +21,6 @@ inside the functions that need it, so ``import gradseam`` stays cheap.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -30,34 +29,11 @@ from ..backends import Scope
 from ..config import CheckpointConfig
 from ..errors import GradseamError, UnsupportedStrategyError
 from ..spec import strategy_of
+from .checks import parse_budget  # noqa: F401 - re-exported: advise(budget=...) and its tests use it
 from .compiled import BUDGETS, budget_config, budget_name, compiled_rows, gradseam_keys
 from .named_strategies import rows
 
 GiB = 1 << 30
-_UNITS = {
-    "": GiB, "g": GiB, "gb": 10**9, "gib": GiB, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
-    "t": 1 << 40, "tb": 10**12, "tib": 1 << 40, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10,
-}
-
-
-def parse_budget(value: str | float | int) -> float:
-    """A memory budget in GiB: ``42.5`` (GiB), ``"40GiB"``, ``"40 GB"`` (10^9 bytes), ``"40960MiB"``."""
-    if isinstance(value, bool):
-        raise ValueError(f"memory budget: expected a size like '40GiB' or a number of GiB, got {value!r}.")
-    if isinstance(value, (int, float)):
-        gib = float(value)
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
-        unit = match.group(2).lower() if match else ""
-        if not match or unit not in _UNITS:
-            raise ValueError(
-                f"memory budget: cannot read {value!r}; write a number with a unit, e.g. '40GiB', '40 GB', "
-                "'40960MiB', or a plain number of GiB like 42.5."
-            )
-        gib = float(match.group(1)) * _UNITS[unit] / GiB
-    if not gib > 0 or gib == float("inf"):
-        raise ValueError(f"memory budget: must be a positive finite size, got {value!r}.")
-    return gib
 
 
 # -- the ladder ---------------------------------------------------------------------------------

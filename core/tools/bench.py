@@ -15,7 +15,9 @@ depth beyond its own: its rows are measured at the depth asked for.
 Without CUDA (or with ``device="cpu"``) the workloads run on the CPU in float32 at a small size
 (:data:`CPU_SHAPES`): the rows that only use torch are measured, and the memory column is the bytes
 autograd keeps between forward and backward (see :func:`gradseam.tools.measure.count_saved_bytes`),
-not an allocator peak. Rows in :data:`CUDA_ONLY_ROWS` are reported with the status ``"needs CUDA"``.
+not an allocator peak. Rows that copy to pinned host memory are reported as ``"needs CUDA"``; kept
+attention kernels and compiled rows, which run on the CPU too, as ``"not measured on the CPU (...)"``
+(:data:`gradseam.tools.bench_rows.CPU_STATUS_WHY` says why, and the CPU table prints it).
 The JSON it writes is described in :mod:`gradseam.tools.bench_report`.
 """
 
@@ -34,43 +36,32 @@ import gradseam
 from ..backends import CATALOG
 from ..family import Family
 from . import measure as measuring
-from .compiled import BUDGETS, applied, budget_config, budget_label, compiled_rows
+from .bench_rows import (  # noqa: F401 - the row tables are re-exported: tests and scripts import them here
+    COMPILE_ROWS,
+    COMPILED_ROWS,
+    CPU_STATUS_WHY,
+    DIFFUSERS_ROW,
+    GRADSEAM_ROWS,
+    NEEDS_CUDA,
+    NOT_ON_CPU_COMPILED,
+    NOT_ON_CPU_KEPT,
+    REAL_REFERENCE_ROWS,
+    REFERENCE_ROWS,
+    cpu_status,
+    real_rows,
+    synthetic_rows,
+)
+from .compiled import applied
 from .depth import at_depth, parse_depths
-from .named_strategies import needs_cuda, rows
 from .results import RealRun, Result
 
 GiB = measuring.GiB
-NEEDS_CUDA = "needs CUDA"
 
-# gradseam's rows, from the one table of named strategies (gradseam.tools.named_strategies)
-GRADSEAM_ROWS: list[tuple[str, dict[str, Any]]] = rows(
-    "torch", "torch-ffn", "unsloth", "unsloth-ffn", "attention offload", "torch-ffn + attention offload",
-    "unsloth-ffn + attention offload", "torch + attention kept", "torch + attention offload",
-    "unsloth + attention offload", "torch, interval 2", "compile", "unsloth-compile, budget 0.3", "unsloth-compile",
-    "unsloth-compile, budget 0.05",
-)
-# gradseam's rows that are also measured with compiled blocks on a real model
-COMPILED_ROWS = compiled_rows(rows("torch + attention kept", "unsloth + attention offload"))
-# Rows of a real-model workload (``gradseam bench --family``): the references a user has today
-# (no checkpointing, diffusers' own flag, ``save_on_cpu``, the compiler's memory budgets), then
-# gradseam's strategies, eager and compiled.
-DIFFUSERS_ROW = "ref: diffusers enable_gradient_checkpointing()"
-# the compiler's activation memory budgets, as configs (see gradseam.tools.compiled)
-COMPILE_ROWS: list[tuple[str, dict[str, Any]]] = [(budget_label(b), budget_config(b)) for b in BUDGETS]
-REAL_REFERENCE_ROWS = ["none", DIFFUSERS_ROW, "ref: save_on_cpu", *(label for label, _ in COMPILE_ROWS)]
-REFERENCE_ROWS = [
-    "none",
-    "ref: torch.utils.checkpoint",
-    "ref: torch.utils.checkpoint (FFN)",
-    "ref: naive unsloth",
-    "ref: save_on_cpu",
-]
-# Rows the CPU mode cannot measure, reported as "needs CUDA" there: offload copies GPU memory,
-# kept attention kernel outputs escape the CPU mode's saved-tensor count, and inductor's memory
-# budget is a GPU allocator matter.
-CUDA_ONLY_ROWS = frozenset({label for label, _ in GRADSEAM_ROWS if needs_cuda(label)}
-                           | {"ref: naive unsloth", "ref: save_on_cpu", *(label for label, _ in COMPILE_ROWS)}
-                           | {label for label, _ in COMPILED_ROWS})
+# Rows the CPU mode cannot measure because they need a GPU (offload); the others it leaves out say
+# why in their status (bench_rows.cpu_status: kept kernels escape its count, compiling is a GPU matter).
+CUDA_ONLY_ROWS = frozenset(label for label, _ in [*synthetic_rows(), *real_rows()] if cpu_status(label) == NEEDS_CUDA)
+# every row the CPU mode leaves out, with its status
+CPU_SKIPPED = {label: status for label, _ in [*synthetic_rows(), *real_rows()] if (status := cpu_status(label))}
 
 
 # -- reference strategies (hand-written, as users write them today) ----------------------------
@@ -204,15 +195,15 @@ def run_rows(
 ) -> list[Result]:
     """Measure every row on ``model``; a failing cell becomes a row with a status, never an exception.
 
-    On ``device="cpu"`` the steps made by ``make_step`` return their saved bytes and the rows in
-    :data:`CUDA_ONLY_ROWS` are reported as "needs CUDA". ``rule_out(name)`` may return why a row
+    On ``device="cpu"`` the steps made by ``make_step`` return their saved bytes and the rows the CPU
+    mode does not measure are reported with their status (:func:`gradseam.tools.bench_rows.cpu_status`). ``rule_out(name)`` may return why a row
     must not run (say, it would need more pinned host memory than the machine has); the row is
     then reported with that reason instead of being tried.
     """
     cpu = device == "cpu"
     results = []
     for name, config in rows:
-        reason = NEEDS_CUDA if cpu and name in CUDA_ONLY_ROWS else (rule_out(name) if rule_out else None)
+        reason = (cpu_status(name) if cpu else None) or (rule_out(name) if rule_out else None)
         if reason is not None:
             result = Result(workload, tokens, name, None, None, reason, depth=depth, blocks=blocks)
             results.append(result)
@@ -266,14 +257,6 @@ CPU_STEPS = 2
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def synthetic_rows(rows: list[str] | None = None) -> list[tuple[str, dict[str, Any] | None]]:
-    chosen: list[tuple[str, dict[str, Any] | None]] = [(n, None) for n in REFERENCE_ROWS]
-    chosen += [(n, c) for n, c in GRADSEAM_ROWS]
-    if rows is not None:
-        chosen = [r for r in chosen if r[0] in rows]
-    return chosen
 
 
 def synthetic(
@@ -331,21 +314,6 @@ def synthetic_title(device: str) -> str:
 
 
 # -- a family's real-size model, at two depths (and the full one where it fits) ------------------
-
-
-def real_rows(rows: list[str] | None = None) -> list[tuple[str, dict[str, Any] | None]]:
-    chosen: list[tuple[str, dict[str, Any] | None]] = [(n, None) for n in ("none", DIFFUSERS_ROW, "ref: save_on_cpu")]
-    chosen += [(n, c) for n, c in COMPILE_ROWS]
-    chosen += [(n, c) for n, c in GRADSEAM_ROWS]
-    chosen += [(n, c) for n, c in COMPILED_ROWS]
-    if rows is not None:
-        unknown = sorted(set(rows) - {n for n, _ in chosen})
-        if unknown:
-            raise gradseam.GradseamError(
-                f"unknown bench rows {unknown}; known: {', '.join(n for n, _ in chosen)}."
-            )
-        chosen = [r for r in chosen if r[0] in rows]
-    return chosen
 
 
 def real(

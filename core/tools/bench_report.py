@@ -29,7 +29,8 @@ The JSON written by ``gradseam bench`` (see :func:`payload`)::
       "rows": [                # every measurement, one per (workload, depth, strategy), in sweep order
         {"workload": str, "tokens": int, "strategy": str, "depth": int | null, "blocks": str | null,
          "peak_gib": float | null, "step_ms": float | null, "pinned_gib": float | null,
-         "status": str,        # "ok", "OOM", "needs CUDA", "ruled out: ...", "unsupported: ...", "error: ..."
+         "status": str,        # "ok", "OOM", "needs CUDA", "not measured on the CPU (...)", "ruled out: ...",
+                               # "unsupported: ...", "error: ..."
          "pinned_allocations_after_warmup": int | null,
          "forward_peak_gib": float | null, "backward_peak_gib": float | null,  # GPU: each pass's own peak
          "first_step_ms": float | null,  # compiled rows: the first warm-up step, where they compile
@@ -45,6 +46,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from .bench_rows import CPU_STATUS_WHY
 from .depth import predict, predict_peak
 from .measure import GiB, MiB, noise_marks, noise_note, spread
 
@@ -100,6 +102,14 @@ def noise(rows: list[dict[str, Any]]) -> list[str | None]:
 def cpu_noise_note(rows: list[dict[str, Any]]) -> str | None:
     """The sentence under a CPU table whose rows :func:`noise` marked; None when none is."""
     return noise_note(noise(rows), exact="the memory column (bytes kept for backward)")
+
+
+def cpu_status_note(rows: list[dict[str, Any]]) -> str | None:
+    """One line per kind of row a CPU table left out ("needs CUDA", "not measured on the CPU (...)"),
+    saying why; None when it left none out."""
+    shown = {r["status"] for r in rows}
+    lines = [f"'{status}': {why}." for status, why in CPU_STATUS_WHY.items() if status in shown]
+    return "\n".join(lines) or None
 
 
 def full_depth_rows(run: RealRun) -> list[dict[str, Any]]:
@@ -239,8 +249,13 @@ def to_markdown(rows: list[dict[str, Any]], *, cpu: bool = False) -> str:
         vs_none = (f"{r['vs_none']:.2f}" + ("*" if mark else "")) if r["vs_none"] is not None else ""
         vs_torch = f"{r['vs_torch']:.3f}" if r["vs_torch"] is not None else ""
         peak = r["peak_gib"] * GiB / MiB if cpu else r["peak_gib"]
-        scatter = spread(r.get("step_times_ms") or ())
-        step = f"{r['step_ms']:.1f}" + (f" ({scatter:.0%})" if cpu and scatter is not None else "")
+        timed = r.get("step_times_ms") or ()
+        scatter = spread(timed)
+        step = f"{r['step_ms']:.1f}"
+        if cpu and scatter is not None:
+            step += f" ({scatter:.0%})"
+        elif cpu and len(timed) == 1:
+            step += " (1 step)"  # no spread to show: one timed step
         pinned = f"{r['pinned_gib']:.2f}" if r.get("pinned_gib") is not None else ""
         lines.append(
             f"| {workload} |{depth} {r['strategy']} | {peak:.2f} | {pinned} | {step} | {vs_none} | {vs_torch} |"

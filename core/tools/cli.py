@@ -3,7 +3,9 @@
 Every option is checked before a command starts working (a benchmark that runs for minutes and
 then cannot write its results has wasted the minutes): values, combinations, the family and its
 preset (before the CUDA check, so a typo is reported on any machine), the device, and the output
-files. How a mistake is shown, and why flags and tables look the way they do: :mod:`gradseam.cli_support`.
+files; then whether a CUDA GPU can exist (:func:`gradseam.tools.checks.cuda_missing`); and only
+then what imports torch or diffusers (the family's model class), since those imports take tens of
+seconds on a small machine (:mod:`gradseam.tools.checks`). How a mistake is shown, and why flags and tables look the way they do: :mod:`gradseam.cli_support`.
 """
 
 from __future__ import annotations
@@ -93,8 +95,8 @@ def _default_device() -> str:
 
 
 def _family(name: str, preset: str | None) -> tuple[Family, str]:
-    """The installed family and its preset, and its model class importable: checked on any machine."""
-    from .workloads import find_family, find_preset, model_class
+    """The installed family and its preset: checked on any machine, without importing torch or diffusers."""
+    from .checks import find_family, find_preset
 
     try:
         family = find_family(name)
@@ -104,18 +106,34 @@ def _family(name: str, preset: str | None) -> tuple[Family, str]:
         preset_name, _ = find_preset(family, preset)
     except gradseam.GradseamError as exc:
         bad("--preset" if preset is not None else "--family", str(exc))
+    return family, preset_name
+
+
+def _model_class(family: Family) -> None:
+    """The family's model class importable from the installed diffusers (this imports diffusers: after
+    every other check, the GPU's included)."""
+    from .checks import model_class
+
     try:
         model_class(family)
     except gradseam.GradseamError as exc:
         bad("--family", str(exc))
-    return family, preset_name
 
 
-def _need_cuda(message: str) -> None:
-    import torch
+def _need_cuda(message: str, then: str = "") -> None:
+    """Stop with ``message`` (and ``then``, a sentence after the reason) where there is no CUDA GPU:
+    first the checks that need no torch (a CPU-only torch build, no driver), so a machine without a
+    GPU hears it at once, then torch's own answer."""
+    from .checks import cuda_missing
 
-    if not torch.cuda.is_available():
-        fail(message)
+    why = cuda_missing()
+    if why is None:
+        import torch
+
+        if torch.cuda.is_available():
+            return
+        why = "torch sees no CUDA GPU here: torch.cuda.is_available() is False"
+    fail(f"{message} ({why}).{' ' + then if then else ''}")
 
 
 def _quiet_diffusers() -> None:
@@ -128,8 +146,35 @@ def _quiet_diffusers() -> None:
 # -- families -------------------------------------------------------------------------------------
 
 
-FAMILY_COLUMNS = ("family", "plugin (distribution)", "model classes", "block lists", "FFN cut",
-                  "interval/stride", "attention offload")
+FAMILY_COLUMNS = ("family", "plugin (distribution)", "model classes", "block lists", "FFN seams",
+                  "attention side", "interval", "stride")
+
+
+def _seams(fam: Family) -> str:
+    """Each block class's FFN seams (``a → b`` for a seam of several modules), one class per line."""
+    lines = []
+    for bc in fam.block_classes:
+        seams = ", ".join(" → ".join(seam) + (" (optional)" if set(seam) & set(bc.optional) else "")
+                          for seam in bc.ffn)
+        lines.append(f"{bc.name.rsplit('.', 1)[-1]}: {seams or 'none'}")
+    return "\n".join(lines) or "none"
+
+
+def _attention(fam: Family) -> str:
+    """Each block class's attention submodules (what attention offload and kept kernels work in)."""
+    lines = [f"{bc.name.rsplit('.', 1)[-1]}: {', '.join(bc.attention) or 'none'}" for bc in fam.block_classes]
+    return "\n".join(lines) or "none"
+
+
+def _interval(fam: Family) -> str:
+    """Whether interval chunks of N blocks run, per block list: those without a carry run block by block."""
+    chunked = [bl for bl in fam.block_lists if bl.carry is not None]
+    if not chunked:
+        return "no (block by block)"
+    words = "yes" if len(chunked) == len(fam.block_lists) else "only " + ", ".join(bl.path for bl in chunked)
+    if any(bl.per_block for bl in chunked):
+        words += " (block by block with a per-block cache)"
+    return words
 
 
 def _family_rows() -> list[tuple[str, ...]]:
@@ -142,9 +187,10 @@ def _family_rows() -> list[tuple[str, ...]]:
             dist,
             "\n".join(n.rsplit(".", 1)[-1] for n in fam.model_names),
             "\n".join(bl.path + (" (optional)" if bl.optional else "") for bl in fam.block_lists),
-            "yes" if fam.has_ffn else "no",
-            "yes" if fam.supports_interval else "no",
-            "yes" if fam.has_attention else "no",
+            _seams(fam),
+            _attention(fam),
+            _interval(fam),
+            "yes",  # the stride picks blocks by index in every list, whatever the carry
         ))
     return rows
 
@@ -152,11 +198,18 @@ def _family_rows() -> list[tuple[str, ...]]:
 def print_families(out: Console) -> None:
     """The families as a table where it fits the width whole, else one entry per family.
 
-    Class names and block paths are single words of up to ~30 characters; seven columns of them
-    need ~130 columns. Squeezed into an 80-column terminal, rich folds them mid-word
+    Class names and block paths are single words of up to ~30 characters; eight columns of them
+    need ~200 columns. Squeezed into an 80-column terminal, rich folds them mid-word
     (``HunyuanVideo15Tr|ansformer3DModel``), which reads as two names and cannot be searched or
     pasted. So the table is printed only where its narrowest layout, every word whole, fits;
     otherwise each family is a short entry, wrapped between words.
+
+    What each column means: the FFN seams are the submodules ``torch-ffn`` / ``unsloth-ffn`` recompute
+    (per block class; none: those backends are refused); the attention side, the submodules attention
+    offload and kept attention kernels work in (none: both refused); interval, whether
+    ``gradient_checkpointing_interval`` chunks several blocks into one region (a list without a carry
+    runs block by block); stride, whether ``gradient_checkpointing_segment_stride`` selects the first
+    N of every S blocks (every family: it needs no carry).
     """
     from rich.measure import Measurement
 
@@ -169,15 +222,29 @@ def print_families(out: Console) -> None:
     # measured without a width limit: Measurement.get clamps its result to the width it is given
     if Measurement.get(out, out.options.update_width(PIPED_WIDTH), table).minimum <= out.width:
         out.print(table)
-        return
-    out.print("gradseam families", markup=False, highlight=False)
-    for name, dist, classes, lists, ffn, interval, attention in rows:
-        out.print("", markup=False)
-        out.print(f"{name}: {dist}", markup=False, highlight=False)
-        for label, value in (("model classes", classes), ("block lists", lists)):
-            out.print(f"  {label}: {', '.join(value.splitlines())}", markup=False, highlight=False)
-        out.print(f"  FFN cut: {ffn}; interval/stride: {interval}; attention offload: {attention}",
-                  markup=False, highlight=False)
+    else:
+        out.print("gradseam families", markup=False, highlight=False)
+        for name, dist, classes, lists, seams, attention, interval, stride in rows:
+            out.print("", markup=False)
+            out.print(f"{name}: {dist}", markup=False, highlight=False)
+            for label, value in (("model classes", classes), ("block lists", lists)):
+                out.print(f"  {label}: {', '.join(value.splitlines())}", markup=False, highlight=False)
+            for label, value in (("FFN seams", seams), ("attention side", attention)):
+                lines = value.splitlines()  # one per block class
+                if len(lines) == 1:
+                    out.print(f"  {label}: {lines[0]}", markup=False, highlight=False)
+                    continue
+                out.print(f"  {label}:", markup=False, highlight=False)
+                for line in lines:
+                    out.print(f"    {line}", markup=False, highlight=False)
+            out.print(f"  interval: {interval}; stride: {stride}", markup=False, highlight=False)
+    out.print(
+        "FFN seams: what torch-ffn / unsloth-ffn recompute (none: they are refused). Attention side: where "
+        "attention offload and kept attention kernels work (none: both refused). Interval: whether "
+        "gradient_checkpointing_interval runs N blocks as one region (no: block by block). Stride: whether "
+        "gradient_checkpointing_segment_stride picks the first N of every S blocks.",
+        markup=False, highlight=False,
+    )
 
 
 @command()
@@ -233,7 +300,7 @@ def demo(
             _spread_cell(r.spread), f"{r.step_ms / none.step_ms:.2f}" + ("*" if mark else ""), f"{r.max_grad_diff:.1e}",
         )
     out.print(table)
-    out.print(f"spread: (slowest - fastest) / median of the {steps} timed steps.", markup=False, highlight=False)
+    out.print(measure.spread_line(steps), markup=False, highlight=False)
     note = measure.noise_note(marks)
     if note:
         out.print(note, markup=False, highlight=False)
@@ -241,7 +308,7 @@ def demo(
         "Practical rule (full-depth H200 measurements, docs/benchmarks.md): no checkpointing if it fits. "
         "On a CUDA GPU with shapes that repeat: backend unsloth-compile (compiled blocks under the compiler's "
         "memory budget, what they keep in pinned host memory; Flux dev 4k: 0.73 GiB at 0.98x no "
-        "checkpointing with budget 0.3; Wan 14B 40 blocks: 6.3 GiB at ~1.02x), or compile if host memory is "
+        "checkpointing with budget 0.3; Wan 14B 40 blocks: 6.33 GiB at ~1.01x), or compile if host memory is "
         "short. Without a compiler or with shapes changing every step, eager: torch-ffn if a shallow cut is "
         "enough, else torch / unsloth; at tens of thousands of tokens (video) with "
         "gradient_checkpointing_offload_attention. Interval >= 2 only to win speed back once an eager backend "
@@ -277,7 +344,7 @@ def _chart_path(json_path: Path, png_path: Path | None) -> Path:
 def _check_depths(depths: str | None) -> None:
     """The form of --depths, before a model is built (its bound, the model's depth, is checked after)."""
     if depths is not None:
-        from .depth import parse_depths
+        from .checks import parse_depths
 
         try:
             low, _ = parse_depths(depths, full=1 << 30)
@@ -340,12 +407,13 @@ def bench(
         fail("--blocks, --dim and --device are for the synthetic stack; they exclude --family.")
     if family is not None and threads is not None:
         fail("--threads sets the CPU's torch threads; this bench runs on the GPU: --family models always run there.")
-    device = _device(device)
+    if device not in (None, *DEVICES):
+        bad("--device", f"expected cpu or cuda, got {device!r}.")
     if family is not None:
         fam, preset = _family(family, preset)
     _check_depths(depths)
     if skip_rows:
-        from .bench import real_rows
+        from .bench_rows import real_rows
 
         try:
             real_rows(list(skip_rows))  # an unknown label is an error, not a row silently kept
@@ -365,9 +433,11 @@ def bench(
     if family is not None:
         _need_cuda(
             "gradseam bench --family builds the family's real-size model (billions of parameters) and "
-            "measures GPU memory and time, so it needs a CUDA GPU; none is available. Without --family, "
-            "`gradseam bench` runs the small synthetic stack on the CPU."
+            "measures GPU memory and time, so it needs a CUDA GPU; none is available",
+            "Without --family, `gradseam bench` runs the small synthetic stack on the CPU.",
         )
+        _model_class(fam)
+    device = _device(device)
     from . import bench as b
     from . import bench_report as report
     from . import measure
@@ -417,7 +487,7 @@ def bench(
             progress.advance(task)
             where = f" at depth {result.depth}" if result.depth is not None else ""
             progress.update(task, description=f"{result.workload}{where}: {result.strategy}")
-            if result.status not in ("ok", b.NEEDS_CUDA):
+            if result.status != "ok" and result.status not in b.CPU_STATUS_WHY:
                 progress.console.print(f"{result.strategy}{where}: {result.status}", markup=False, highlight=False)
 
         def on_build(built):
@@ -456,9 +526,11 @@ def bench(
         out.print("\nMeasured:", markup=False)
     out.print(report.to_markdown(measured, cpu=cpu), markup=False, highlight=False, soft_wrap=True)  # pasteable
     if cpu:
-        out.print(f"memory: {report.MEMORY_CPU}; rows marked '{b.NEEDS_CUDA}' copy to pinned memory and need a GPU.",
-                  markup=False)
-        out.print(f"spread: (slowest - fastest) / median of the {steps} timed steps.", markup=False)
+        out.print(f"memory: {report.MEMORY_CPU}.", markup=False)
+        left_out = report.cpu_status_note(measured)
+        if left_out:
+            out.print(left_out, markup=False, highlight=False)
+        out.print(measure.spread_line(steps), markup=False)
         note = report.cpu_noise_note(measured)
         if note:
             out.print(note, markup=False, highlight=False)
@@ -488,7 +560,7 @@ def advise(
     preset's full depth from two shallow measurements; a candidate fits when its peak plus the full
     model's static memory is within the budget and its pinned memory within what this machine can pin.
     """
-    from .advise import NoFitError, parse_budget
+    from .checks import parse_budget
 
     _at_least("--depth", depth, "a depth in units of depth")
     _at_least("--tokens", tokens, "a number of tokens")
@@ -501,9 +573,11 @@ def advise(
     if json_path is not None:
         json_path = output_path(json_path, "--json")
     _need_cuda("gradseam advise measures GPU memory and time on the family's real-size model and needs a "
-               "CUDA GPU; none is available.")
+               "CUDA GPU; none is available")
+    _model_class(fam)
     import torch
 
+    from .advise import NoFitError
     from .advise import advise as run_advise
     from .workloads import build
 
@@ -604,13 +678,11 @@ def run(
         "--offload-pin-memory-max-buckets": offload_pin_memory_max_buckets, "--keep-attention": keep_attention,
         "--memory-budget": memory_budget,
     }
-    try:
-        cfg = launch.build_config(config, ignore_unknown=ignore_unknown,
-                                  flags={k: v for k, v in values.items() if v is not None})
-        known = [*launch.FLAG_KEYS, "--no-checkpointing", "--no-offload-attention", "--no-keep-attention", "--config",
-                 "--ignore-unknown",
-                 "--report", "--help"]
-        program_ = launch.parse_program(list(program or []), known)
+    known = [*launch.FLAG_KEYS, "--no-checkpointing", "--no-offload-attention", "--no-keep-attention", "--config",
+             "--ignore-unknown", "--report", "--help"]
+    try:  # every check of the command line before torch or diffusers is imported (but one, see prepare)
+        cfg, program_ = launch.prepare(config, ignore_unknown=ignore_unknown, argv=list(program or []),
+                                       flags={k: v for k, v in values.items() if v is not None}, known_flags=known)
     except launch.LaunchError as exc:
         fail(str(exc))
     rank, world = launch.rank_info()

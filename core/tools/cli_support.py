@@ -7,6 +7,12 @@
 - **Flags look like flags.** typer's help shows a ``<bool>`` type next to ``--synthetic``, which
   reads as if it took a value (``--synthetic false`` is then rejected); :class:`Command` and
   :class:`Group` give every flag an empty metavar.
+- **A warning names no internal line.** Python prints a warning with the file and line it is
+  attributed to; gradseam attributes its warnings to the first frame outside itself, which under the
+  command line is typer's, click's or ``contextlib``'s (``typer/main.py:1445: PluginWarning: ...``).
+  While a command runs, a warning attributed to such a frame is printed as ``gradseam: warning:
+  MESSAGE (Category)`` (:func:`cli_warnings`); a warning attributed to the user's own file (a line of
+  the program ``gradseam run`` runs) keeps Python's format.
 - **Tables keep their names when piped.** A console that is not a terminal gets an unlimited width,
   so rich never cuts a cell to 80 columns in a file or CI log; in a terminal, name columns fold
   instead of ending in an ellipsis.
@@ -17,9 +23,13 @@ its own click from 0.20 on and used the ``click`` package before.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
+import sysconfig
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -70,6 +80,68 @@ class Command(TyperCommand):
         return _parse_in(ctx, super().parse_args, args)
 
 
+def _package_dir(module: Any) -> str:
+    return os.path.dirname(os.path.abspath(module.__file__))
+
+
+def internal_dirs() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Where a frame is the command line's machinery, not the user's: (packages, standard library).
+
+    The packages are gradseam itself, typer and its click, rich and pluggy; the standard library
+    (``contextlib``, ``runpy``) counts without the site-packages it may hold."""
+    import pluggy
+    import rich
+
+    import gradseam
+
+    packages = [_package_dir(gradseam), _package_dir(typer), _package_dir(_exceptions), _package_dir(rich),
+                _package_dir(pluggy)]
+    adapters = sys.modules.get("gradseam.adapters")
+    if adapters is not None:
+        packages.append(_package_dir(adapters))
+    paths = sysconfig.get_paths()
+    stdlib = [os.path.abspath(paths[key]) for key in ("stdlib", "platstdlib") if paths.get(key)]
+    return tuple(dict.fromkeys(packages)), tuple(dict.fromkeys(stdlib))
+
+
+def is_internal(filename: str, dirs: tuple[tuple[str, ...], tuple[str, ...]] | None = None) -> bool:
+    """Whether a warning attributed to ``filename`` points at the command line's machinery."""
+    if not filename or filename.startswith("<"):  # <frozen importlib._bootstrap>, <string>
+        return True
+    packages, stdlib = dirs or internal_dirs()
+    path = os.path.abspath(filename)
+    if any(path.startswith(d + os.sep) for d in packages):
+        return True
+    installed = any(f"{os.sep}{name}{os.sep}" in path for name in ("site-packages", "dist-packages"))
+    return not installed and any(path.startswith(d + os.sep) for d in stdlib)
+
+
+@contextlib.contextmanager
+def cli_warnings() -> Iterator[None]:
+    """Within the block, a warning attributed to an internal frame (:func:`is_internal`) is formatted as
+    ``gradseam: warning: MESSAGE (Category)``, without a file or line; others keep Python's format.
+
+    It replaces :func:`warnings.formatwarning`, which Python's printing and ``logging.captureWarnings``
+    use and warning records (``catch_warnings(record=True)``, pytest) do not, and puts the previous one
+    back after the block unless the program under ``gradseam run`` replaced it meanwhile.
+    """
+    before = warnings.formatwarning
+    dirs = internal_dirs()
+
+    def formatwarning(message: Any, category: type[Warning], filename: str, lineno: int,
+                      line: str | None = None) -> str:
+        if is_internal(filename, dirs):
+            return f"gradseam: warning: {message} ({category.__name__})\n"
+        return before(message, category, filename, lineno, line)
+
+    warnings.formatwarning = formatwarning
+    try:
+        yield
+    finally:
+        if warnings.formatwarning is formatwarning:
+            warnings.formatwarning = before
+
+
 class Group(TyperGroup):
     """The ``gradseam`` group: runs a command and turns a usage error into one line and exit code 2."""
 
@@ -82,9 +154,11 @@ class Group(TyperGroup):
     def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
              standalone_mode: bool = True, **extra: Any) -> Any:
         if not standalone_mode:
-            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            with cli_warnings():
+                return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
-            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            with cli_warnings():
+                code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except ClickException as exc:
             if NoArgsIsHelpError is not None and isinstance(exc, NoArgsIsHelpError):
                 exc.show()  # type: ignore[attr-defined] - the help, for a bare `gradseam`

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import ExitStack, contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    from torch import nn
+
+# torch is imported where a block is compiled: the names and configs here are read by the command
+# line's checks, before any heavy import (gradseam.tools.checks)
 
 BUDGETS = (0.3, 0.1, 0.05)
 # Keys of a tool's row or candidate that are not gradseam config keys: they ask for compiled blocks
@@ -71,6 +74,7 @@ def compiled_blocks(blocks: list[nn.Module], budget: float | None = None) -> Ite
     Dynamo's caches are reset on entry and exit: a budget is read when a graph is partitioned, so
     a graph compiled under another budget must not be reused.
     """
+    import torch
     import torch._functorch.config as functorch_config
 
     torch._dynamo.reset()

@@ -25,6 +25,7 @@ from typing import Any
 from torch import nn
 
 from ..family import Family
+from .checks import parse_depths  # noqa: F401 - re-exported
 
 
 def resolve(root: Any, path: str) -> Any:
@@ -212,26 +213,6 @@ def highest(lines: Mapping[str, LinearFit], depth: int) -> tuple[str, LinearFit]
     never below what the fit of the whole step alone would say.
     """
     return max(lines.items(), key=lambda item: item[1].at(depth))
-
-
-def parse_depths(text: str | None, full: int) -> tuple[int, int]:
-    """``"2,4"`` -> (2, 4); None -> two small depths of the model (2 and 4 units, or what it has)."""
-    if text is None:
-        if full >= 4:
-            return (2, 4)
-        if full >= 2:
-            return (1, 2)
-        raise ValueError("the model has one unit of depth only; there is nothing to fit, measure it with --full.")
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        values = []
-    if len(values) != 2 or values[0] == values[1] or min(values) < 1:
-        raise ValueError(f"--depths: expected two different depths >= 1 like '2,4', got {text!r}.")
-    d1, d2 = sorted(values)
-    if d2 > full:
-        raise ValueError(f"--depths: {d2} is deeper than the model's full depth {full}.")
-    return d1, d2
 
 
 def _fit_rows(rows: list[Any], workload: str, strategy: str, fit_depths: tuple[int, int]) -> list[Any] | None:

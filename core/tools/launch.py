@@ -4,14 +4,18 @@
 :func:`gradseam.patching` and runs the program *in this interpreter*, so every model the program
 loads with a diffusers loader comes out patched. Why it works the way it does:
 
-- **In-process, through runpy.** Load-time patching wraps diffusers' loader classmethods in the
-  interpreter that loads the model; a child process would start without them. ``runpy`` runs the
-  program the way ``python train.py`` / ``python -m pkg.mod`` would: ``__name__ == "__main__"``,
-  ``sys.modules["__main__"]`` is the program's module while it runs (so pickling classes defined
-  in it and ``multiprocessing`` workers that re-import it work), ``sys.argv[1:]`` are exactly the
-  program's arguments, and ``sys.path[0]`` is the script's directory (the working directory for
-  ``-m``), as Python sets it. One difference: ``__file__`` and ``sys.argv[0]`` are the script's
-  absolute path (Python keeps ``sys.argv[0]`` as typed).
+- **In-process, as Python runs it.** Load-time patching wraps diffusers' loader classmethods in the
+  interpreter that loads the model; a child process would start without them. The program runs the
+  way ``python train.py`` / ``python -m pkg.mod`` would run it: ``__name__ == "__main__"``, and its
+  module is ``sys.modules["__main__"]`` from its first line to the end of the process, after its top
+  level returned too (so pickling classes defined in it works in a checkpoint thread still saving
+  and in ``atexit`` handlers, and ``multiprocessing`` workers that re-import it find it);
+  ``sys.argv[1:]`` are exactly the program's arguments, and ``sys.path[0]`` is the script's
+  directory (the working directory for ``-m``), as Python sets them, and they stay so after the top
+  level returns too. runpy's ``run_path`` /
+  ``run_module`` are not used: they put the previous ``__main__`` back when the top level returns.
+  One difference: ``__file__`` and ``sys.argv[0]`` are the script's absolute path (Python keeps
+  ``sys.argv[0]`` as typed).
 - **Under launchers, as the program.** ``accelerate launch`` and ``torchrun`` start one process
   per rank and run the program they are given in each; making ``gradseam`` that program (``-m
   gradseam run ...`` or ``--no_python``/``--no-python gradseam run ...``) puts the patching in
@@ -42,15 +46,19 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import importlib.machinery
+import importlib.util
+import io
 import json
 import os
+import pkgutil
 import re
-import runpy
 import sys
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import CodeType, ModuleType
 from typing import TYPE_CHECKING, Any, TextIO
 
 from ..config import CheckpointConfig
@@ -103,6 +111,32 @@ def build_config(
     a key in the file by its config key (that is what the file holds), and the remedy for a
     trainer config is ``--ignore-unknown``, not the Python API's ``ignore_unknown=True``.
     """
+    config, flag_of = _read_config(config_file, ignore_unknown, flags)
+    _refuse_for_every_model(config, flag_of)
+    return config
+
+
+def prepare(
+    config_file: str | os.PathLike[str] | None,
+    *,
+    ignore_unknown: bool = False,
+    flags: Mapping[str, Any] | None = None,
+    argv: list[str],
+    known_flags: list[str] | None = None,
+) -> tuple[CheckpointConfig, Program]:
+    """The command line read and checked, cheapest checks first: the config's values, the program
+    (a missing script, an unknown option), then what needs torch (:func:`_refuse_for_every_model`
+    imports the planner). A mistake is a :class:`LaunchError` before torch or diffusers is imported,
+    except a combination that no model can run, found once torch is in."""
+    config, flag_of = _read_config(config_file, ignore_unknown, flags)
+    program = parse_program(argv, known_flags)
+    _refuse_for_every_model(config, flag_of)
+    return config, program
+
+
+def _read_config(
+    config_file: str | os.PathLike[str] | None, ignore_unknown: bool, flags: Mapping[str, Any] | None,
+) -> tuple[CheckpointConfig, dict[str, str]]:
     keys: dict[str, Any] = {}
     if ignore_unknown and config_file is None:
         raise LaunchError("--ignore-unknown reads the gradseam keys out of a trainer config; it needs --config FILE.")
@@ -125,8 +159,7 @@ def build_config(
         config = CheckpointConfig.from_dict(keys)
     except ValueError as exc:  # only combinations are left (a stride shorter than the interval)
         raise LaunchError(_in_flags(str(exc), flag_of)) from None
-    _refuse_for_every_model(config, flag_of)
-    return config
+    return config, flag_of
 
 
 def _refuse_for_every_model(config: CheckpointConfig, flag_of: Mapping[str, str]) -> None:
@@ -219,6 +252,7 @@ def parse_program(argv: list[str], known_flags: list[str] | None = None) -> Prog
         name = head[2:] or (rest.pop(0) if rest else "")
         if not name:
             raise LaunchError(f"-m needs a module name; {usage}")
+        _check_top_level(name)
         return Program(name, tuple(rest), module=True)
     if head.startswith("-") and head != "-":
         name = head.split("=")[0]
@@ -441,8 +475,8 @@ def _exit_status(code: object, err: KeptStream | None = None) -> int:
 
 
 def _program_traceback(tb: Any) -> Any:
-    """The traceback without the launcher's and runpy's frames, so it starts in the program."""
-    ours = {os.path.abspath(__file__), os.path.abspath(runpy.__file__)}
+    """The traceback without the launcher's frames, so it starts in the program."""
+    ours = {os.path.abspath(__file__)}
     while tb is not None and (
         os.path.abspath(tb.tb_frame.f_code.co_filename) in ours or tb.tb_frame.f_code.co_filename.startswith("<frozen")
     ):
@@ -468,21 +502,80 @@ def _print_uncaught(exc: BaseException, err: KeptStream | None = None) -> None:
         err.write("".join(traceback.format_exception(type(exc), exc, tb)))
 
 
+# The ``__main__`` modules the programs replaced, kept alive: their code may still be running (the
+# ``gradseam`` console script's, ``python -m gradseam``'s), and a module object that goes away may
+# take its globals with it.
+_REPLACED_MAINS: list[ModuleType] = []
+
+
+def _main_module(program: Program) -> tuple[ModuleType, CodeType]:
+    """The program's ``__main__`` module, filled as Python fills it, and its code (not yet run).
+
+    Python runs a program in the process's one ``__main__`` module for the rest of the process; runpy's
+    ``run_path`` / ``run_module`` use a temporary module instead and put the old ``__main__`` back when
+    the top level returns, so a thread still saving a checkpoint after the loop, or an ``atexit``
+    handler, could no longer pickle a class the program defined. The module is made here and never
+    taken out of ``sys.modules`` (see :func:`_execute`).
+    """
+    module = ModuleType("__main__")
+    if program.module:
+        spec = _module_spec(program.target)
+        where: Any = spec
+    elif pkgutil.get_importer(program.target) is None:  # a file (source or compiled), as python runs it
+        spec, where = None, program.target
+    else:  # a directory or zip file with a __main__.py: sys.path[0] is the place itself
+        sys.path[0] = program.target
+        spec = importlib.machinery.PathFinder.find_spec("__main__", [program.target])
+        if spec is None or spec.loader is None:
+            raise LaunchError(f"can't find '__main__' module in {program.display!r}.")
+        where = spec
+    if spec is None:
+        module.__dict__.update(__file__=program.target, __cached__=None, __loader__=None, __package__=None,
+                               __spec__=None)
+        return module, _code_of_file(program.target)
+    code = spec.loader.get_code(spec.name) if spec.loader is not None else None
+    if code is None:
+        raise LaunchError(f"{program.display}: no code object available for {where.name!r}.")
+    module.__dict__.update(__file__=spec.origin, __cached__=spec.cached, __loader__=spec.loader,
+                           __package__=spec.parent, __spec__=spec)
+    return module, code
+
+
+def _code_of_file(path: str) -> CodeType:
+    """A script's code: compiled bytecode as it is, else the source compiled (what runpy does)."""
+    with io.open_code(path) as f:
+        code = pkgutil.read_code(f)
+    if code is None:
+        with io.open_code(path) as f:
+            code = compile(f.read(), path, "exec")
+    return code
+
+
 def _execute(program: Program, start: Callable[[], None] = lambda: None, err: KeptStream | None = None) -> int:
+    """Run the program as ``python script.py`` / ``python -m module`` would; its exit status.
+
+    What the program sees of the process stays as it set it up for the rest of the process, as under
+    ``python``: its module is ``sys.modules["__main__"]``, ``sys.argv`` its command line and
+    ``sys.path`` what it made of it, for the threads it leaves running and its ``atexit`` handlers
+    (a checkpoint writer still saving after the loop). They are put back only when the program
+    never started (a mistake in the command line).
+    """
     saved_argv, saved_path = sys.argv[:], sys.path[:]
+    started = False
     try:
         if program.module:
             sys.path[0:1] = [os.getcwd()]  # as `python -m` sets it, before the module is looked up
-            _check_module(program.target)  # a LaunchError here is the command line's mistake, not the program's
         else:
             sys.path[0:1] = [os.path.dirname(os.path.realpath(program.target))]
-        sys.argv = [program.target, *program.args]  # run_module replaces argv[0] by the module's file
+        # a LaunchError here is the command line's mistake, not the program's
+        module, code = _main_module(program)
+        sys.argv = [module.__file__ if program.module else program.target, *program.args]
         start()
+        _REPLACED_MAINS.append(sys.modules["__main__"])
+        sys.modules["__main__"] = module
+        started = True
         try:
-            if program.module:
-                runpy.run_module(program.target, run_name="__main__", alter_sys=True)
-            else:
-                runpy.run_path(program.target, run_name="__main__")
+            exec(code, module.__dict__)
             return 0
         except SystemExit as exc:
             return _exit_status(exc.code, err)
@@ -493,15 +586,46 @@ def _execute(program: Program, start: Callable[[], None] = lambda: None, err: Ke
             _print_uncaught(exc, err)
             return 1
     finally:
-        sys.argv, sys.path[:] = saved_argv, saved_path
+        if not started:
+            sys.argv, sys.path[:] = saved_argv, saved_path
 
 
-def _check_module(name: str) -> None:
-    import importlib.util
+def _module_spec(name: str) -> importlib.machinery.ModuleSpec:
+    """The spec ``python -m name`` runs: the module's, or its ``__main__``'s for a package."""
+    spec = _check_module(name)
+    if spec.submodule_search_locations is not None:  # a package: python -m runs its __main__
+        main = f"{name}.__main__"
+        spec = _check_module(main, package=name)
+        if spec.submodule_search_locations is not None:
+            raise LaunchError(f"-m {name}: {main!r} is a package and cannot be directly executed.")
+    return spec
 
+
+def _check_top_level(name: str) -> None:
+    """``-m a.b.c``'s top-level package ``a`` exists, looked up as ``python -m`` would (from the working
+    directory), before torch and diffusers are imported for the run. Finding a top-level module runs
+    none of the program's code; its submodules are looked up when the program starts."""
+    top = name.split(".")[0]
+    saved = sys.path[:]
+    sys.path[0:1] = [os.getcwd()]
+    try:
+        found = importlib.util.find_spec(top)
+    except (ImportError, ValueError) as exc:
+        raise LaunchError(f"-m {name}: {exc}") from None
+    finally:
+        sys.path[:] = saved
+    if found is None:
+        raise LaunchError(f"-m {name}: no module named {top!r}.")
+
+
+def _check_module(name: str, package: str | None = None) -> importlib.machinery.ModuleSpec:
     try:
         found = importlib.util.find_spec(name)
     except (ImportError, ValueError) as exc:
-        raise LaunchError(f"-m {name}: {exc}") from None
+        raise LaunchError(f"-m {package or name}: {exc}") from None
     if found is None:
+        if package is not None:
+            raise LaunchError(f"-m {package}: no module named {name!r}; {package!r} is a package and cannot be "
+                              "directly executed.")
         raise LaunchError(f"-m {name}: no module named {name!r}.")
+    return found

@@ -211,34 +211,47 @@ def noise(times: Sequence[float], reference: Sequence[float], *, recomputes: boo
     where the steps of each row agree with each other better than the rows differ, so a row is noise
     when
 
-    * either row's timed steps lie more than :data:`NOISY_SPREAD` of their median apart ("scattered");
+    * either row was timed in a single step: there is no spread to compare the difference with
+      ("single step");
+    * the row's timed steps lie more than :data:`NOISY_SPREAD` of their median apart ("scattered"),
+      or the reference's do ("reference scattered");
     * the two rows' timed steps overlap: some step of the row was as fast as some step of the
       reference and another as slow ("overlaps");
     * the row is faster than the reference although it does more work (``recomputes``: a
       checkpointed row runs a forward again, an offloaded one copies): that is the machine, not the
       strategy ("faster than none").
 
-    Pure logic on the lists, so it is tested on made-up timings rather than on a timed run.
+    Every cause that holds is named, joined by ", " in that order (:func:`causes` splits them), so the
+    line under the table can give every reason a row was marked. Pure logic on the lists, so it is
+    tested on made-up timings rather than on a timed run.
     """
     if not times or not reference:
         return None
-    for got in (times, reference):
+    found = []
+    if len(times) < 2 or len(reference) < 2:
+        found.append("single step")
+    for cause, got in (("scattered", times), ("reference scattered", reference)):
         scatter = spread(got)
         if scatter is not None and scatter > NOISY_SPREAD:
-            return "scattered"
+            found.append(cause)
     if (len(times) > 1 or len(reference) > 1) and min(times) <= max(reference) and min(reference) <= max(times):
-        return "overlaps"
+        found.append("overlaps")
     if recomputes and statistics.median(times) < statistics.median(reference):
-        return "faster than none"
-    return None
+        found.append("faster than none")
+    return ", ".join(found) or None
+
+
+def causes(mark: str | None) -> list[str]:
+    """The causes in a mark of :func:`noise` / :func:`noise_marks` (none for None)."""
+    return mark.split(", ") if mark else []
 
 
 def noise_marks(rows: Sequence[Sequence[float]], reference: int = 0) -> list[str | None]:
     """:func:`noise` for every row of a table against its reference row (no checkpointing).
 
-    The reference row is only judged on its own scatter (it cannot overlap itself); every other row
-    is taken to do more work than it, which holds for every strategy the demo and bench's CPU table
-    show (recompute or copies, never less work).
+    The reference row is only judged on its own scatter (it cannot overlap itself, and its ratio is
+    1 by definition, single step or not); every other row is taken to do more work than it, which
+    holds for every strategy the demo and bench's CPU table show (recompute or copies, never less work).
     """
     ref = rows[reference] if rows else ()
     marks: list[str | None] = []
@@ -252,7 +265,9 @@ def noise_marks(rows: Sequence[Sequence[float]], reference: int = 0) -> list[str
 
 
 _NOISE_CAUSES = {
+    "single step": "it was timed in a single step (--steps 1), so there is no spread to tell its time from noise",
     "scattered": f"its timed steps lie more than {NOISY_SPREAD:.0%} of their median apart",
+    "reference scattered": f"no checkpointing's timed steps lie more than {NOISY_SPREAD:.0%} of their median apart",
     "overlaps": "its timed steps overlap those of no checkpointing",
     "faster than none": "it ran faster than no checkpointing, which does less work",
 }
@@ -262,15 +277,23 @@ def noise_note(marks: Sequence[str | None], exact: str = "the memory and gradien
     """The one sentence a table prints under rows :func:`noise_marks` marked, or None if none is.
 
     A newcomer reads "0.56x" as "checkpointing is faster"; this says plainly that the times are the
-    machine's noise, and which figures do not depend on it (``exact``).
+    machine's noise, every reason a row was marked, and which figures do not depend on it (``exact``).
     """
-    seen = [cause for cause in _NOISE_CAUSES if cause in marks]
+    seen = {cause for mark in marks for cause in causes(mark)}
     if not seen:
         return None
-    causes = "; ".join(_NOISE_CAUSES[c] for c in seen)
-    return (f"* step time within noise ({causes}): on this machine these timings cannot tell the marked rows "
+    listed = "; ".join(_NOISE_CAUSES[c] for c in _NOISE_CAUSES if c in seen)
+    return (f"* step time within noise ({listed}): on this machine these timings cannot tell the marked rows "
             f"from no checkpointing, so trust {exact}, which are exact, and compare speed on an idle machine or "
             "with more --steps.")
+
+
+def spread_line(steps: int) -> str:
+    """The line under a table with a spread column, saying what the spread is (or that there is none)."""
+    if steps < 2:
+        return ("spread: none, each row was timed in a single step (--steps 1); its ratios are one step against "
+                "one step, marked *.")
+    return f"spread: (slowest - fastest) / median of the {steps} timed steps."
 
 
 @contextmanager

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..backends import CATALOG, Offload, Scope
 from ..config import CheckpointConfig
-from ..spec import Strategy, strategy_of
+
+if TYPE_CHECKING:
+    from ..spec import Strategy
 
 ON: dict[str, Any] = {"gradient_checkpointing": True}
 INTERVAL = "gradient_checkpointing_interval"
@@ -35,6 +37,8 @@ class NamedStrategy:
 
     @property
     def strategy(self) -> Strategy:
+        from ..spec import strategy_of  # imports torch: the labels and configs above do not need it
+
         return strategy_of(CheckpointConfig.from_dict(dict(self.config)))
 
     @property

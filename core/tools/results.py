@@ -18,7 +18,7 @@ class Result:
     strategy: str
     peak_gib: float | None
     step_ms: float | None
-    status: str = "ok"  # "ok", "OOM", "needs CUDA", "ruled out: ...", "unsupported: ...", "error: ..."
+    status: str = "ok"  # "ok", "OOM", "needs CUDA", "not measured on the CPU (...)", "ruled out: ...", "unsupported: ...", "error: ..."
     pinned_allocations_after_warmup: int | None = None
     pinned_gib: float | None = None  # pinned host memory in use at its peak (GPU rows)
     depth: int | None = None  # real models: the depth measured (units of gradseam.tools.depth)

@@ -13,7 +13,6 @@ its loss live in :mod:`gradseam.tools.measure`.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,49 +21,9 @@ import torch
 from torch import nn
 
 from ..errors import GradseamError
-from ..family import Family, Preset, class_name
+from ..family import Family, Preset
+from .checks import find_family, find_preset, model_class  # noqa: F401 - re-exported: tests and scripts import them here
 from .depth import DepthPlan, cut, parse_depths, plan_for, resolve
-
-
-def find_family(name: str) -> Family:
-    import gradseam
-
-    families = {f.name: f for f in gradseam.families()}
-    if name not in families:
-        raise GradseamError(f"no installed family {name!r}; installed: {', '.join(sorted(families)) or 'none'}.")
-    return families[name]
-
-
-def find_preset(family: Family, name: str | None) -> tuple[str, Preset]:
-    if not family.presets:
-        raise GradseamError(f"family {family.name!r} declares no presets, so it has no real-size workload.")
-    if name is None:
-        name = next(iter(family.presets))
-    if name not in family.presets:
-        raise GradseamError(
-            f"family {family.name!r} has no preset {name!r}; presets: {', '.join(family.presets)}."
-        )
-    return name, family.presets[name]
-
-
-def model_class(family: Family) -> type:
-    """The first declared model class that is importable (bare names are looked up in ``diffusers``)."""
-    tried = []
-    for ref in family.models:
-        if isinstance(ref, type):
-            return ref
-        module, _, attr = ref.rpartition(".")
-        try:
-            found = getattr(importlib.import_module(module or "diffusers"), attr, None)
-        except ImportError:
-            found = None
-        if isinstance(found, type):
-            return found
-        tried.append(class_name(ref))
-    raise GradseamError(
-        f"family {family.name!r}: none of its model classes ({', '.join(tried)}) can be imported from the "
-        "installed diffusers, so its preset cannot be built here. Install a diffusers that has the class."
-    )
 
 
 def blocks(model: nn.Module, family: Family) -> list[nn.Module]:

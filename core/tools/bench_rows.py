@@ -1,0 +1,99 @@
+"""The rows ``gradseam bench`` measures, by label, and why a row is not measured on the CPU.
+
+Labels and configs only: nothing here imports torch, so the command line checks ``--row`` /
+``--skip-row`` before any heavy import. :mod:`gradseam.tools.bench` measures them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import GradseamError
+from .compiled import BUDGETS, COMPILED, budget_config, budget_label, compiled_rows
+from .named_strategies import BY_LABEL, rows
+
+# gradseam's rows, from the one table of named strategies (gradseam.tools.named_strategies)
+GRADSEAM_ROWS: list[tuple[str, dict[str, Any]]] = rows(
+    "torch", "torch-ffn", "unsloth", "unsloth-ffn", "attention offload", "torch-ffn + attention offload",
+    "unsloth-ffn + attention offload", "torch + attention kept", "torch + attention offload",
+    "unsloth + attention offload", "torch, interval 2", "compile", "unsloth-compile, budget 0.3", "unsloth-compile",
+    "unsloth-compile, budget 0.05",
+)
+# gradseam's rows that are also measured with compiled blocks on a real model
+COMPILED_ROWS = compiled_rows(rows("torch + attention kept", "unsloth + attention offload"))
+# Rows of a real-model workload (``gradseam bench --family``): the references a user has today
+# (no checkpointing, diffusers' own flag, ``save_on_cpu``, the compiler's memory budgets), then
+# gradseam's strategies, eager and compiled.
+DIFFUSERS_ROW = "ref: diffusers enable_gradient_checkpointing()"
+# the compiler's activation memory budgets, as configs (see gradseam.tools.compiled)
+COMPILE_ROWS: list[tuple[str, dict[str, Any]]] = [(budget_label(b), budget_config(b)) for b in BUDGETS]
+REAL_REFERENCE_ROWS = ["none", DIFFUSERS_ROW, "ref: save_on_cpu", *(label for label, _ in COMPILE_ROWS)]
+REFERENCE_ROWS = [
+    "none",
+    "ref: torch.utils.checkpoint",
+    "ref: torch.utils.checkpoint (FFN)",
+    "ref: naive unsloth",
+    "ref: save_on_cpu",
+]
+
+# -- rows the CPU mode does not measure, and why ---------------------------------------------------
+
+NEEDS_CUDA = "needs CUDA"
+NOT_ON_CPU_KEPT = "not measured on the CPU (kept kernels)"
+NOT_ON_CPU_COMPILED = "not measured on the CPU (compiled)"
+# the line under a CPU table for each status it shows
+CPU_STATUS_WHY = {
+    NEEDS_CUDA: "the row copies activations from GPU memory to pinned host memory (offload); a CPU model has no "
+                "GPU memory to free, and gradseam refuses offload on one",
+    NOT_ON_CPU_KEPT: "the row runs on the CPU (the test suite checks it there), but the attention kernel outputs it "
+                     "keeps are held outside autograd's saved tensors, which is what the CPU's memory column "
+                     "counts, so its figure would be too low",
+    NOT_ON_CPU_COMPILED: "the row runs on the CPU (the test suite checks it there with the aot_eager backend), but "
+                         "compiling every block takes minutes on a small machine, and what the row is for, inductor's "
+                         "GPU graphs under the compiler's memory budget, is a GPU's memory and time; measure it "
+                         "with `gradseam bench` on a CUDA GPU",
+}
+_PINNED_REFERENCES = ("ref: naive unsloth", "ref: save_on_cpu")  # hand-written offload: copies to host memory
+
+
+def cpu_status(label: str) -> str | None:
+    """Why the CPU mode does not measure the row ``label`` (one of :data:`CPU_STATUS_WHY`'s keys), or None."""
+    if label in _PINNED_REFERENCES:
+        return NEEDS_CUDA
+    if label in {name for name, _ in COMPILE_ROWS}:
+        return NOT_ON_CPU_COMPILED
+    compiled = label.startswith(COMPILED)
+    named = BY_LABEL.get(label.removeprefix(COMPILED))
+    if named is None:  # a reference written by hand (torch.utils.checkpoint), or no checkpointing
+        return None
+    strategy = named.strategy
+    if strategy.needs_engine:
+        return NEEDS_CUDA
+    if not strategy.cpu_measurable:
+        return NOT_ON_CPU_KEPT
+    if compiled or (strategy.backend is not None and strategy.backend.budget):
+        return NOT_ON_CPU_COMPILED
+    return None
+
+
+def synthetic_rows(rows: list[str] | None = None) -> list[tuple[str, dict[str, Any] | None]]:
+    chosen: list[tuple[str, dict[str, Any] | None]] = [(n, None) for n in REFERENCE_ROWS]
+    chosen += [(n, c) for n, c in GRADSEAM_ROWS]
+    if rows is not None:
+        chosen = [r for r in chosen if r[0] in rows]
+    return chosen
+
+
+def real_rows(rows: list[str] | None = None) -> list[tuple[str, dict[str, Any] | None]]:
+    chosen: list[tuple[str, dict[str, Any] | None]] = [(n, None) for n in ("none", DIFFUSERS_ROW, "ref: save_on_cpu")]
+    chosen += [(n, c) for n, c in COMPILE_ROWS]
+    chosen += [(n, c) for n, c in GRADSEAM_ROWS]
+    chosen += [(n, c) for n, c in COMPILED_ROWS]
+    if rows is not None:
+        unknown = sorted(set(rows) - {n for n, _ in chosen})
+        if unknown:
+            raise GradseamError(
+                f"unknown bench rows {unknown}; known: {', '.join(n for n, _ in chosen)}."
+            )
+        chosen = [r for r in chosen if r[0] in rows]
+    return chosen
