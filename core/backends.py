@@ -60,10 +60,6 @@ class Backend:
     def offloads(self) -> bool:
         return self.offload is not Offload.NOTHING
 
-    @property
-    def offloads_inputs(self) -> bool:
-        return self.offload is Offload.INPUTS
-
 
 CATALOG: dict[str, Backend] = {
     b.name: b

@@ -45,7 +45,6 @@ from .bench_rows import (  # noqa: F401 - the row tables are re-exported: tests 
     NEEDS_CUDA,
     NOT_ON_CPU_COMPILED,
     NOT_ON_CPU_KEPT,
-    REAL_REFERENCE_ROWS,
     REFERENCE_ROWS,
     cpu_status,
     real_rows,

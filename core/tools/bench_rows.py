@@ -27,7 +27,6 @@ COMPILED_ROWS = compiled_rows(rows("torch + attention kept", "unsloth + attentio
 DIFFUSERS_ROW = "ref: diffusers enable_gradient_checkpointing()"
 # the compiler's activation memory budgets, as configs (see gradseam.tools.compiled)
 COMPILE_ROWS: list[tuple[str, dict[str, Any]]] = [(budget_label(b), budget_config(b)) for b in BUDGETS]
-REAL_REFERENCE_ROWS = ["none", DIFFUSERS_ROW, "ref: save_on_cpu", *(label for label, _ in COMPILE_ROWS)]
 REFERENCE_ROWS = [
     "none",
     "ref: torch.utils.checkpoint",
