@@ -50,22 +50,19 @@ from torch import fx
 
 
 def is_random(node: fx.Node) -> bool:
-    """Whether a joint-graph node draws from a random generator (dropout, ``rand_like``, ``bernoulli``...)."""
-    if node.op != "call_function":
-        return False
-    tags = getattr(node.target, "tags", ())
-    if torch.Tag.nondeterministic_seeded in tags:
-        return True
-    name = getattr(node.target, "__name__", "") or str(node.target)
-    return "inductor_random" in name or "inductor_seed" in name
+    """Whether a joint-graph node draws from a random generator (dropout, ``rand_like``, ``bernoulli``...).
+
+    The operator's ``nondeterministic_seeded`` tag says so; inductor's own random prims never appear,
+    since the blocks compile with ``fallback_random``."""
+    return node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
-def save_random_ops(joint: fx.GraphModule) -> int:
-    """Mark every random op of ``joint`` ``MUST_SAVE`` for the partitioner; the number marked."""
+def save_random_ops(graph: fx.Graph | fx.GraphModule) -> int:
+    """Mark every random op of the joint graph ``MUST_SAVE`` for the partitioner; the number marked."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     marked = 0
-    for node in joint.graph.nodes:
+    for node in getattr(graph, "graph", graph).nodes:
         if is_random(node):
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
             marked += 1
@@ -98,20 +95,21 @@ def _inductor_partitioner() -> Any:
     return RandomOpsSaved()
 
 
-class _RandomOpsSavedPass:
+def _inductor_pre_pass() -> Any:
     """The same marking as a joint-graph pre-pass, for an inductor without ``custom_partitioner_fn``."""
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-    def __call__(self, graph: fx.Graph) -> None:
-        for node in graph.nodes:
-            if is_random(node):
-                from torch.utils.checkpoint import CheckpointPolicy
+    class RandomOpsSavedPass(CustomGraphPass):
+        def __call__(self, graph: fx.Graph) -> None:
+            save_random_ops(graph)
 
-                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+        def uuid(self) -> Any:
+            return get_hash_for_files((__file__,))
 
-    def uuid(self) -> Any:
-        from torch._inductor.custom_graph_pass import get_hash_for_files
+        def __reduce__(self) -> Any:
+            return (_inductor_pre_pass, ())
 
-        return get_hash_for_files((__file__,))
+    return RandomOpsSavedPass()
 
 
 def _cpu_backend() -> Callable[..., Any]:
@@ -137,9 +135,7 @@ def compile_block_function(function: Callable[..., Any], device: str) -> Callabl
     if hasattr(inductor_config, "custom_partitioner_fn"):
         options["custom_partitioner_fn"] = _inductor_partitioner()
     else:
-        from torch._inductor.custom_graph_pass import CustomGraphPass
-
-        options["joint_custom_pre_pass"] = type("RandomOpsSavedPass", (_RandomOpsSavedPass, CustomGraphPass), {})()
+        options["joint_custom_pre_pass"] = _inductor_pre_pass()
     return torch.compile(function, backend="inductor", options=options)
 
 
