@@ -165,10 +165,10 @@ def test_getting_started_installs_and_tests_as_the_readme_does():
     replaces the package index for its whole command, so never on the install of everything else),
     the install, the quick subset, the full suite."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    start = readme.index("## Install, try it, test it")
+    start = readme.index("## Two commands")
     commands = _code_lines(readme[start:readme.index("\n## ", start + 1)])
     assert len(commands) == 4, commands
-    torch_cpu, install, quick, full = commands
+    torch_cpu, install, full, quick = commands
     assert torch_cpu.startswith("pip install torch --index-url ") and "-e" not in torch_cpu.split("#")[0]
     assert install.startswith("pip install -e ") and "index-url" not in install
     assert quick.startswith('python -m pytest -n 2 -m "not slow"')
@@ -178,7 +178,7 @@ def test_getting_started_installs_and_tests_as_the_readme_does():
         assert line in guide, f"docs/getting-started.md lacks the README's {line!r}"
     installs = [line for line in guide if line.startswith("pip install")]
     tests = [line for line in guide if "pytest" in line and "-m cuda" not in line.split("#")[0]]
-    assert installs == [torch_cpu, install] and tests == [quick, full], (installs, tests)
+    assert installs == [torch_cpu, install] and tests == [full, quick], (installs, tests)
 
 
 def test_the_quick_subset_is_registered_and_its_times_are_the_same_everywhere():
