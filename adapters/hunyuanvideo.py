@@ -51,13 +51,13 @@ _M = "diffusers.models.transformers.transformer_hunyuan_video"
 
 # LLaVA-Llama-3 prompt states: 256 text tokens (the pipelines' max_sequence_length); the I2V pipeline
 # puts the 576 LLaVA image tokens of the conditioning frame in front of them.
-_TEXT_TOKENS = 256
-_I2V_TEXT_TOKENS = 576 + 256
+TEXT_TOKENS = 256
+_I2V_TEXT_TOKENS = 576 + TEXT_TOKENS
 
 
 def make_inputs(
     model: Any, device: Any, dtype: Any, tokens: int | None = None, *, frames: int = 129, height: int = 720,
-    width: int = 1280, text_tokens: int = _TEXT_TOKENS,
+    width: int = 1280, text_tokens: int = TEXT_TOKENS,
 ) -> dict:
     """One real-size batch: the VAE latent video ``(1, C, (frames-1)/4+1, H/8, W/8)`` (grad; ``C`` is 33
     for the ``latent_concat`` I2V model: latents, image latents and mask), the LLaVA-Llama prompt
@@ -74,68 +74,87 @@ def make_inputs(
     randn = tensor_maker(device, dtype)
     inputs = {
         "hidden_states": randn(1, cfg.in_channels, latent_frames, h, w, grad=True),
-        "timestep": torch.full((1,), 500.0, device=device, dtype=dtype),
-        "encoder_hidden_states": randn(1, text_tokens, cfg.text_embed_dim),
-        "encoder_attention_mask": torch.ones(1, text_tokens, device=device, dtype=torch.int64),
-        "pooled_projections": randn(1, cfg.pooled_projection_dim),
+        **prompt_inputs(cfg, randn, device, dtype, text_tokens),
     }
     if cfg.guidance_embeds:
         inputs["guidance"] = torch.full((1,), 6000.0, device=device, dtype=dtype)
     return inputs
 
 
-_TRUNK = "13B (20 dual-stream + 40 single-stream blocks, 24 x 128 heads; 2 refiner blocks)"
+def prompt_inputs(cfg: Any, randn: Any, device: Any, dtype: Any, text_tokens: int) -> dict:
+    """The timestep (500) and the prompt side every HunyuanVideo-trunk pipeline feeds the model:
+    LLaVA-Llama states ``(1, text_tokens, text_embed_dim)`` with their all-ones mask, and the CLIP
+    pooled vector. ``randn`` is :func:`gradseam.inputs.tensor_maker`'s; FramePack builds its prompt
+    the same way."""
+    import torch
+
+    return {
+        "timestep": torch.full((1,), 500.0, device=device, dtype=dtype),
+        "encoder_hidden_states": randn(1, text_tokens, cfg.text_embed_dim),
+        "encoder_attention_mask": torch.ones(1, text_tokens, device=device, dtype=torch.int64),
+        "pooled_projections": randn(1, cfg.pooled_projection_dim),
+    }
+
+
+TRUNK = "13B (20 dual-stream + 40 single-stream blocks, 24 x 128 heads; 2 refiner blocks)"
 _I2V = {"in_channels": 33, "guidance_embeds": False, "image_condition_type": "latent_concat"}
 _I2V_16CH = {"guidance_embeds": True, "image_condition_type": "token_replace"}
 
 
 _STREAMS = Carry({"hidden_states": 0, "encoder_hidden_states": 1})  # both stream lists return (video, text)
 
+# The block lists, and the block classes of the plain (T2V and latent_concat I2V) model, are shared with
+# FramePack (adapters/hunyuanvideo_framepack.py), whose model builds the same blocks.
+BLOCK_LISTS = (
+    BlockList("context_embedder.token_refiner.refiner_blocks", carry=Carry({"hidden_states": None})),
+    BlockList("transformer_blocks", carry=_STREAMS),
+    BlockList("single_transformer_blocks", carry=_STREAMS),
+)
+BLOCK_CLASSES = (
+    BlockClass(f"{_M}.HunyuanVideoIndividualTokenRefinerBlock", ffn=(("norm2", "ff"),), attention=("attn",)),
+    BlockClass(f"{_M}.HunyuanVideoTransformerBlock", ffn=(("ff",), ("ff_context",)), attention=("attn",)),
+    BlockClass(f"{_M}.HunyuanVideoSingleTransformerBlock", ffn=(("proj_mlp", "act_mlp"),), attention=("attn",)),
+)
+TOKEN_REPLACE_BLOCK_CLASSES = (  # the 16-channel I2V checkpoint's (image_condition_type="token_replace")
+    BlockClass(
+        f"{_M}.HunyuanVideoTokenReplaceTransformerBlock", ffn=(("ff",), ("ff_context",)), attention=("attn",)
+    ),
+    BlockClass(
+        f"{_M}.HunyuanVideoTokenReplaceSingleTransformerBlock", ffn=(("proj_mlp", "act_mlp"),),
+        attention=("attn",),
+    ),
+)
+
 
 HUNYUANVIDEO = Family(
     name="hunyuanvideo",
     description="HunyuanVideo text/image-to-video (HunyuanVideoTransformer3DModel)",
     models=(f"{_M}.HunyuanVideoTransformer3DModel",),
-    block_lists=(
-        BlockList("context_embedder.token_refiner.refiner_blocks", carry=Carry({"hidden_states": None})),
-        BlockList("transformer_blocks", carry=_STREAMS),
-        BlockList("single_transformer_blocks", carry=_STREAMS),
-    ),
-    block_classes=(
-        BlockClass(f"{_M}.HunyuanVideoIndividualTokenRefinerBlock", ffn=(("norm2", "ff"),), attention=("attn",)),
-        BlockClass(f"{_M}.HunyuanVideoTransformerBlock", ffn=(("ff",), ("ff_context",)), attention=("attn",)),
-        BlockClass(f"{_M}.HunyuanVideoSingleTransformerBlock", ffn=(("proj_mlp", "act_mlp"),), attention=("attn",)),
-        BlockClass(
-            f"{_M}.HunyuanVideoTokenReplaceTransformerBlock", ffn=(("ff",), ("ff_context",)), attention=("attn",)
-        ),
-        BlockClass(
-            f"{_M}.HunyuanVideoTokenReplaceSingleTransformerBlock", ffn=(("proj_mlp", "act_mlp"),),
-            attention=("attn",),
-        ),
-    ),
+    block_lists=BLOCK_LISTS,
+    block_classes=BLOCK_CLASSES + TOKEN_REPLACE_BLOCK_CLASSES,
     presets={
         "13b-720p": Preset(
-            f"HunyuanVideo T2V {_TRUNK} at 720x1280, 129 frames (33 x 45 x 80 = 118800 video + 256 text "
+            f"HunyuanVideo T2V {TRUNK} at 720x1280, 129 frames (33 x 45 x 80 = 118800 video + 256 text "
             "tokens); the class defaults are the released cfg-distilled T2V config",
             config={},
             inputs={"frames": 129, "height": 720, "width": 1280},
             make_inputs=make_inputs,
         ),
         "13b-540p": Preset(
-            f"HunyuanVideo T2V {_TRUNK} at 544x960, 129 frames (33 x 34 x 60 = 67320 video + 256 text tokens)",
+            f"HunyuanVideo T2V {TRUNK} at 544x960, 129 frames (33 x 34 x 60 = 67320 video + 256 text tokens)",
             config={},
             inputs={"frames": 129, "height": 544, "width": 960},
             make_inputs=make_inputs,
         ),
         "i2v-720p": Preset(
-            f"HunyuanVideo-I2V {_TRUNK}, latent_concat (33 input channels, no guidance embedding) at 720x1280, "
+            f"HunyuanVideo-I2V {TRUNK}, latent_concat (33 input channels, no guidance embedding) at 720x1280, "
             "129 frames (118800 video tokens; 576 LLaVA image + 256 text tokens)",
             config=_I2V,
             inputs={"frames": 129, "height": 720, "width": 1280, "text_tokens": _I2V_TEXT_TOKENS},
             make_inputs=make_inputs,
         ),
         "i2v-16ch-720p": Preset(
-            f"HunyuanVideo-I2V 16-channel {_TRUNK}, token_replace blocks, guidance-distilled, at 720x1280, "
+            f"HunyuanVideo-I2V 16-channel {TRUNK}, token_replace blocks, guidance-distilled, at 720x1280, "
             "129 frames (118800 video tokens; 576 LLaVA image + 256 text tokens)",
             config=_I2V_16CH,
             inputs={"frames": 129, "height": 720, "width": 1280, "text_tokens": _I2V_TEXT_TOKENS},

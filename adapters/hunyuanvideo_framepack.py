@@ -2,42 +2,42 @@
 
 Not a subclass of ``HunyuanVideoTransformer3DModel``, so the ``hunyuanvideo`` family does not match
 it; this family claims only the FramePack class. Its blocks are HunyuanVideo's own classes (the
-FramePack module imports them), so it declares the same block classes as ``hunyuanvideo``, which
-two families may do. What FramePack adds (the clean-history patch embedders ``clean_x_embedder``,
-the SigLIP ``image_projection``, the packing of 1x/2x/4x history tokens in front of the section's
-latents and of their RoPE tables) all happens before the first block; the blocks only see a longer
-video stream and a text stream with the image tokens in front.
+FramePack module imports them), so it takes HunyuanVideo's declarations from ``adapters/hunyuanvideo.py``
+(two families may declare the same block classes): the same three block lists with the same carries,
+and the plain model's block classes with their seams and attention paths (FramePack never builds the
+token-replace classes). What FramePack adds (the clean-history patch embedders
+``clean_x_embedder``, the SigLIP ``image_projection``, the packing of 1x/2x/4x history tokens in front
+of the section's latents and of their RoPE tables) all happens before the first block; the blocks
+only see a longer video stream and a text stream with the image tokens in front.
 
-Three block lists, in the order the model runs them:
+Why HunyuanVideo's carries hold here too:
 
-- **Token refiner** (``context_embedder.token_refiner.refiner_blocks``,
-  ``HunyuanVideoIndividualTokenRefinerBlock``): ``hidden_states = block(hidden_states, temb,
-  self_attn_mask)`` with ``temb`` and the mask built once before the loop, so
-  ``Carry({"hidden_states": None})``. Its MLP is ``ff(norm2(hidden_states))``, gate and residual
-  outside, nothing in between: ``norm2 → ff`` is a strict chain and the seam.
-- **Dual-stream blocks** (``transformer_blocks``, ``HunyuanVideoTransformerBlock``) and
-  **single-stream blocks** (``single_transformer_blocks``, ``HunyuanVideoSingleTransformerBlock``):
-  both loops call ``block(hidden_states, encoder_hidden_states, temb, attention_mask,
-  image_rotary_emb)`` positionally and take back ``(hidden_states, encoder_hidden_states)``. ``temb``,
-  the mask (None at batch 1, where the model instead trims the text stream to its valid tokens once
-  before the loop) and the packed RoPE table are the same objects for every block, and nothing is
-  added between blocks: ``Carry({"hidden_states": 0, "encoder_hidden_states": 1})`` for both.
-  Seams as in HunyuanVideo: ``ff`` and ``ff_context`` in the dual-stream blocks (each called on
-  exactly its modulated norm, gate and residual outside), ``proj_mlp → act_mlp`` in the single
-  blocks (the MLP branch parallel to attention; ``proj_out`` takes both branches and stays out).
+- **Token refiner** (``context_embedder.token_refiner.refiner_blocks``): ``hidden_states =
+  block(hidden_states, temb, self_attn_mask)`` with ``temb`` and the mask built once before the
+  loop, so ``Carry({"hidden_states": None})``.
+- **Dual-stream** and **single-stream blocks** (``transformer_blocks``,
+  ``single_transformer_blocks``): both loops call ``block(hidden_states, encoder_hidden_states,
+  temb, attention_mask, image_rotary_emb)`` positionally and take back ``(hidden_states,
+  encoder_hidden_states)``. ``temb``, the mask (None at batch 1, where the model instead trims the
+  text stream to its valid tokens once before the loop) and the packed RoPE table are the same
+  objects for every block, and nothing is added between blocks:
+  ``Carry({"hidden_states": 0, "encoder_hidden_states": 1})`` for both.
 
-Attention side: ``attn`` in every block class.
+Seams and attention as in HunyuanVideo: ``norm2 → ff`` in the refiner, ``ff`` and ``ff_context`` in
+the dual-stream blocks, ``proj_mlp → act_mlp`` in the single blocks; ``attn`` in every block class.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from gradseam.family import BlockClass, BlockList, Carry, Family, Preset
+from gradseam.family import Family, Preset
 from gradseam.hookspecs import hookimpl
 from gradseam.inputs import tensor_maker
 
-_M = "diffusers.models.transformers.transformer_hunyuan_video"
+# the same blocks and prompt as HunyuanVideo; FramePack's section and history inputs come on top
+from .hunyuanvideo import BLOCK_CLASSES, BLOCK_LISTS, TEXT_TOKENS, TRUNK, prompt_inputs
+
 _F = "diffusers.models.transformers.transformer_hunyuan_video_framepack"
 
 # The released checkpoints' history: 1 prefix (start image) + 1 frame at 1x, 2 frames at 2x and 16 at 4x
@@ -47,7 +47,7 @@ _HISTORY_2X, _HISTORY_4X = 2, 16
 
 def make_inputs(
     model: Any, device: Any, dtype: Any, tokens: int | None = None, *, window: int = 9, height: int = 480,
-    width: int = 832, text_tokens: int = 256, image_tokens: int = 729,
+    width: int = 832, text_tokens: int = TEXT_TOKENS, image_tokens: int = 729,
 ) -> dict:
     """One training batch of one FramePack section, as ``HunyuanVideoFramepackPipeline`` lays it out
     (the F1 "vanilla" order): ``window`` noisy latent frames ``(1, 16, window, H/8, W/8)`` (grad), the
@@ -69,10 +69,7 @@ def make_inputs(
     prefix, history_4x, history_2x, history_1x, section = indices.split([1, _HISTORY_4X, _HISTORY_2X, 1, window])
     inputs = {
         "hidden_states": randn(1, cfg.in_channels, window, h, w, grad=True),
-        "timestep": torch.full((1,), 500.0, device=device, dtype=dtype),
-        "encoder_hidden_states": randn(1, text_tokens, cfg.text_embed_dim),
-        "encoder_attention_mask": torch.ones(1, text_tokens, device=device, dtype=torch.int64),
-        "pooled_projections": randn(1, cfg.pooled_projection_dim),
+        **prompt_inputs(cfg, randn, device, dtype, text_tokens),
         "image_embeds": randn(1, image_tokens, cfg.image_proj_dim),
         "indices_latents": section,
         "latents_clean": randn(1, cfg.in_channels, 2, h, w),
@@ -90,26 +87,16 @@ def make_inputs(
 # The released FramePackI2V_HY / FramePack_F1_I2V_HY transformer: HunyuanVideo's 13B trunk plus both
 # FramePack embedders (the class defaults leave them off, and the forward cannot run without them).
 _RELEASED = {"has_image_proj": True, "image_proj_dim": 1152, "has_clean_x_embedder": True}
-_TRUNK = "13B (20 dual-stream + 40 single-stream blocks, 24 x 128 heads; 2 refiner blocks)"
-_STREAMS = Carry({"hidden_states": 0, "encoder_hidden_states": 1})  # both stream lists return (video, text)
 
 HUNYUANVIDEO_FRAMEPACK = Family(
     name="hunyuanvideo-framepack",
     description="FramePack image-to-video on HunyuanVideo (HunyuanVideoFramepackTransformer3DModel)",
     models=(f"{_F}.HunyuanVideoFramepackTransformer3DModel",),
-    block_lists=(
-        BlockList("context_embedder.token_refiner.refiner_blocks", carry=Carry({"hidden_states": None})),
-        BlockList("transformer_blocks", carry=_STREAMS),
-        BlockList("single_transformer_blocks", carry=_STREAMS),
-    ),
-    block_classes=(
-        BlockClass(f"{_M}.HunyuanVideoIndividualTokenRefinerBlock", ffn=(("norm2", "ff"),), attention=("attn",)),
-        BlockClass(f"{_M}.HunyuanVideoTransformerBlock", ffn=(("ff",), ("ff_context",)), attention=("attn",)),
-        BlockClass(f"{_M}.HunyuanVideoSingleTransformerBlock", ffn=(("proj_mlp", "act_mlp"),), attention=("attn",)),
-    ),
+    block_lists=BLOCK_LISTS,
+    block_classes=BLOCK_CLASSES,  # not the token-replace classes: FramePack builds only the plain blocks
     presets={
         "13b-480p": Preset(
-            f"FramePack (FramePackI2V_HY / F1 config) {_TRUNK}, one section of 9 latent frames (33 video "
+            f"FramePack (FramePackI2V_HY / F1 config) {TRUNK}, one section of 9 latent frames (33 video "
             "frames) at 480x832 with the 1x/2x/4x history: 14040 section + 3120 clean + 390 + 416 history "
             "tokens; 729 SigLIP + 256 text tokens",
             config=_RELEASED,
