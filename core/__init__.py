@@ -21,7 +21,7 @@ from .hookspecs import hookimpl
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
 
-    from .patcher import PatchHandle, PipelineHandle
+    from .handle import PatchHandle, PipelineHandle
     from .registry import Installed
     from .tools.advise import Advice
 
@@ -74,19 +74,20 @@ def patch(target: Any, config: Any = None, **kwargs: Any) -> PatchHandle | Pipel
     return _patch(target, config, **kwargs)
 
 
-def advise(model: Any, example_inputs: Any, budget: str | float, *args: Any, **kwargs: Any) -> Advice:
-    """The fastest strategy that fits ``budget`` at the model's real depth (see :mod:`gradseam.tools.advise`).
+def advise(model: Any, example_inputs: Any, *args: Any, **kwargs: Any) -> Advice:
+    """The fastest strategy that fits ``gpu`` (GPU memory, e.g. ``"40GiB"``) at the model's real depth (see
+    :func:`gradseam.tools.advise.advise`, which takes the same arguments).
 
     Loaded on first use: the runtime never imports the tools that measure and advise.
     """
     from .tools.advise import advise as _advise
 
-    return _advise(model, example_inputs, budget, *args, **kwargs)
+    return _advise(model, example_inputs, *args, **kwargs)
 
 
 def handle_of(model: Any) -> PatchHandle | None:
     """The active patch handle of a model (or of the model inside a wrapper ``patch`` unwraps), or None."""
-    from .patcher import handle_of as _handle_of
+    from .handle import handle_of as _handle_of
     from .patcher import unwrap_model
 
     return _handle_of(unwrap_model(model)[0]) if _is_module(model) else None

@@ -1,12 +1,14 @@
 """The backend catalog: what each ``gradient_checkpointing_backend`` value means, as plain data.
 
 A backend is one :class:`Backend` entry: which part of a block its regions cover (:class:`Scope`),
-what of a region goes to host memory (:class:`Offload`), and which runner of the run layer
-executes its regions (``runner``, a name :mod:`gradseam.run.install` maps to code). Nothing here
-runs anything or imports the run layer: the config validates names against :data:`CATALOG`, the
-planner copies an entry's fields into every region's spec, and the tools read the words. Adding
-a backend is one entry here plus, if its regions run differently, one runner in the run layer
-(docs/internals.md, "Adding a backend").
+what of a region leaves the GPU (:class:`Offload`) and where it goes (:class:`Destination`), the
+words tables and summaries use, the region kind that gives its regions their behaviour (``kind``,
+a name :mod:`gradseam.kinds` maps to an object: which keys it reads, what it refuses, how its
+regions read), and its place on the tools' ladder (``ladder``). Nothing here runs anything: the
+config validates names against :data:`CATALOG`, the kinds and the planner read the entries, the
+tools derive their rows from them. Adding a backend is one entry here; a kind if its behaviour is
+new; a runner if it installs differently; a store if it offloads somewhere new (docs/internals.md,
+"Adding a backend").
 
 Imports nothing heavy: ``import gradseam`` reads this module to validate configs.
 """
@@ -25,63 +27,98 @@ class Scope(Enum):
 
 
 class Offload(Enum):
-    """What of a region lives in host memory between forward and backward."""
+    """What of a region leaves the GPU between forward and backward."""
 
     NOTHING = "nothing"
     INPUTS = "inputs"  # the region's inputs: all a non-reentrant checkpoint keeps (the unsloth backends)
     SAVED = "saved"  # everything the region keeps for backward (what a compiled block's partitioner chose)
 
 
+class Destination(Enum):
+    """Where what a region offloads is kept until backward: a store of the offload engine.
+
+    ``DEVICE``: nothing leaves the model's device. ``HOST``: the engine's pool of pinned host memory
+    (sized by ``gradient_checkpointing_offload_pin_memory_max_buckets``). A new place (a file on
+    NVMe, say) is one more value here and one store in :mod:`gradseam.offload.stores`.
+    """
+
+    DEVICE = "device"
+    HOST = "host"
+
+    @property
+    def memory(self) -> str:
+        """Its words in messages: "CPU memory" for the host."""
+        return {"host": "CPU memory"}.get(self.value, "the model's device memory")
+
+
+class Kept(str, Enum):
+    """Where a whole-block region keeps attention kernel outputs instead of recomputing them."""
+
+    NOWHERE = ""  # recomputed with the rest of the block
+    GPU = "gpu"
+    CPU = "cpu"  # in host memory, through the offload engine
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(frozen=True)
 class Backend:
     """One checkpointing backend.
 
-    ``recomputes`` / ``keeps`` are the words tables and summaries use; ``runner`` names the run
-    layer's runner for its regions ("checkpoint": one non-reentrant ``torch.utils.checkpoint`` per
-    region). ``chunks``: its regions may span ``interval`` blocks; ``kept_attention``: its regions
-    may keep attention kernel outputs (``..._keep_attention`` / ``..._offload_attention``). A config
-    asking a backend for what it does not do is refused by the planner, never ignored.
+    ``recomputes`` / ``keeps`` are the words tables and summaries use. ``kind`` names its region kind
+    (:data:`gradseam.kinds.KINDS`): whole-block checkpoint, FFN seam, compiled block. ``ladder``: where
+    the tools place it, from the least aggressive (fastest, most memory) to the most; a judgement,
+    declared here so that no tool names a backend. A config asking a backend for what its kind does
+    not do is refused, never ignored.
     """
 
     name: str
     scope: Scope
     offload: Offload
+    destination: Destination
     recomputes: str
     keeps: str
-    runner: str = "checkpoint"
-    chunks: bool = True
-    kept_attention: bool = True
-    budget: bool = False  # reads gradient_checkpointing_memory_budget
-    # Bit-identical to the unpatched eager model on the CPU. The compiler sums a tensor's gradient
-    # contributions in its own order, so compiled backends match to rounding (docs/reliability.md).
-    bitwise: bool = True
+    kind: str
+    ladder: int
+
+    def __post_init__(self) -> None:
+        if (self.offload is Offload.NOTHING) != (self.destination is Destination.DEVICE):
+            raise ValueError(f"backend {self.name!r}: offloading {self.offload.value} needs a destination other "
+                             f"than the device, and only offloading does ({self.destination.value})")
 
     @property
-    def offloads(self) -> bool:
-        return self.offload is not Offload.NOTHING
+    def moves(self) -> bool:
+        """Whether its regions move something off the model's device (through the offload engine)."""
+        return self.destination is not Destination.DEVICE
 
+
+_HOST = Destination.HOST
+_DEVICE = Destination.DEVICE
 
 CATALOG: dict[str, Backend] = {
     b.name: b
     for b in (
-        Backend("torch", Scope.BLOCK, Offload.NOTHING, "whole blocks (or chunks of `interval` blocks)",
-                "block inputs"),
-        Backend("torch-ffn", Scope.FFN, Offload.NOTHING, "the feed-forward side of each block",
-                "the FFN input; attention's saved tensors"),
-        Backend("unsloth", Scope.BLOCK, Offload.INPUTS, "whole blocks (or chunks of `interval` blocks)",
-                "block inputs in CPU memory"),
-        Backend("unsloth-ffn", Scope.FFN, Offload.INPUTS, "the feed-forward side of each block",
-                "FFN inputs in CPU memory"),
+        Backend("torch", Scope.BLOCK, Offload.NOTHING, _DEVICE, "whole blocks (or chunks of `interval` blocks)",
+                "block inputs", kind="whole-block", ladder=2),
+        Backend("torch-ffn", Scope.FFN, Offload.NOTHING, _DEVICE, "the feed-forward side of each block",
+                "the FFN input; attention's saved tensors", kind="ffn-seam", ladder=1),
+        Backend("unsloth", Scope.BLOCK, Offload.INPUTS, _HOST, "whole blocks (or chunks of `interval` blocks)",
+                "block inputs in CPU memory", kind="whole-block", ladder=4),
+        Backend("unsloth-ffn", Scope.FFN, Offload.INPUTS, _HOST, "the feed-forward side of each block",
+                "FFN inputs in CPU memory", kind="ffn-seam", ladder=3),
         # Compiled blocks: the compiler's partitioner recomputes the cheap ops under the memory budget
-        # (gradseam.run.compiled). A compiled block is its own region: no chunks, and its attention
-        # outputs are already what the partitioner keeps.
-        Backend("compile", Scope.BLOCK, Offload.NOTHING,
+        # (gradseam.kinds.compiled, gradseam.run.compiled).
+        Backend("compile", Scope.BLOCK, Offload.NOTHING, _DEVICE,
                 "the cheap ops of each compiled block (the compiler chooses, under the memory budget)",
-                "what the compiler keeps (matmul and attention outputs) under the budget", runner="compiled",
-                chunks=False, kept_attention=False, budget=True, bitwise=False),
-        Backend("unsloth-compile", Scope.BLOCK, Offload.SAVED,
+                "what the compiler keeps (matmul and attention outputs) under the budget", kind="compiled-block", ladder=5),
+        Backend("unsloth-compile", Scope.BLOCK, Offload.SAVED, _HOST,
                 "the cheap ops of each compiled block (the compiler chooses, under the memory budget)",
-                "what the compiler keeps, in CPU memory", runner="compiled", chunks=False,
-                kept_attention=False, budget=True, bitwise=False),
+                "what the compiler keeps, in CPU memory", kind="compiled-block", ladder=6),
     )
 }
+
+
+def by_ladder() -> list[Backend]:
+    """Every backend from the least aggressive to the most (:attr:`Backend.ladder`): the tools' order."""
+    return sorted(CATALOG.values(), key=lambda b: b.ladder)

@@ -12,14 +12,15 @@ import difflib
 import json
 import os
 import sys
-from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from .backends import CATALOG
 from .errors import ConfigFileNotFoundError, warn_once
 
 BACKENDS: tuple[str, ...] = tuple(CATALOG)
+DEFAULT_BACKEND = "torch"  # what a left-out gradient_checkpointing_backend reads as
 DEFAULT_PIN_BUCKETS = 12
 DEFAULT_MEMORY_BUDGET = 0.1  # the compiled backends' activation memory budget when none is given
 
@@ -30,7 +31,12 @@ def _where(key: str) -> str:
     return f"gradseam config key '{key}'"
 
 
-def _parse_bool(key: str, value: Any) -> bool:
+# -- parsers: (key, value, nullable) -> the value as stored, or a ValueError that names the key -----
+
+Parser = Callable[[str, Any, bool], Any]
+
+
+def _parse_bool(key: str, value: Any, nullable: bool = False) -> bool:
     # Truthiness would read "false" as True; only real booleans and the literal JSON words pass.
     if isinstance(value, bool):
         return value
@@ -60,7 +66,17 @@ def _parse_int(key: str, value: Any, *, minimum: int, allow_none: bool) -> int |
     return value
 
 
-def _parse_budget(key: str, value: Any) -> float | None:
+def _parse_count(key: str, value: Any, nullable: bool) -> int | None:
+    """An integer >= 1 (the interval, the stride)."""
+    return _parse_int(key, value, minimum=1, allow_none=nullable)
+
+
+def _parse_buckets(key: str, value: Any, nullable: bool) -> int | None:
+    """An integer >= 0 (0 is meaningful: no pinned memory)."""
+    return _parse_int(key, value, minimum=0, allow_none=nullable)
+
+
+def _parse_budget(key: str, value: Any, nullable: bool = True) -> float | None:
     """A fraction 0 < B <= 1, or None for the default; strings of a number pass (CLI, YAML)."""
     if value is None:
         return None
@@ -77,8 +93,7 @@ def _parse_budget(key: str, value: Any) -> float | None:
     return float(value)
 
 
-def _parse_backend(value: Any) -> str:
-    key = "gradient_checkpointing_backend"
+def _parse_backend(key: str, value: Any, nullable: bool = False) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{_where(key)}: expected one of {list(BACKENDS)}, got {value!r} ({type(value).__name__}).")
     if value in BACKENDS:
@@ -86,6 +101,67 @@ def _parse_backend(value: Any) -> str:
     close = difflib.get_close_matches(value.strip().lower().replace("_", "-"), BACKENDS, n=1, cutoff=0.5)
     hint = f" Did you mean '{close[0]}'?" if close else ""
     raise ValueError(f"{_where(key)}: {value!r} is not a backend; allowed: {list(BACKENDS)}.{hint}")
+
+
+# -- what gradseam says about each key, stated once: beside its field ------------------------------
+
+# The groups keys are listed under in `gradseam run --help`, in this order.
+GROUP_CHECKPOINTING = "Checkpointing"
+GROUP_ATTENTION = "Attention"
+GROUP_COMPILED = "Compiled backends"
+NEEDS_CHECKPOINTING_WORDS = "{needs_checkpointing}"  # in a doc cell: the keys that need checkpointing, listed
+
+
+@dataclass(frozen=True, kw_only=True)
+class KeySpec:
+    """Everything about one config key but its name, default and Python type (its dataclass field's).
+
+    Each :class:`CheckpointConfig` field carries one in its metadata (:func:`key_spec`); from them
+    come the parsing (:meth:`read`), :data:`NEEDS_CHECKPOINTING`, ``gradseam run``'s options
+    (:data:`gradseam.tools.launch.FLAG_KEYS`, the typer options, the help) and docs/options.md's
+    table of keys (:func:`render_options_table`). Adding a key is one field with its spec.
+    """
+
+    flag: str  # `gradseam run`'s option, e.g. "--segment-stride"; a bool key has its "--no-" form too
+    value: type  # what the key holds besides null: bool keys are switches on the command line
+    parse: Parser  # the value as written -> as stored; a ValueError names the key
+    help: str  # one line, for `gradseam run --help` (after the key's name)
+    group: str  # GROUP_*: the section of `gradseam run --help` the option is listed under
+    metavar: str = ""  # what the option takes, shown in the help ("N"); bool switches take nothing
+    nullable: bool = False  # null is a value: it clears the key back to its default ("null"/"none" as a flag)
+    needs_checkpointing: bool = False  # only acts with checkpointing on: setting it turns checkpointing on
+    doc_type: str  # docs/options.md's table: the "type" cell
+    doc_default: str  # ... the "default" cell (NEEDS_CHECKPOINTING_WORDS is filled in)
+    doc: str  # ... the "what it does" cell
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        """Every spelling of the option: the flag, and ``--no-...`` for a bool key."""
+        return (self.flag, self.negative_flag) if self.negative_flag else (self.flag,)
+
+    @property
+    def negative_flag(self) -> str | None:
+        """``--no-x`` for a bool key (``--x/--no-x``), else None."""
+        return "--no-" + self.flag.removeprefix("--") if self.value is bool else None
+
+    def option_help(self, key: str) -> str:
+        """The option's line in ``gradseam run --help``: the key it sets, what it does, how null clears it."""
+        null = "; 'null' clears it" if self.nullable else ""
+        return f"{key}: {self.help}{null}"
+
+    def read(self, key: str, value: Any) -> Any:
+        """``value`` as the config stores it: parsed, or None where the key is nullable and null was written."""
+        if value is None and self.nullable:
+            return None
+        return self.parse(key, value, self.nullable)
+
+
+_SPEC = "gradseam"  # the metadata entry of a field that holds its KeySpec
+
+
+def _key(default: Any, spec: KeySpec) -> Any:
+    """A config field: its default and its :class:`KeySpec`."""
+    return field(default=default, metadata={_SPEC: spec})
 
 
 # -- JSON files: what json.loads would take silently or report without the file and key ----------
@@ -255,94 +331,93 @@ def read_json_keys(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-# Keys that only act with checkpointing on: setting one (and leaving gradient_checkpointing out) turns it
-# on; setting one beside an explicit `gradient_checkpointing: false` warns (CheckpointConfig.warn_if_idle).
-# Attention offload and the pinned pool work without checkpointing, so they turn nothing on.
-NEEDS_CHECKPOINTING = (
-    "gradient_checkpointing_backend",  # counts when given at all, "torch" included (its field's None: not given)
-    "gradient_checkpointing_interval",
-    "gradient_checkpointing_segment_stride",
-    "gradient_checkpointing_keep_attention",
-    "gradient_checkpointing_memory_budget",
-)
-BACKEND_KEY = "gradient_checkpointing_backend"
-
-
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Which strategy gradseam applies; field names are exactly the keys users write.
 
     Build it with keyword arguments, :meth:`from_dict` (a trainer config) or :meth:`from_json`.
+    Each field's :class:`KeySpec` (its metadata) says how the key is parsed, its ``gradseam run``
+    option and its row in docs/options.md.
     """
 
-    gradient_checkpointing: bool | None = None  # None: on where a key that needs it is set (NEEDS_CHECKPOINTING)
-    gradient_checkpointing_backend: str | None = None  # None: not given, read as "torch"
-    gradient_checkpointing_interval: int | None = None
-    gradient_checkpointing_segment_stride: int | None = None
-    gradient_checkpointing_offload_attention: bool = False
-    gradient_checkpointing_offload_pin_memory_max_buckets: int = DEFAULT_PIN_BUCKETS
-    gradient_checkpointing_keep_attention: bool = False
-    gradient_checkpointing_memory_budget: float | None = None
+    gradient_checkpointing: bool | None = _key(None, KeySpec(  # None: left out, decided by NEEDS_CHECKPOINTING
+        flag="--checkpointing", value=bool, parse=_parse_bool, group=GROUP_CHECKPOINTING,
+        help="checkpoint at all (default: on with no option, or with any option that needs it; off leaves "
+             "only attention offload)",
+        doc_type="bool",
+        doc_default=f"left out: `true` when the {NEEDS_CHECKPOINTING_WORDS} key is given, else `false`",
+        doc="turns checkpointing on; set to `false`, the keys below except the two offload keys do nothing "
+            "([warnings](#warnings)), and a memory budget is refused"))
+    gradient_checkpointing_backend: str | None = _key(None, KeySpec(  # None: left out, read as DEFAULT_BACKEND
+        flag="--backend", value=str, metavar="NAME", parse=_parse_backend, group=GROUP_CHECKPOINTING,
+        needs_checkpointing=True,  # counts when given at all, "torch" included
+        help=f"what each region covers and keeps: {' | '.join(BACKENDS)} (default {DEFAULT_BACKEND})",
+        doc_type=", ".join(f'`"{name}"`' for name in BACKENDS), doc_default=f'`"{DEFAULT_BACKEND}"`',
+        doc="what each region covers, what it keeps and whether that goes to CPU memory "
+            "([Strategies](strategies.md))"))
+    gradient_checkpointing_interval: int | None = _key(None, KeySpec(
+        flag="--interval", value=int, metavar="N", parse=_parse_count, group=GROUP_CHECKPOINTING,
+        nullable=True, needs_checkpointing=True,
+        help="chunks of N blocks per region",
+        doc_type="int ≥ 1 or null", doc_default="null (one block per region)",
+        doc="blocks per checkpoint region (consecutive blocks run as one chunk)"))
+    gradient_checkpointing_segment_stride: int | None = _key(None, KeySpec(
+        flag="--segment-stride", value=int, metavar="S", parse=_parse_count, group=GROUP_CHECKPOINTING,
+        nullable=True, needs_checkpointing=True,
+        help="checkpoint the first N (the interval) of every S blocks",
+        doc_type="int ≥ interval, or null", doc_default="null (every block)",
+        doc="in each window of `stride` blocks, only the first `interval` are checkpointed"))
+    gradient_checkpointing_offload_attention: bool = _key(False, KeySpec(
+        flag="--offload-attention", value=bool, parse=_parse_bool, group=GROUP_ATTENTION,
+        help="move what attention saves for backward to CPU memory (CUDA only; with or without checkpointing)",
+        doc_type="bool", doc_default="`false`",
+        doc="move what attention saves for backward to CPU memory (CUDA only); works with or without "
+            "checkpointing"))
+    gradient_checkpointing_offload_pin_memory_max_buckets: int = _key(DEFAULT_PIN_BUCKETS, KeySpec(
+        flag="--offload-pin-memory-max-buckets", value=int, metavar="N", parse=_parse_buckets,
+        group=GROUP_ATTENTION,
+        help=f"size classes of pinned host buffers the offload pool may keep; 0 = pageable memory only "
+             f"(default {DEFAULT_PIN_BUCKETS})",
+        doc_type="int ≥ 0", doc_default=f"`{DEFAULT_PIN_BUCKETS}`",
+        doc="how many size classes of pinned host buffers the offload pool may keep; 0 = pageable memory only"))
+    gradient_checkpointing_keep_attention: bool = _key(False, KeySpec(
+        flag="--keep-attention", value=bool, parse=_parse_bool, group=GROUP_ATTENTION,
+        needs_checkpointing=True,
+        help="inside whole-block regions, keep the attention kernels' outputs instead of recomputing them",
+        doc_type="bool", doc_default="`false`",
+        doc="inside whole-block regions, keep the attention kernels' outputs on the GPU instead of "
+            "recomputing them"))
+    gradient_checkpointing_memory_budget: float | None = _key(None, KeySpec(
+        flag="--memory-budget", value=float, metavar="B", parse=_parse_budget, group=GROUP_COMPILED,
+        nullable=True, needs_checkpointing=True,
+        help=f"the compiler's activation memory budget of the compiled backends, 0 < B <= 1 "
+             f"(default {DEFAULT_MEMORY_BUDGET})",
+        doc_type="number, 0 < B ≤ 1, or null", doc_default=f"null ({DEFAULT_MEMORY_BUDGET})",
+        doc="the compiled backends only: the compiler's activation memory budget for each compiled block"))
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalise through object.__setattr__ so the stored values are the parsed ones.
         set_ = object.__setattr__
-        auto = self.gradient_checkpointing is None
-        if not auto:
-            set_(self, "gradient_checkpointing", _parse_bool("gradient_checkpointing", self.gradient_checkpointing))
-        given_backend = self.gradient_checkpointing_backend is not None
-        set_(self, "gradient_checkpointing_backend",
-             _parse_backend(self.gradient_checkpointing_backend) if given_backend else "torch")
-        interval = _parse_int(
-            "gradient_checkpointing_interval", self.gradient_checkpointing_interval, minimum=1, allow_none=True
-        )
-        stride = _parse_int(
-            "gradient_checkpointing_segment_stride",
-            self.gradient_checkpointing_segment_stride,
-            minimum=1,
-            allow_none=True,
-        )
+        left_out = frozenset(k for k in LEFT_OUT if getattr(self, k) is None)
+        for key, spec in KEY_SPECS.items():
+            if key not in left_out:
+                set_(self, key, spec.read(key, getattr(self, key)))
+        interval, stride = self.gradient_checkpointing_interval, self.gradient_checkpointing_segment_stride
         if stride is not None and stride < (interval or 1):
             raise ValueError(
                 f"{_where('gradient_checkpointing_segment_stride')}: must be >= "
                 f"gradient_checkpointing_interval ({interval or 1}), got {stride}. In each window of "
                 "`stride` blocks the first `interval` are checkpointed, so the window cannot be shorter."
             )
-        set_(self, "gradient_checkpointing_interval", interval)
-        set_(self, "gradient_checkpointing_segment_stride", stride)
-        set_(
-            self,
-            "gradient_checkpointing_offload_attention",
-            _parse_bool("gradient_checkpointing_offload_attention", self.gradient_checkpointing_offload_attention),
-        )
-        set_(
-            self,
-            "gradient_checkpointing_memory_budget",
-            _parse_budget("gradient_checkpointing_memory_budget", self.gradient_checkpointing_memory_budget),
-        )
-        set_(
-            self,
-            "gradient_checkpointing_keep_attention",
-            _parse_bool("gradient_checkpointing_keep_attention", self.gradient_checkpointing_keep_attention),
-        )
-        set_(
-            self,
-            "gradient_checkpointing_offload_pin_memory_max_buckets",
-            _parse_int(
-                "gradient_checkpointing_offload_pin_memory_max_buckets",
-                self.gradient_checkpointing_offload_pin_memory_max_buckets,
-                minimum=0,
-                allow_none=False,
-            ),
-        )
-        set_(self, "_left_out", auto)  # not fields: how the values came (warn_if_idle, given_keys)
-        set_(self, "_backend_given", given_backend)
-        if auto:
+        set_(self, "_left_out", left_out)  # not a field: which keys were left out (warn_if_idle, given_keys)
+        if "gradient_checkpointing" in left_out:
             # The one rule of patch(), patching() and `gradseam run`: left out, checkpointing is on when
             # a key that only acts with it is set (the backend even at "torch"; the others away from
             # their default).
-            set_(self, "gradient_checkpointing", given_backend or any(
-                getattr(self, key) not in (None, False) for key in NEEDS_CHECKPOINTING[1:]))
+            set_(self, "gradient_checkpointing", any(
+                getattr(self, key) not in (None, False) for key in NEEDS_CHECKPOINTING))
+        if BACKEND_KEY in left_out:
+            set_(self, BACKEND_KEY, DEFAULT_BACKEND)
 
     def warn_if_idle(self, entry: str) -> None:
         """Warn (once) where this config, given to ``entry``, sets what cannot act: checkpointing is off.
@@ -358,7 +433,7 @@ class CheckpointConfig:
         if idle:
             warn_once(f"{', '.join(idle)} set but gradient_checkpointing is false: no checkpointing will run. "
                       "Set gradient_checkpointing to true to use them, or leave it out.")
-        elif not self.offload_attention and getattr(self, "_left_out", False):
+        elif not self.offload_attention and "gradient_checkpointing" in self._keys_left_out():
             warn_once(f"{entry}: gradient_checkpointing is off and nothing is offloaded, so the model runs as it is. "
                       "Pass gradient_checkpointing=True (or any backend) to checkpoint.")
 
@@ -407,12 +482,13 @@ class CheckpointConfig:
         was not given (left out, they are decided from the other keys). What a config contributes
         when ``patch()`` merges keyword arguments over it: ``CheckpointConfig.from_dict(given_keys())``
         equals the config, and so does the merge of the same keys from any sources."""
-        keys = asdict(self)
-        if getattr(self, "_left_out", False):
-            del keys["gradient_checkpointing"]
-        if not getattr(self, "_backend_given", True):
-            del keys[BACKEND_KEY]
-        return keys
+        left_out = self._keys_left_out()
+        return {key: value for key, value in asdict(self).items() if key not in left_out}
+
+    def _keys_left_out(self) -> frozenset[str]:
+        """The keys of :data:`LEFT_OUT` this config was built without (their values were decided)."""
+        left_out: frozenset[str] = getattr(self, "_left_out", frozenset())
+        return left_out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, ignore_unknown: bool = False) -> CheckpointConfig:
@@ -435,10 +511,10 @@ class CheckpointConfig:
                 raise _unknown_key_error(key, _remedy_file(path), f" in gradseam config file {path!r}")
             raise _unknown_key_error(key, remedy)
         keys = {k: v for k, v in data.items() if k in known}
-        if "gradient_checkpointing" in keys and keys["gradient_checkpointing"] is None:
-            _parse_bool("gradient_checkpointing", None)  # a written null is refused like any non-bool
-        if BACKEND_KEY in keys and keys[BACKEND_KEY] is None:
-            _parse_backend(None)  # likewise: None is the field's "not given", not a value to write
+        for key in LEFT_OUT:
+            if key in keys and keys[key] is None:
+                # None is the field's "left out", not a value to write: refused like any other non-value
+                KEY_SPECS[key].parse(key, None, False)
         return cls(**keys)
 
     @classmethod
@@ -511,3 +587,34 @@ class CheckpointConfig:
         if self.enabled and self.gradient_checkpointing_memory_budget is not None:
             parts.append(f"memory budget {self.memory_budget:g}")
         return ", ".join(parts)
+
+
+KEY_SPECS: dict[str, KeySpec] = {f.name: f.metadata[_SPEC] for f in fields(CheckpointConfig)}
+# Keys whose field default None means "left out": decided from the other keys, never written as null
+# (gradient_checkpointing by the rule below, the backend as DEFAULT_BACKEND).
+LEFT_OUT: tuple[str, ...] = tuple(
+    f.name for f in fields(CheckpointConfig) if f.default is None and not KEY_SPECS[f.name].nullable)
+# Keys that only act with checkpointing on: setting one (and leaving gradient_checkpointing out) turns it
+# on; setting one beside an explicit `gradient_checkpointing: false` warns (CheckpointConfig.warn_if_idle).
+# Attention offload and the pinned pool work without checkpointing, so they turn nothing on.
+NEEDS_CHECKPOINTING: tuple[str, ...] = tuple(key for key, spec in KEY_SPECS.items() if spec.needs_checkpointing)
+BACKEND_KEY = "gradient_checkpointing_backend"
+
+
+def key_spec(key: str) -> KeySpec:
+    """The :class:`KeySpec` of a config key (a KeyError for anything else)."""
+    return KEY_SPECS[key]
+
+
+def render_options_table() -> str:
+    """docs/options.md's table of keys (type, default, what each does), from the keys' specs.
+
+    tests/test_config_keys.py holds the page to this rendering, so the table cannot drift from the code.
+    """
+    needs = [KEY_SPECS[key].flag.removeprefix("--") for key in NEEDS_CHECKPOINTING]
+    words = ", ".join(needs[:-1]) + " or " + needs[-1] if len(needs) > 1 else "".join(needs)
+    lines = ["| key | type | default | what it does |", "|---|---|---|---|"]
+    for key, spec in KEY_SPECS.items():
+        default = spec.doc_default.replace(NEEDS_CHECKPOINTING_WORDS, words)
+        lines.append(f"| `{key}` | {spec.doc_type} | {default} | {spec.doc} |")
+    return "\n".join(lines) + "\n"

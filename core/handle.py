@@ -15,17 +15,14 @@ import torch
 from torch import nn
 
 from .errors import warn_once
-from .planning import Plan, cpu_sibling, plan, resolve, unwrap
+from .kinds import staying_sibling
+from .modules import device_type, resolve
+from .planning import plan
+from .spec import Plan
 from .summary import RegionView, Summary
 
 if TYPE_CHECKING:
     from .run.install import Installation
-
-
-def model_device(model: nn.Module) -> str:
-    for p in model.parameters():
-        return p.device.type
-    return "cpu"
 
 
 class _GuardedEnable:
@@ -75,18 +72,18 @@ class _ModelHooks:
         handle = self.handle
         for chain in handle._chains:
             chain.reset()
-        if handle._blocks_replaced() or handle._compiled_since():
+        if handle._blocks_replaced() or handle._changed_under_kinds():
             handle._replan()
         handle._follow()
-        if handle.engine is not None:
-            handle.engine.refresh()
-            if handle.offload_pending() and torch.is_grad_enabled():
-                warn_once(
-                    f"gradseam: {type(handle.model).__name__} is training on the CPU with "
-                    f"{handle._offload_what()}; nothing is offloaded until the model is on a GPU "
-                    f"(model.to('cuda')). On the CPU the step runs as with {handle._runs_as_on_cpu()}; "
-                    "summary() says 'offload pending' until then."
-                )
+        for engine in handle.engines.values():
+            engine.refresh()
+        if handle.offload_pending() and torch.is_grad_enabled():
+            warn_once(
+                f"gradseam: {type(handle.model).__name__} is training on the CPU with "
+                f"{handle._offload_what()}; nothing is offloaded until the model is on a GPU "
+                f"(model.to('cuda')). On the CPU the step runs as with {handle._runs_as_on_cpu()}; "
+                "summary() says 'offload pending' until then."
+            )
 
 
 class PatchHandle:
@@ -108,13 +105,19 @@ class PatchHandle:
         self._hooks: list[Any] = []
         self._deferred: tuple[bool, tuple, dict] | None = None
         self._entries: list[tuple[str, int, nn.Module]] = []  # what sat in each block list when planned
-        self.engine: Any = None  # the OffloadEngine, for offload configurations
+        self.engines: dict[Any, Any] = {}  # an OffloadEngine per store of the plan (offload configurations)
         self.deferred_device = False  # load-time patching: offload starts once the model is on a GPU
         self.active = False
         self.replaced_by: PatchHandle | None = None  # the later patch() of the same model that replaced this one
 
-    def _install(self) -> None:
-        model, config = self.model, self.config
+    @property
+    def engine(self) -> Any:
+        """The offload engine (host memory), or None when the plan moves nothing."""
+        return next(iter(self.engines.values()), None)
+
+    def install(self) -> None:
+        """Take over the model's checkpointing and install the plan (the patcher calls this once)."""
+        model = self.model
         # Own checkpointing: the model's built-in flag would nest a second checkpoint around ours.
         for module in model.modules():
             if getattr(module, "gradient_checkpointing", False) is True:
@@ -123,11 +126,12 @@ class PatchHandle:
         for name, enable in (("enable_gradient_checkpointing", True), ("disable_gradient_checkpointing", False)):
             if hasattr(model, name):
                 setattr(model, name, _GuardedEnable(self, enable))
-        if self.plan.needs_engine:
+        if self.plan.stores:
             from .offload import engine_for  # only offload configs pay for it
 
-            self.engine = engine_for(config.pin_buckets)
-            self.engine.watch(model)
+            for store in self.plan.stores:
+                engine = self.engines[store.destination] = engine_for(store.destination.value, store.max_buckets)
+                engine.watch(model)
         self._install_regions()
         hooks = _ModelHooks(self)
         self._hooks = [model.register_forward_pre_hook(hooks), model.register_forward_hook(hooks.after, always_call=True)]
@@ -136,7 +140,7 @@ class PatchHandle:
     def _install_regions(self) -> None:
         from .run.install import Installation
 
-        self._installed = Installation(self.plan, self.model, self.engine)
+        self._installed = Installation(self.plan, self.model, self.engines)
         self._entries = [
             (bl.path, i, m) for bl in self.family.block_lists
             if isinstance(lst := resolve(self.model, bl.path), nn.ModuleList) for i, m in enumerate(lst)
@@ -162,15 +166,11 @@ class PatchHandle:
                 return True
         return False
 
-    def _compiled_since(self) -> bool:
-        """Whether the user compiled a block or the model (``block.compile()``, ``compile_repeated_blocks``,
-        ``model.compile()``) after a compiled backend patched it: planning again refuses it, naming the fix,
-        where running on would silently drop the backend's memory budget and offload."""
-        if not self.plan.compiled:
-            return False
-        if getattr(self.model, "_compiled_call_impl", None) is not None:
-            return True
-        return any(getattr(unwrap(m), "_compiled_call_impl", None) is not None for _, _, m in self._entries)
+    def _changed_under_kinds(self) -> bool:
+        """Whether a kind of the plan sees the model changed under it since patching (the user compiled a
+        block under a compiled backend, say): planning again then refuses it by name."""
+        blocks = [m for _, _, m in self._entries]
+        return any(kind.changed_since(self.model, blocks) for kind in self.plan.kinds)
 
     def _replan(self) -> None:
         """Plan again around replaced blocks and reinstall; a block now inside torch's checkpoint wrapper
@@ -184,7 +184,7 @@ class PatchHandle:
         """True while an offload configuration cannot offload yet: the model is still on the CPU."""
         from .offload import cpu_allowed
 
-        return self.engine is not None and model_device(self.model) == "cpu" and not cpu_allowed()
+        return bool(self.engines) and device_type(self.model) == "cpu" and not cpu_allowed()
 
     def _offload_what(self) -> str:
         return " and ".join(self.plan.strategy.offloaded())
@@ -193,7 +193,7 @@ class PatchHandle:
         backend = self.plan.strategy.backend
         if backend is None:
             return "no checkpointing and nothing offloaded"
-        return f"the {cpu_sibling(backend)!r} backend" + (" and no attention offload"
+        return f"the {staying_sibling(backend).name!r} backend" + (" and no attention offload"
                                                           if self.plan.strategy.attention_offload else "")
 
     def regions(self) -> tuple[RegionView, ...]:
@@ -235,8 +235,8 @@ class PatchHandle:
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
-        if self.engine is not None:
-            self.engine.close()  # the pinned host memory goes now, not whenever the handle is collected
+        for engine in self.engines.values():
+            engine.close()  # the pinned host memory goes now, not whenever the handle is collected
         self.active = False
 
     def __enter__(self) -> PatchHandle:
@@ -247,7 +247,7 @@ class PatchHandle:
 
     def summary(self) -> Summary:
         summary = Summary.of(self.plan, self.regions(), pending=self.offload_pending(),
-                             model_name=type(self.model).__name__, device=model_device(self.model))
+                             model_name=type(self.model).__name__, device=device_type(self.model))
         if not self.active and self.replaced_by is not None:
             summary.notes.append(f"replaced by a later gradseam.patch() of this model ({self.replaced_by!r}): "
                                  "this patch no longer runs; the model's summary is that handle's")

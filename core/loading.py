@@ -47,10 +47,8 @@ from typing import Any
 from torch import nn
 
 from .config import CheckpointConfig
+from .handle import PatchHandle, PipelineHandle, handle_of
 from .patcher import (
-    PatchHandle,
-    PipelineHandle,
-    handle_of,
     patch_model,
     patch_models,
     pipeline_components,

@@ -13,27 +13,17 @@ from typing import Any
 
 from torch import nn
 
-from .backends import Scope
 from .config import CheckpointConfig
 from .errors import PLUGIN_GUIDE, UnsupportedModelError, UnsupportedStrategyError
 from .family import Family
-from .handle import PatchHandle, PipelineHandle, handle_of, model_device
-from .planning import (  # noqa: F401 - GradseamWarning and warned are re-exported for callers of this module
-    GradseamWarning,
-    cpu_sibling,
-    is_optimized,
-    plan,
-    resolve,
-    unwrap,
-    warn_once,
-    warned,
-)
+from .handle import PatchHandle, PipelineHandle, handle_of
+from .kinds import staying_sibling
+from .modules import device_type, is_optimized
+from .planning import plan
 from .registry import REGISTRY
-from .spec import Plan, RegionSpec  # noqa: F401 - re-exported for callers of this module
-from .summary import RegionView
+from .spec import Plan
 
-__all__ = ["PatchHandle", "PipelineHandle", "RegionView", "family_for", "handle_of", "patch", "patch_model",
-           "patch_models", "unwrap_model"]
+__all__ = ["family_for", "patch", "patch_model", "patch_models", "unwrap_model"]
 
 
 def _cpu_instead(planned: Plan) -> str:
@@ -41,14 +31,15 @@ def _cpu_instead(planned: Plan) -> str:
     runner but offloads nothing (``unsloth`` -> ``torch``, ``unsloth-ffn`` -> ``torch-ffn``,
     ``unsloth-compile`` -> ``compile``), and attention offload left out."""
     steps = []
-    backend = planned.strategy.backend
-    if backend is not None and backend.offloads:
-        sibling = cpu_sibling(backend)
+    strategy = planned.strategy
+    backend = strategy.backend
+    if backend is not None and backend.moves:
+        sibling = staying_sibling(backend).name
         steps.append(f"backend {sibling!r} (what {backend.name!r} does, keeping its activations in the model's memory)")
-    if planned.strategy.attention_offload:
+    if strategy.attention_offload:
         steps.append("no gradient_checkpointing_offload_attention"
                      + (" (gradient_checkpointing_keep_attention keeps the kernel outputs in the model's memory instead)"
-                        if backend is not None and backend.scope is Scope.BLOCK and backend.kept_attention else ""))
+                        if strategy.kind is not None and strategy.kind.keeps_kernels else ""))
     return " and ".join(steps)
 
 
@@ -56,7 +47,7 @@ def _check_offload_device(model: nn.Module, config: CheckpointConfig, planned: P
     from .offload import cpu_allowed
 
     wants = planned.strategy.offloaded()
-    if wants and planned.needs_engine and model_device(model) == "cpu" and not cpu_allowed():
+    if wants and planned.stores and device_type(model) == "cpu" and not cpu_allowed():
         raise UnsupportedStrategyError(
             f"{' and '.join(wants)} {'moves' if len(wants) == 1 else 'move'} activations from GPU to CPU "
             f"memory and {'needs' if len(wants) == 1 else 'need'} a CUDA model, but "
@@ -162,7 +153,7 @@ def patch_models(
             handle.deferred_device = not check_device
             if previous is not None:
                 previous.replaced_by = handle  # its remove() says so, and which handle to remove
-            handle._install()
+            handle.install()
             done[name] = handle
     except BaseException:
         for handle in done.values():
@@ -170,7 +161,7 @@ def patch_models(
         for previous in replaced:  # put back what the failed patch replaced
             previous.replaced_by = None
             previous.plan = plan(previous.model, previous.family, previous.config)
-            previous._install()
+            previous.install()
         raise
     return done
 

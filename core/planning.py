@@ -4,12 +4,13 @@ Planning is separate from installing so that a refused configuration (an ``-ffn`
 family without an FFN boundary, say) raises while the model is still exactly as it was, and so
 that tools (the summary, the conformance kit, the advisor) can inspect a plan without patching.
 
-It is also the one place that turns a config into behaviour. :func:`strategy_of` reads the config
-and the backend catalog once (which scope, what is offloaded, where kept attention kernel outputs
-live); :func:`plan` copies that into an immutable :class:`RegionSpec` per region (the types live in
-:mod:`gradseam.spec`, so what reads a plan does not depend on how one is made). The run layer
-(:mod:`gradseam.run.install`) turns specs into what runs, and the summary, ``handle.regions()``,
-bench, advise and the kit read the specs: none of them looks at a backend's name again.
+It is also the one place that turns a config into regions. :func:`gradseam.spec.strategy_of` reads
+the config, the catalog and the kinds once (which backend and kind, where kept attention kernel
+outputs live); the kinds (:mod:`gradseam.kinds`) refuse what they cannot run; :func:`plan` copies
+the result into an immutable :class:`RegionSpec` per region, and names the stores its regions
+offload to. The run layer (:mod:`gradseam.run.install`) turns specs into what runs, and the summary,
+``handle.regions()``, bench, advise and the kit read the specs and their kinds: none of them looks
+at a backend's name.
 """
 
 from __future__ import annotations
@@ -19,20 +20,13 @@ from typing import Any
 
 from torch import nn
 
-from .backends import CATALOG, Backend, Offload, Scope
+from .backends import Destination, Kept, Offload, Scope
 from .config import CheckpointConfig
-from .errors import GradseamWarning, UnsupportedModelError, UnsupportedStrategyError, warn_once, warned  # noqa: F401 - GradseamWarning and warned are re-exported
+from .errors import UnsupportedModelError, UnsupportedStrategyError, warn_once
 from .family import BlockClass, BlockList, Family
-from .spec import Kept, Kind, LinkKind, Plan, RegionSpec, Strategy, strategy_of  # noqa: F401 - strategy_of re-exported
-
-
-def resolve(root: nn.Module, path: str) -> Any:
-    obj: Any = root
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
+from .kinds import ATTENTION_OFFLOAD, check_config
+from .modules import resolve, unwrap
+from .spec import LinkKind, Plan, RegionSpec, Shape, Store, Strategy, strategy_of
 
 
 def _blocks(model: nn.Module, family: Family) -> list[tuple[BlockList, list[nn.Module]]]:
@@ -48,74 +42,6 @@ def _blocks(model: nn.Module, family: Family) -> list[tuple[BlockList, list[nn.M
             )
         found.append((block_list, [unwrap(m) for m in modules]))
     return found
-
-
-def unwrap(module: nn.Module) -> nn.Module:
-    """The block inside torch's activation-checkpoint wrapper(s) or ``torch.compile``'s ``OptimizedModule``
-    (``blocks[i] = torch.compile(blocks[i])``), or the module itself."""
-    while True:
-        inner = getattr(module, "_checkpoint_wrapped_module", None)
-        if not isinstance(inner, nn.Module):
-            inner = module._modules.get("_orig_mod") if is_optimized(module) else None
-        if not isinstance(inner, nn.Module):
-            return module
-        module = inner
-
-
-def is_optimized(module: nn.Module) -> bool:
-    return type(module).__name__ == "OptimizedModule" and type(module).__module__.startswith("torch._dynamo")
-
-
-def _refuse_user_compiled(model: nn.Module, family: Family, backend: Backend) -> None:
-    """A block the user compiled already would be traced whole by their compiler, seams included: the
-    compiled backends' own compile (and their offload group outside it) could not take effect. The same
-    for the whole model (``model.compile()``): its compiled call would trace every block, seams and all."""
-    if getattr(model, "_compiled_call_impl", None) is not None:
-        raise UnsupportedStrategyError(
-            f"{type(model).__name__} is compiled with model.compile(), and backend {backend.name!r} compiles "
-            "each block itself, under its memory budget: inside your compiled model the blocks would be traced "
-            "by your compiler, so the budget and the offload would not apply. Compile nothing yourself and let "
-            "the backend compile the blocks, or keep your compile with a non-compiling backend such as 'torch'."
-        )
-    for block_list in family.block_lists:
-        for index, outer in enumerate(resolve(model, block_list.path) or ()):
-            if is_optimized(outer) or getattr(unwrap(outer), "_compiled_call_impl", None) is not None:
-                raise UnsupportedStrategyError(
-                    f"{type(model).__name__}.{block_list.path}[{index}] is already compiled with torch.compile "
-                    f"(torch.compile(block), block.compile() or compile_repeated_blocks), and backend "
-                    f"{backend.name!r} compiles each block itself, under its memory budget. Patch the uncompiled "
-                    "model and let the backend compile (remove your torch.compile of the blocks), or keep your "
-                    "compile with a non-compiling backend such as 'torch'."
-                )
-
-
-LAYERWISE_CASTING = "layerwise_casting"  # the name diffusers registers its casting hook under
-
-
-def layerwise_cast(module: nn.Module) -> list[str]:
-    """The submodules of ``module`` under diffusers' layerwise casting (``enable_layerwise_casting``)."""
-    found = []
-    for name, sub in module.named_modules():
-        registry = getattr(sub, "_diffusers_hook", None)
-        get = getattr(registry, "get_hook", None)
-        if get is not None and get(LAYERWISE_CASTING) is not None:
-            found.append(name or type(module).__name__)
-    return found
-
-
-def refuse_layerwise_casting(model: nn.Module, backend: str) -> None:
-    """diffusers' layerwise casting stores weights in one dtype and casts them per call in a hook that swaps
-    ``.data``; traced by the compiler, the backward of a compiled block then multiplies float32 by float16
-    ("expected m1 and m2 to have the same dtype"), deep in the first step. Refused before anything runs."""
-    cast = layerwise_cast(model)
-    if cast:
-        raise UnsupportedStrategyError(
-            f"backend {backend!r} cannot compile blocks under diffusers' layerwise casting (enabled on "
-            f"{len(cast)} modules of {type(model).__name__}, e.g. {cast[0]!r}): the compiled backward fails on "
-            "the mixed dtypes. Use an eager backend ('unsloth' with gradient_checkpointing_offload_attention, "
-            "or 'torch'), which run layerwise casting exactly, or store the weights in the compute dtype "
-            "(model.to(torch.bfloat16)) instead of layerwise casting."
-        )
 
 
 def _externally_checkpointed(model: nn.Module) -> set[int]:
@@ -215,83 +141,19 @@ def _refuse_shared(model: nn.Module, family: Family, lists: list[tuple[BlockList
                 )
 
 
-def cpu_sibling(backend: Backend) -> str:
-    """The backend that does what ``backend`` does (same scope, same runner) without offloading: what a
-    CPU model can run instead, and what an offload backend runs as while its model is on the CPU
-    (``unsloth`` -> ``torch``, ``unsloth-ffn`` -> ``torch-ffn``, ``unsloth-compile`` -> ``compile``)."""
-    if not backend.offloads:
-        return backend.name
-    return next((b.name for b in CATALOG.values()
-                 if b.runner == backend.runner and b.scope is backend.scope and not b.offloads), "torch")
-
-
-def check_config(config: CheckpointConfig) -> None:
-    """Refuse a setting the backend does not do, whatever the model (its catalog entry says): never
-    silently ignored. Model-free, so ``gradseam run`` refuses these before the program starts."""
-    backend = strategy_of(config).backend
-    if config.gradient_checkpointing_memory_budget is not None and (backend is None or not backend.budget):
-        users = [b.name for b in CATALOG.values() if b.budget]
-        raise UnsupportedStrategyError(
-            f"gradient_checkpointing_memory_budget={config.gradient_checkpointing_memory_budget:g} is the compiler's "
-            f"activation memory budget for compiled blocks; backend "
-            f"{backend.name if backend else 'none (checkpointing is off)'!r} compiles nothing. Use it with {users}, "
-            "or remove the key."
-        )
-    if backend is None:
-        return
-    if not backend.chunks and config.gradient_checkpointing_interval and config.interval > 1:
-        raise UnsupportedStrategyError(
-            f"gradient_checkpointing_interval={config.interval}: backend {backend.name!r} makes every compiled block "
-            "its own region (the compiler decides what each keeps), so blocks cannot be chunked. Remove the "
-            "interval (gradient_checkpointing_segment_stride still selects which blocks are compiled)."
-        )
-    if not backend.kept_attention and (config.keep_attention or config.offload_attention):
-        key = ("gradient_checkpointing_offload_attention" if config.offload_attention
-               else "gradient_checkpointing_keep_attention")
-        offloading = next((b.name for b in CATALOG.values() if b.runner == backend.runner and b.offloads), None)
-        raise UnsupportedStrategyError(
-            f"{key}: backend {backend.name!r} already keeps attention outputs (the compiler's partitioner keeps "
-            f"what is costly to recompute){'' if backend.offloads or offloading is None else f'; to hold them in CPU memory use {offloading!r}'}. "
-            "Remove the key."
-        )
-
-
 def _check_strategy(family: Family, config: CheckpointConfig, strategy: Strategy) -> None:
-    """Refuse what the family cannot run, and warn for settings that cannot take effect as written."""
-    backend = strategy.backend
+    """Refuse what the family cannot run, and warn for settings that cannot take effect as written: the
+    config's own refusals first (:func:`gradseam.kinds.check_config`), then the kinds' of the family."""
     check_config(config)
-    if backend is not None and backend.scope is Scope.FFN and not family.has_ffn:
-        missing = [bc.name.rsplit(".", 1)[-1] for bc in family.block_classes if not bc.ffn]
-        whole = next((b.name for b in CATALOG.values() if b.scope is Scope.BLOCK and b.offload is backend.offload),
-                     "torch")
-        raise UnsupportedStrategyError(
-            f"backend {backend.name!r} needs an FFN boundary, but family {family.name!r} declares none "
-            f"for {missing}; gradseam will not silently run another scope. Use {whole!r} (whole-block) instead."
-        )
-    if config.offload_attention and not family.has_attention:
-        raise UnsupportedStrategyError(
-            f"gradient_checkpointing_offload_attention needs an attention side, but family {family.name!r} "
-            "declares none; turn attention offload off for this model."
-        )
-    if config.keep_attention and strategy.kept is Kept.NOWHERE:
-        why = ("no checkpointing runs" if backend is None else
-               f"backend {backend.name!r} never recomputes attention (it only checkpoints the feed-forward side)")
+    if strategy.backend is not None and strategy.kind is not None:
+        strategy.kind.check_family(strategy.backend, family, config)
+    if config.offload_attention:
+        ATTENTION_OFFLOAD.check_family(strategy.backend, family, config)
+    if config.keep_attention and strategy.backend is None:
         warn_once(
-            f"gradient_checkpointing_keep_attention has no effect here: {why}. It keeps attention kernel "
-            "outputs on the GPU inside whole-block regions (backends 'torch' / 'unsloth')."
+            "gradient_checkpointing_keep_attention has no effect here: no checkpointing runs. It keeps attention "
+            "kernel outputs on the GPU inside whole-block regions (backends 'torch' / 'unsloth')."
         )
-    if backend is not None and config.gradient_checkpointing_interval and config.interval > 1:
-        if backend.scope is Scope.FFN and config.stride is None:
-            warn_once(
-                f"gradient_checkpointing_interval={config.interval} does not group FFN regions (attention "
-                f"sits between them); with {backend.name!r} the interval only selects blocks through "
-                "gradient_checkpointing_segment_stride."
-            )
-        elif not family.supports_interval:
-            warn_once(
-                f"family {family.name!r} does not support gradient_checkpointing_interval; ignoring "
-                f"interval={config.interval} and checkpointing every selected block on its own."
-            )
 
 
 def _warn_longer_than_lists(model: nn.Module, config: CheckpointConfig, strategy: Strategy,
@@ -318,7 +180,8 @@ def _warn_longer_than_lists(model: nn.Module, config: CheckpointConfig, strategy
         )
         return
     chunkable = [(bl, n) for bl, n in lengths if bl.carry is not None]
-    if (config.gradient_checkpointing_interval and interval > 1 and backend.scope is Scope.BLOCK and backend.chunks
+    if (config.gradient_checkpointing_interval and interval > 1 and backend.scope is Scope.BLOCK
+            and strategy.kind is not None and strategy.kind.chunks
             and chunkable and interval > max(n for _, n in chunkable)):
         shown = ", ".join(f"{bl.path}: {n}" for bl, n in chunkable)
         warn_once(
@@ -329,100 +192,130 @@ def _warn_longer_than_lists(model: nn.Module, config: CheckpointConfig, strategy
         )
 
 
-def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
-    """Decide every region, and how it runs, without touching the model."""
-    strategy = strategy_of(config)
-    _check_strategy(family, config, strategy)
-    backend = strategy.backend
-    whole = backend is not None and backend.scope is Scope.BLOCK
-    kernels: frozenset[str] = frozenset()
-    if strategy.kept is not Kept.NOWHERE:
-        from .registry import REGISTRY
+class _Planner:
+    """Walks the block lists once, turning each selected block into regions of the strategy's kind."""
 
-        kernels = REGISTRY.attention_kernels()
-    common: dict[str, Any] = {}
-    if backend is not None:
-        common = {"runner": backend.runner, "backend": backend.name, "offload": backend.offload,
-                  "budget": config.memory_budget if backend.budget else None}
+    def __init__(self, model: nn.Module, family: Family, config: CheckpointConfig, strategy: Strategy) -> None:
+        self.family, self.config, self.strategy = family, config, strategy
+        backend, kind = strategy.backend, strategy.kind
+        self.whole = backend is not None and backend.scope is Scope.BLOCK
+        self.kernels: frozenset[str] = frozenset()
+        if strategy.kept is not Kept.NOWHERE:
+            from .registry import REGISTRY
 
-    lists = _blocks(model, family)
-    _warn_longer_than_lists(model, config, strategy, lists)
-    if backend is not None or strategy.attention_offload:
-        _refuse_shared(model, family, lists)
-    if backend is not None and backend.budget:
-        _refuse_user_compiled(model, family, backend)
-        refuse_layerwise_casting(model, backend.name)
-    wrapped = _externally_checkpointed(model) if backend is not None else set()
-    regions: list[RegionSpec] = []
-    plain: list[tuple[str, int, str]] = []
-    skipped: list[str] = []
-    for block_list, blocks in lists:
+            self.kernels = REGISTRY.attention_kernels()
+        self.common: dict[str, Any] = {}
+        if backend is not None and kind is not None:
+            self.common = {"kind": kind, "backend": backend.name, "offload": backend.offload,
+                           "destination": backend.destination, **kind.settings(config)}
+        self.wrapped = _externally_checkpointed(model) if backend is not None else set()
+        self.regions: list[RegionSpec] = []
+        self.plain: list[tuple[str, int, str]] = []
+        self.skipped: list[str] = []
+
+    def add_list(self, block_list: BlockList, blocks: list[nn.Module]) -> None:
+        kind = self.strategy.kind
+        group = self.config.interval if block_list.carry is not None and kind is not None and kind.chunks else 1
+        if self.whole and group > 1:
+            for cls in {type(b): b for b in blocks}.values():
+                _check_carry(self.family, block_list, cls)
         chunk: list[int] = []
         declared_of: dict[int, BlockClass] = {}
-
-        def flush(chunk: list[int], block_list: BlockList = block_list, blocks: list[nn.Module] = blocks,
-                  declared_of: dict[int, BlockClass] = declared_of) -> None:
-            if not chunk:
-                return
-            several = len(chunk) > 1
-            attention = tuple(dict.fromkeys(p for i in chunk for p in declared_of[i].attention))
-            regions.append(RegionSpec(
-                block_list.path, tuple(chunk), Kind.CHUNK if several else Kind.BLOCK,
-                tuple(blocks[i] for i in chunk), block_class=type(blocks[chunk[0]]).__qualname__,
-                kept=strategy.kept, kernels=kernels, link=LinkKind.BLOCKS if several else LinkKind.NONE,
-                carry=block_list.carry if several else None, per_block=block_list.per_block if several else (),
-                attention=attention, **common,
-            ))
-            chunk.clear()
-
-        group = config.interval if block_list.carry is not None else 1
-        if whole and group > 1:
-            for cls in {type(b): b for b in blocks}.values():
-                _check_carry(family, block_list, cls)
         for index, block in enumerate(blocks):
             where = f"{block_list.path}[{index}]"
-            declared = declared_of[index] = _block_class(family, block, where)
-            selected = backend is not None and _selected(index, config)
-            if selected and wrapped and any(id(m) in wrapped for m in block.modules()):
-                selected = False  # torch's checkpoint wrapper already checkpoints it (or part of it)
-                skipped.append(where)
-            if whole:
-                if not selected:
-                    flush(chunk)
-                elif chunk and (index - chunk[0] >= group or index != chunk[-1] + 1):
-                    flush(chunk)
-                    chunk.append(index)
-                else:
+            declared = declared_of[index] = _block_class(self.family, block, where)
+            selected = self._selected(index, block, where)
+            if self.whole:
+                if chunk and (not selected or index - chunk[0] >= group or index != chunk[-1] + 1):
+                    self._add_chunk(block_list, blocks, chunk, declared_of)
+                    chunk = []
+                if selected:
                     chunk.append(index)
             elif selected:
-                for seam in declared.ffn:
-                    if _absent(block, seam, declared):
-                        continue  # declared optional, and this instance has none
-                    subs = tuple(_submodule(block, p, family, where) for p in seam)
-                    regions.append(RegionSpec(
-                        block_list.path, (index,), Kind.FFN, subs, seam, type(block).__qualname__,
-                        link=LinkKind.SEAM if len(subs) > 1 else LinkKind.NONE, **common,
-                    ))
-            if not selected or not whole:
-                if strategy.attention_offload:
-                    for path in declared.attention:
-                        if _absent(block, (path,), declared):
-                            continue
-                        sub = _submodule(block, path, family, where)
-                        regions.append(RegionSpec(
-                            block_list.path, (index,), Kind.ATTENTION_OFFLOAD, (sub,), (path,),
-                            type(block).__qualname__, runner="attention-offload", offload=Offload.SAVED,
-                        ))
-                if not selected and not strategy.attention_offload:
-                    plain.append((block_list.path, index, type(block).__qualname__))
-        if whole:
-            flush(chunk)
-    if skipped:
+                self._add_ffn(block_list, index, block, declared, where)
+            if not selected or not self.whole:
+                self._add_attention(block_list, index, block, declared, where, selected)
+        self._add_chunk(block_list, blocks, chunk, declared_of)
+
+    def _selected(self, index: int, block: nn.Module, where: str) -> bool:
+        selected = self.strategy.backend is not None and _selected(index, self.config)
+        if selected and self.wrapped and any(id(m) in self.wrapped for m in block.modules()):
+            self.skipped.append(where)
+            return False  # torch's checkpoint wrapper already checkpoints it (or part of it)
+        return selected
+
+    def _add_chunk(self, block_list: BlockList, blocks: list[nn.Module], chunk: list[int],
+                   declared_of: dict[int, BlockClass]) -> None:
+        if not chunk:
+            return
+        several = len(chunk) > 1
+        kept = self.strategy.kept
+        common = dict(self.common)
+        if kept is Kept.CPU and common["destination"] is Destination.DEVICE:
+            common["destination"] = Destination.HOST  # the kept kernel outputs go to host memory
+        self.regions.append(RegionSpec(
+            block_list.path, tuple(chunk), shape=Shape.CHUNK if several else Shape.BLOCK,
+            modules=tuple(blocks[i] for i in chunk), block_class=type(blocks[chunk[0]]).__qualname__,
+            kept=kept, kernels=self.kernels, link=LinkKind.BLOCKS if several else LinkKind.NONE,
+            carry=block_list.carry if several else None, per_block=block_list.per_block if several else (),
+            attention=tuple(dict.fromkeys(p for i in chunk for p in declared_of[i].attention)), **common,
+        ))
+
+    def _add_ffn(self, block_list: BlockList, index: int, block: nn.Module, declared: BlockClass, where: str) -> None:
+        for seam in declared.ffn:
+            if _absent(block, seam, declared):
+                continue  # declared optional, and this instance has none
+            subs = tuple(_submodule(block, p, self.family, where) for p in seam)
+            self.regions.append(RegionSpec(
+                block_list.path, (index,), shape=Shape.FFN, modules=subs, seam=seam,
+                block_class=type(block).__qualname__, link=LinkKind.SEAM if len(subs) > 1 else LinkKind.NONE,
+                **self.common,
+            ))
+
+    def _add_attention(self, block_list: BlockList, index: int, block: nn.Module, declared: BlockClass, where: str,
+                       selected: bool) -> None:
+        """Attention submodules outside any region: offloaded where attention offload is on, else the block
+        (when not selected) is left as it is."""
+        if not self.strategy.attention_offload:
+            if not selected:
+                self.plain.append((block_list.path, index, type(block).__qualname__))
+            return
+        for path in declared.attention:
+            if _absent(block, (path,), declared):
+                continue
+            self.regions.append(RegionSpec(
+                block_list.path, (index,), ATTENTION_OFFLOAD, Shape.ATTENTION,
+                (_submodule(block, path, self.family, where),), (path,), type(block).__qualname__,
+                offload=Offload.SAVED, destination=Destination.HOST,
+            ))
+
+    def warn_skipped(self, model: nn.Module) -> None:
+        if not self.skipped:
+            return
+        skipped = self.skipped
         warn_once(
             f"{len(skipped)} block(s) of {type(model).__name__} ({skipped[0]}"
             f"{', ...' if len(skipped) > 1 else ''}) are already checkpointed by torch's activation "
             "checkpointing (a CheckpointWrapper, as FSDP's or accelerate's activation_checkpointing applies "
-            f"it); gradseam leaves them to it and does not checkpoint them again (backend {config.backend!r} "
+            f"it); gradseam leaves them to it and does not checkpoint them again (backend {self.config.backend!r} "
             "is off for them; attention offload, if set, still applies)."
         )
-    return Plan(family, config, strategy, tuple(regions), tuple(plain))
+
+
+def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
+    """Decide every region, and how it runs, without touching the model."""
+    strategy = strategy_of(config)
+    _check_strategy(family, config, strategy)
+    lists = _blocks(model, family)
+    _warn_longer_than_lists(model, config, strategy, lists)
+    if strategy.backend is not None or strategy.attention_offload:
+        _refuse_shared(model, family, lists)
+    if strategy.backend is not None and strategy.kind is not None:
+        strategy.kind.refuse_model(strategy.backend, model, family)
+    planner = _Planner(model, family, config, strategy)
+    for block_list, blocks in lists:
+        planner.add_list(block_list, blocks)
+    planner.warn_skipped(model)
+    destinations = dict.fromkeys(r.destination for r in planner.regions if r.moves)
+    stores = tuple(Store(d, config.pin_buckets) for d in destinations)
+    return Plan(family, config, strategy, tuple(planner.regions), tuple(planner.plain), stores)

@@ -1,10 +1,11 @@
-"""What a plan is made of: a region's kind, where its kept kernel outputs live, how its members link,
-the strategy a config resolves to, and the immutable :class:`RegionSpec` / :class:`Plan` that
+"""What a plan is made of: a region's kind and shape, where its kept kernel outputs live, how its members
+link, the strategy a config resolves to, and the immutable :class:`RegionSpec` / :class:`Plan` that
 :mod:`gradseam.planning` produces.
 
 Data only, kept apart from the planning algorithm so that everything that *reads* a plan (the run
 layer's install step, the summary, ``handle.regions()``, the kit, bench and advise) depends on
 these types and not on how a model is searched for regions or why a configuration is refused.
+What a region *does* is its kind's (:mod:`gradseam.kinds`); a spec only names it.
 """
 
 from __future__ import annotations
@@ -14,31 +15,21 @@ from enum import Enum
 
 from torch import nn
 
-from .backends import CATALOG, Backend, Offload, Scope
+from .backends import Backend, Destination, Kept, Offload
 from .config import CheckpointConfig
 from .family import Carry, Family
+from .kinds import RegionKind, backend_of, kind_of
 
 # -- what a region is -------------------------------------------------------------------------
 
 
-class Kind(str, Enum):
-    """What a region is. A ``str`` enum, so ``kind == "chunk"`` reads as it always did."""
+class Shape(str, Enum):
+    """What a region covers. A ``str`` enum, so ``shape == "chunk"`` reads as it always did."""
 
-    BLOCK = "block"  # one block, one checkpoint region
-    CHUNK = "chunk"  # consecutive blocks run as one checkpoint region (interval)
+    BLOCK = "block"  # one block
+    CHUNK = "chunk"  # consecutive blocks run as one region (interval)
     FFN = "ffn"  # a feed-forward seam inside a block
-    ATTENTION_OFFLOAD = "attention-offload"  # an attention submodule outside any region: its saved tensors offloaded
-
-    def __str__(self) -> str:
-        return self.value
-
-
-class Kept(str, Enum):
-    """Where a whole-block region keeps attention kernel outputs instead of recomputing them."""
-
-    NOWHERE = ""  # recomputed with the rest of the block
-    GPU = "gpu"
-    CPU = "cpu"  # in host memory, through the offload engine
+    ATTENTION = "attention"  # an attention submodule outside any checkpoint region
 
     def __str__(self) -> str:
         return self.value
@@ -54,58 +45,49 @@ class LinkKind(str, Enum):
 
 @dataclass(frozen=True)
 class Strategy:
-    """What a config asks of every region, resolved once from the config and the backend catalog.
+    """What a config asks of every region, resolved once from the config, the catalog and the kinds.
 
-    ``backend`` is None when checkpointing is off. ``kept`` applies to whole-block regions;
-    ``attention_offload`` to attention submodules outside any region (beside the ``-ffn`` backends,
-    in blocks a stride leaves out, or alone).
+    ``backend`` / ``kind`` are None when checkpointing is off. ``kept`` applies to the kind's regions
+    that keep attention kernel outputs; ``attention_offload`` to attention submodules outside any
+    region (beside the ``-ffn`` backends, in blocks a stride leaves out, or alone).
     """
 
     backend: Backend | None
+    kind: RegionKind | None
     kept: Kept
     attention_offload: bool
 
     @property
-    def scope(self) -> Scope | None:
-        return self.backend.scope if self.backend is not None else None
-
-    @property
-    def offload(self) -> Offload:
-        return self.backend.offload if self.backend is not None else Offload.NOTHING
-
-    @property
-    def offload_inputs(self) -> bool:
-        return self.offload is Offload.INPUTS
-
-    @property
-    def needs_engine(self) -> bool:
-        """Something is moved to host memory: the model must be on a GPU (the offload engine)."""
-        return self.offload is not Offload.NOTHING or self.kept is Kept.CPU or self.attention_offload
+    def destinations(self) -> frozenset[Destination]:
+        """Where its regions move activations off the model's device: empty when nothing moves."""
+        found = set()
+        if self.backend is not None and self.backend.moves:
+            found.add(self.backend.destination)
+        if self.kept is Kept.CPU or self.attention_offload:
+            found.add(Destination.HOST)
+        return frozenset(found)
 
     @property
     def cpu_measurable(self) -> bool:
-        """Whether the CPU tools can measure it: they count what saved-tensor hooks see, and kept kernel
-        outputs never pass through those hooks (the count would be too low)."""
-        return not self.needs_engine and self.kept is Kept.NOWHERE
+        """Whether the CPU tools can measure it: they count what saved-tensor hooks see, so nothing may move
+        off the device and no kept kernel output may escape the count; and a compiled block on the CPU
+        (``aot_eager``) says nothing of inductor's GPU graphs."""
+        return not self.destinations and self.kept is Kept.NOWHERE and not (self.kind and self.kind.compiles)
 
     def offloaded(self) -> list[str]:
-        """What moves activations to host memory, in the config's words (for errors and warnings)."""
-        wants = [f"backend {self.backend.name!r}"] if self.backend is not None and self.backend.offloads else []
+        """What moves activations off the device, in the config's words (for errors and warnings)."""
+        wants = [f"backend {self.backend.name!r}"] if self.backend is not None and self.backend.moves else []
         if self.attention_offload:
             wants.append("gradient_checkpointing_offload_attention")
         return wants
 
 
 def strategy_of(config: CheckpointConfig) -> Strategy:
-    """The one reading of a config: scope, offload and kept kernels (model-free; tools use it too)."""
-    backend = CATALOG[config.backend] if config.enabled else None
-    whole = backend is not None and backend.scope is Scope.BLOCK
-    kept = Kept.NOWHERE
-    if whole and config.offload_attention:
-        kept = Kept.CPU
-    elif whole and config.keep_attention:
-        kept = Kept.GPU
-    return Strategy(backend, kept, config.offload_attention)
+    """The one reading of a config: backend, kind, kept kernels, attention offload (model-free; tools use it)."""
+    backend = backend_of(config)
+    kind = kind_of(backend)
+    kept = kind.kept(config) if kind is not None else Kept.NOWHERE
+    return Strategy(backend, kind, kept, config.offload_attention)
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,22 +95,24 @@ class RegionSpec:
     """One planned region, resolved: which modules, and exactly how it runs. Never changed after planning.
 
     ``modules`` are the modules as planned (a PEFT layer that later replaces a seam's Linear is
-    followed by the installed chain, not written back here). ``runner`` names the run layer's runner
-    (the backend's, or "attention-offload"); ``offload_inputs`` puts the region's inputs in host
-    memory; ``kept`` says where attention kernel outputs stay, matched by operator against
-    ``kernels`` (schema names); ``carry`` / ``per_block`` describe a chunk's link.
+    followed by the installed chain, not written back here). ``kind`` gives its behaviour and names
+    its runner; ``offload`` / ``destination`` what leaves the device and where to; ``kept`` where
+    attention kernel outputs stay, matched by operator against ``kernels`` (schema names);
+    ``carry`` / ``per_block`` describe a chunk's link; ``memory_budget`` is what a kind that compiles
+    reads (the compiler's activation fraction).
     """
 
     list_path: str
     blocks: tuple[int, ...]  # indices in the block list
-    kind: Kind
+    kind: RegionKind
+    shape: Shape
     modules: tuple[nn.Module, ...]
     seam: tuple[str, ...] = ()  # submodule paths for ffn/attention regions
     block_class: str = ""
-    runner: str = "checkpoint"
     backend: str = ""  # the catalog entry's name, for words only
     offload: Offload = Offload.NOTHING
-    budget: float | None = None  # the compiler's activation memory budget (compiled regions)
+    destination: Destination = Destination.DEVICE
+    memory_budget: float | None = None
     kept: Kept = Kept.NOWHERE
     kernels: frozenset[str] = frozenset()
     link: LinkKind = LinkKind.NONE
@@ -141,13 +125,17 @@ class RegionSpec:
         return f"{self.list_path}{list(self.blocks)}" + (f".{'→'.join(self.seam)}" if self.seam else "")
 
     @property
-    def offload_inputs(self) -> bool:
-        return self.offload is Offload.INPUTS
+    def moves(self) -> bool:
+        """Whether the region moves something off the device (through the engine of its destination)."""
+        return self.destination is not Destination.DEVICE
 
-    @property
-    def offloads(self) -> bool:
-        """The region moves something to host memory (through the engine)."""
-        return self.offload is not Offload.NOTHING or self.kept is Kept.CPU
+
+@dataclass(frozen=True)
+class Store:
+    """A place the plan's regions offload to, and its size: the offload engine is made from it."""
+
+    destination: Destination
+    max_buckets: int  # gradient_checkpointing_offload_pin_memory_max_buckets: the pinned pool's size classes
 
 
 @dataclass(frozen=True)
@@ -157,12 +145,9 @@ class Plan:
     strategy: Strategy
     regions: tuple[RegionSpec, ...] = ()
     plain: tuple[tuple[str, int, str], ...] = ()  # blocks left as they are
+    stores: tuple[Store, ...] = ()  # one per destination its regions move activations to
 
     @property
-    def needs_engine(self) -> bool:
-        return any(r.offloads for r in self.regions)
-
-    @property
-    def compiled(self) -> bool:
-        """Some region compiles its block (a compiled backend): the user must not compile it too."""
-        return any(r.budget is not None for r in self.regions)
+    def kinds(self) -> tuple[RegionKind, ...]:
+        """The kinds of its regions, each once, in plan order."""
+        return tuple(dict.fromkeys(r.kind for r in self.regions))

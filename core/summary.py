@@ -6,8 +6,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from .backends import Offload
-from .spec import Kept, Kind, Plan, RegionSpec
+from .backends import Destination, Kept, Offload
+from .kinds import KINDS
+from .spec import Plan, RegionSpec, Shape
 
 if TYPE_CHECKING:
     from .run.chains import ChainStats
@@ -24,12 +25,14 @@ class RegionView:
     ``served`` the later members answered from it; ``fallbacks`` maps each reason a member had to
     compute on its own (or a kept kernel output had to be computed again) to how often it happened;
     ``notes`` the same for ways a call ran as planned that are worth telling (a compiled block whose
-    attention ran outside its graph).
+    attention ran outside its graph). ``kind`` names the region's kind (:data:`gradseam.kinds.KINDS`:
+    "whole-block", "ffn-seam", "compiled-block", "attention-offload"), ``shape`` what it covers (a block, a chunk, an FFN
+    seam, an attention submodule).
     """
 
     list_path: str
     blocks: tuple[int, ...]
-    kind: Kind
+    shape: Shape
     block_class: str
     seam: tuple[str, ...]
     calls: tuple[int, ...] = ()
@@ -38,20 +41,20 @@ class RegionView:
     served: int = 0
     fallbacks: Mapping[str, int] = field(default_factory=dict)
     notes: Mapping[str, int] = field(default_factory=dict)
-    runner: str = ""
+    kind: str = ""
     offload: Offload = Offload.NOTHING
+    destination: Destination = Destination.DEVICE
     kept: Kept = Kept.NOWHERE
 
     @classmethod
     def of(cls, spec: RegionSpec, stats: ChainStats | None) -> RegionView:
         s = stats
         return cls(
-            spec.list_path, spec.blocks, spec.kind, spec.block_class, spec.seam,
+            spec.list_path, spec.blocks, spec.shape, spec.block_class, spec.seam,
             calls=tuple(s.member_calls) if s else (), runs=s.runs if s else 0,
             chunk_calls=s.chunk_calls if s else 0, served=s.served if s else 0,
-            fallbacks=dict(s.fallbacks) if s else {}, notes=dict(s.notes) if s else {}, runner=spec.runner,
-            offload=spec.offload,
-            kept=spec.kept,
+            fallbacks=dict(s.fallbacks) if s else {}, notes=dict(s.notes) if s else {}, kind=spec.kind.name,
+            offload=spec.offload, destination=spec.destination, kept=spec.kept,
         )
 
     @property
@@ -100,7 +103,7 @@ class Summary:
         classes: dict[tuple[str, tuple[int, ...]], str] = {}
         for region in plan.regions:
             what = describe(region, pending=pending, device=device)
-            if region.kind in (Kind.BLOCK, Kind.CHUNK):
+            if region.shape in (Shape.BLOCK, Shape.CHUNK):
                 for i in region.blocks:
                     key = (region.list_path, (i,))
                     classes[key] = region.block_class
@@ -131,8 +134,7 @@ class Summary:
                 emit()
             run.append(key)
         emit()
-        notes = [_fallback_note(r) for r in views if r.fallbacks and r.runner != "compiled"]
-        notes += _compiled_notes([r for r in views if r.fallbacks and r.runner == "compiled"])
+        notes = [note for name, kind in KINDS.items() for note in kind.notes([r for r in views if r.kind == name])]
         notes += _ran_notes([r for r in views if r.notes])
         if pending:
             notes.append(f"offload pending: {model_name or 'the model'} is on the CPU; offloading starts "
@@ -161,28 +163,6 @@ class Summary:
     __repr__ = __str__
 
 
-def _fallback_note(region: RegionView) -> str:
-    fell = sum(region.fallbacks.values())
-    calls = region.calls[0] if region.calls else 0
-    why = "; ".join(f"{n}x {cause}" for cause, n in sorted(region.fallbacks.items(), key=lambda kv: -kv[1]))
-    return (f"{region.label}: ran as one chunk {region.chunk_calls} of {calls} calls; {fell} call(s) "
-            f"fell back to one region per block because {why}")
-
-
-def _compiled_notes(regions: list[RegionView]) -> list[str]:
-    """One note for every compiled block a foreign compile traced (one per block would flood a 57-block model)."""
-    if not regions:
-        return []
-    causes: dict[str, int] = {}
-    for r in regions:
-        for cause, n in r.fallbacks.items():
-            causes[cause] = causes.get(cause, 0) + n
-    why = "; ".join(f"{n}x {cause}" for cause, n in sorted(causes.items(), key=lambda kv: -kv[1]))
-    return [f"{len(regions)} compiled block(s), from {regions[0].label}, did not run gradseam's compiled call: {why}. "
-            "With a compiled backend compile nothing yourself, or keep your compile with a non-compiling "
-            "backend such as 'torch'"]
-
-
 def _ran_notes(regions: list[RegionView]) -> list[str]:
     """One note per way regions ran as planned but worth telling, summed over the regions it applies to."""
     by_note: dict[str, list[int]] = {}
@@ -201,23 +181,7 @@ def memory_of(device: str) -> str:
 
 
 def describe(region: RegionSpec, *, pending: bool = False, device: str = "cuda") -> str:
-    """What a region does, in words, from its spec alone; what stays on the model's device is worded
+    """What a region does, in words, from its spec and its kind; what stays on the model's device is worded
     by ``device`` (its type: "cuda", "cpu")."""
-    later = " (pending: the model is on the CPU)" if pending and region.offloads else ""
-    own = memory_of(device)
-    if region.kind is Kind.ATTENTION_OFFLOAD:
-        return f"offload {region.seam[0]} saved tensors{later}"
-    if region.budget is not None:
-        where = "CPU" if region.offload is Offload.SAVED else own
-        return (f"{region.backend}: compiled, the compiler recomputes under memory budget {region.budget:g}; "
-                f"what it keeps in {where} memory{later}")
-    if region.kind is Kind.FFN:
-        unit = "→".join(region.seam)
-    else:
-        unit = f"chunks of {len(region.blocks)} blocks" if region.kind is Kind.CHUNK else "each block"
-    what = f"{region.backend}: recompute {unit}"
-    if region.kept is not Kept.NOWHERE:
-        what += f" except attention kernels (outputs kept in {'CPU' if region.kept is Kept.CPU else own} memory)"
-    if region.offload_inputs:
-        what += " + CPU offload of region inputs"
-    return what + later
+    later = " (pending: the model is on the CPU)" if pending and region.moves else ""
+    return region.kind.describe(region, own=memory_of(device), later=later)

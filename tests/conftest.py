@@ -17,10 +17,11 @@ torch.set_num_threads(1)
 #
 # What is marked `slow` (pyproject.toml registers the mark), from one full run with --durations=0 on
 # the project's 2-core CI machine: whole files that compile, spawn processes or draw hypothesis
-# examples; single tests that run a subprocess, a benchmark sweep or a full-size preset; and in the
+# examples; single tests that run a subprocess, a benchmark sweep or a full-size preset, and every test
+# that uses a fixture doing one of those (the fixture is paid by whichever test runs first); and in the
 # files that run a model per case of a matrix (families x strategies), every case but each test's
-# first, so every behaviour keeps one case in the quick subset. Rules by file and test name, so the
-# test files themselves carry no marks. README.md and docs/getting-started.md give the measured times.
+# first, so every behaviour keeps one case in the quick subset. Rules by file, test and fixture name,
+# so the test files themselves carry no marks. README.md and docs/getting-started.md give the measured times.
 
 SLOW_FILES = {
     "test_compiled_backend.py", "test_compile.py",  # compiling blocks: 3-35 s a test on the CPU
@@ -57,6 +58,12 @@ SLOW_TESTS = {  # by function name, in any file (every parametrization)
     "test_bench_workload_truncates_steps_and_patches_exactly", "test_workload_builds_truncates_and_steps",
     "test_compiled_blocks_match_compiled_unpatched",  # test_stack.py: compiles
     "test_patching_a_model_loads_no_tool",  # a subprocess
+    "test_bench_family_sweep_writes_full_depth_rows",  # a bench --family sweep, end to end
+}
+SLOW_FIXTURES = {  # (file, fixture): tests using the fixture are slow
+    ("test_bench.py", "results"),  # a CPU bench sweep, once per module
+    ("test_depth.py", "flux_run"),  # a depth fit: three depths of every row
+    ("test_kit_for_plugin_authors.py", "plugin_repo"),  # each test runs pytest on it in a subprocess
 }
 # files whose parametrized tests run a model per case: the quick subset keeps each test's first case
 MATRIX_FILES = {
@@ -79,7 +86,9 @@ def mark_slow(items) -> None:
         function = getattr(item, "originalname", item.name)
         # the kit's compiled rows are left out by default (pyproject's addopts: -m 'not compiled'), which
         # a `-m "not slow"` on the command line replaces: they are slow too
-        if name in SLOW_FILES or function in SLOW_TESTS or "compiled" in item.keywords:
+        fixtures = getattr(item, "fixturenames", ())
+        if (name in SLOW_FILES or function in SLOW_TESTS or "compiled" in item.keywords
+                or any((name, f) in SLOW_FIXTURES for f in fixtures)):
             item.add_marker(slow)
             continue
         if _is_matrix_file(name) and getattr(item, "callspec", None) is not None:
@@ -102,9 +111,9 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _fresh_warnings():
     # gradseam warns once per message per process; tests that check warnings need a clean slate.
-    from gradseam import planning
+    from gradseam import errors
 
-    planning.warned.clear()
+    errors.warned.clear()
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         yield

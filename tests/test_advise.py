@@ -1,4 +1,4 @@
-"""gradseam.tools.advise: budget parsing, the ladder logic (with a fake measurer) and the real-size workloads."""
+"""gradseam.tools.advise: GPU size parsing, the ladder logic (with a fake measurer) and the real-size workloads."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import torch
 
 from gradseam import UnsupportedStrategyError
 from gradseam.errors import GradseamError
-from gradseam.tools.advise import LADDER, GiB, NoFitError, advise, parse_budget, run_ladder
+from gradseam.tools.advise import LADDER, GiB, NoFitError, advise, run_ladder
+from gradseam.tools.checks import parse_size
 
-# -- budgets ------------------------------------------------------------------------------------
+# -- GPU sizes ----------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -21,14 +22,14 @@ from gradseam.tools.advise import LADDER, GiB, NoFitError, advise, parse_budget,
         ("40 GB", 40e9 / GiB), ("1TiB", 1024.0), (42.5, 42.5), (40, 40.0), ("42.5", 42.5), (" 0.5 GiB ", 0.5),
     ],
 )
-def test_parse_budget(text, gib):
-    assert parse_budget(text) == pytest.approx(gib)
+def test_parse_size(text, gib):
+    assert parse_size(text) == pytest.approx(gib)
 
 
 @pytest.mark.parametrize("bad", ["", "GiB", "40 parsecs", "forty GiB", "-4GiB", "0", 0, -1.0, True, "4 0GiB", "inf"])
-def test_parse_budget_errors(bad):
-    with pytest.raises(ValueError, match="memory budget"):
-        parse_budget(bad)
+def test_parse_size_errors(bad):
+    with pytest.raises(ValueError, match="GPU memory size"):
+        parse_size(bad)
 
 
 # -- the ladder ---------------------------------------------------------------------------------
@@ -85,9 +86,9 @@ def test_fastest_fitting_rung_wins():
     advice = run_ladder(FakeMeasure(LADDER_VALUES), 50.0, 10.0, supports_interval=False)
     assert advice.chosen.label.startswith("torch-ffn")
     by = {t.label: t for t in advice.trials}
-    assert by["none"].status == "over budget"
-    assert by["none"].reason == "over budget by 20.00 GiB"
-    assert by["attention offload"].reason == "over budget by 5.00 GiB"
+    assert by["none"].status == "over GPU memory"
+    assert by["none"].reason == "over the GPU size by 20.00 GiB"
+    assert by["attention offload"].reason == "over the GPU size by 5.00 GiB"
     assert "slower than chosen" in by["torch"].reason
 
 
@@ -98,10 +99,10 @@ def test_climbs_to_unsloth_when_needed():
     assert advice.chosen.label == "unsloth"
     assert advice.config == {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth"}
     by = {t.label: t for t in advice.trials}
-    assert by["torch"].reason == "over budget by 14.00 GiB"
+    assert by["torch"].reason == "over the GPU size by 14.00 GiB"
     # win-back was tried on the unsloth backend and missed; sparser strides then skipped
-    assert by["unsloth, interval 2"].status == "over budget"
-    assert by["unsloth, 3 of every 4 blocks"].status == "over budget"
+    assert by["unsloth, interval 2"].status == "over GPU memory"
+    assert by["unsloth, 3 of every 4 blocks"].status == "over GPU memory"
     assert by["unsloth, every other block"].status == "not tried"
     assert "denser setting" in by["unsloth, every other block"].reason
 
@@ -124,7 +125,7 @@ def test_interval_win_back():
     assert advice.config == stride2
     by = {t.label: t for t in advice.trials}
     assert by["unsloth"].reason == "fits, but slower than chosen (140.0 ms vs 120.0 ms)"
-    assert by["unsloth, 1 of every 4 blocks"].reason == "over budget by 1.00 GiB"
+    assert by["unsloth, 1 of every 4 blocks"].reason == "over the GPU size by 1.00 GiB"
 
 
 def test_no_interval_step_for_ffn_backends_or_unsupported_families():
@@ -163,7 +164,8 @@ def test_nothing_fits_says_by_how_much():
         advise(None, {}, "12GiB", measure=FakeMeasure(LADDER_VALUES), static_gib=10.0)
     message = str(info.value)
     assert "smallest activation peak seen was 5.00 GiB (unsloth)" in message
-    assert "3.00 GiB over budget" in message
+    assert "nothing fits in 12.00 GiB of GPU memory" in message
+    assert "3.00 GiB over the GPU size" in message and "budget" not in message
     assert info.value.advice.chosen is None
     assert len(info.value.advice.trials) == len(LADDER)
     with pytest.raises(GradseamError, match="nothing fits"):
@@ -179,6 +181,7 @@ def test_nothing_measurable():
 def test_to_dict_is_json():
     advice = run_ladder(FakeMeasure(LADDER_VALUES), 50.0, 10.0)
     data = json.loads(json.dumps(advice.to_dict()))
+    assert data["gpu_gib"] == 50.0 and "budget_gib" not in data
     assert data["recommended"] == advice.config
     assert len(data["trials"]) == len(advice.trials)
 
@@ -191,11 +194,42 @@ def test_advise_needs_cuda_for_a_real_model():
         advise(model, {"input": torch.randn(2, 4)}, "40GiB")
 
 
-def test_bad_budget_fails_before_measuring():
+def test_bad_gpu_size_fails_before_measuring():
     fake = FakeMeasure(LADDER_VALUES)
-    with pytest.raises(ValueError, match="memory budget"):
+    with pytest.raises(ValueError, match="GPU memory size"):
         advise(None, {}, "lots", measure=fake)
     assert fake.calls == []
+
+
+def test_gpu_is_the_gpu_size_and_budget_its_deprecated_name():
+    """"budget" means the compiler's memory budget only: the GPU's size is ``gpu``; ``budget=`` still
+    works, with a warning that names ``gpu``."""
+    advice = advise(None, {}, gpu="80GiB", measure=FakeMeasure(LADDER_VALUES), static_gib=10.0)
+    assert advice.gpu_gib == 80.0 and advice.report().startswith("GPU memory 80.00 GiB")
+    with pytest.warns(DeprecationWarning, match="use gpu="):
+        old = advise(None, {}, budget="80GiB", measure=FakeMeasure(LADDER_VALUES), static_gib=10.0)
+    assert old.gpu_gib == 80.0 and old.chosen.label == advice.chosen.label
+    with pytest.warns(DeprecationWarning, match="Advice.gpu_gib"):
+        assert old.budget_gib == 80.0
+    with pytest.raises(TypeError, match="give gpu only"):
+        advise(None, {}, "80GiB", budget="80GiB", measure=FakeMeasure(LADDER_VALUES))
+    with pytest.raises(TypeError, match="GPU memory size"):
+        advise(None, {}, measure=FakeMeasure(LADDER_VALUES))
+
+
+def test_the_ladder_is_derived_least_aggressive_first():
+    """The ladder comes from the named strategies in the catalog's order: the eager backends (each with its
+    kept-kernel variant), attention offload alone and beside each backend that takes it, the compiled
+    backends from the largest memory budget to the smallest, the compiler alone, gradseam on compiled
+    blocks. Interval and stride variants are the win-back's steps, not rungs."""
+    assert [label for label, _ in LADDER] == [
+        "none", "torch-ffn", "torch", "torch + attention kept", "unsloth-ffn", "unsloth", "attention offload",
+        "torch-ffn + attention offload", "torch + attention offload", "unsloth-ffn + attention offload",
+        "unsloth + attention offload", "compile", "unsloth-compile, budget 0.3", "unsloth-compile",
+        "unsloth-compile, budget 0.05", "compile, memory budget 0.3", "compile, memory budget 0.1",
+        "compile, memory budget 0.05", "compiled: torch + attention kept", "compiled: unsloth + attention offload",
+    ]
+    assert LADDER[0][1] == {"gradient_checkpointing": False}
 
 
 # -- real-size workloads (preset builders) ------------------------------------------------------
@@ -254,8 +288,9 @@ TINY = {
 
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_workload_builds_truncates_and_steps(name):
+    from gradseam.tools.checks import find_family
     from gradseam.tools.measure import forward_backward, grad_leaves
-    from gradseam.tools.workloads import build, find_family, sequence_length
+    from gradseam.tools.workloads import build, sequence_length
 
     family = _tiny(find_family(name), *TINY[name])
     workload = build(family, "tiny", layers=1, device="cpu", dtype=torch.float32)
@@ -280,7 +315,8 @@ def test_every_builtin_preset_has_an_input_builder():
 
 
 def test_unknown_family_and_preset():
-    from gradseam.tools.workloads import build, find_family, find_preset
+    from gradseam.tools.checks import find_family, find_preset
+    from gradseam.tools.workloads import build
 
     with pytest.raises(GradseamError, match="no installed family 'nope'"):
         find_family("nope")
@@ -296,7 +332,7 @@ def test_unknown_family_and_preset():
 def test_advise_and_bench_name_a_configuration_alike():
     """A user reading `gradseam advise` next to `gradseam bench` finds each candidate under its row's name."""
     from gradseam.tools.advise import LADDER
-    from gradseam.tools.bench import real_rows
+    from gradseam.tools.bench_rows import real_rows
 
     def key(config):  # "gradient_checkpointing: False" is what an absent key means
         return json.dumps({k: v for k, v in (config or {}).items() if (k, v) != ("gradient_checkpointing", False)},

@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 KIT = "testing"
 FACADE = {"__init__", "__main__"}  # the package's entry points may name a tool (gradseam.advise, the CLI)
-SUBPACKAGES = ("run", "offload")  # the run layer and the offload engine, folders of the runtime
+SUBPACKAGES = ("run", "offload", "kinds")  # the run layer, the offload engine, the region kinds
 RUNTIME = ({p.stem for p in (ROOT / "core").glob("*.py")} - FACADE - {KIT}) | set(SUBPACKAGES)
 TOOLS = {p.stem for p in (ROOT / "core" / "tools").glob("*.py")} - {"__init__"}
 
@@ -26,9 +26,9 @@ TOOLS = {p.stem for p in (ROOT / "core" / "tools").glob("*.py")} - {"__init__"}
 # The engine sits at the bottom: it knows nothing of families, configs or plans.
 LAYERS: dict[str, int] = {
     "offload": 0,
-    "errors": 1, "family": 1, "hookspecs": 1, "inputs": 1,
+    "errors": 1, "family": 1, "hookspecs": 1, "inputs": 1, "modules": 1,
     "backends": 2, "config": 2, "registry": 2,
-    "planning": 3, "spec": 3,
+    "kinds": 3, "planning": 3, "spec": 3,
     "run": 4,
     "summary": 5, "handle": 5, "patcher": 5, "loading": 5,
 }
@@ -146,3 +146,80 @@ def test_no_module_imports_private_names_of_another():
             assert not (name.startswith("_") and not name.startswith("__")), (
                 f"{path.relative_to(ROOT)} imports private {module}"
             )
+
+
+# -- one home per kind ----------------------------------------------------------------------------
+#
+# A region kind (gradseam.kinds) owns its behaviour: only its own module, the catalog, the kinds'
+# registry and its runner may name it. Everything else asks the kind (``spec.kind.compiles``,
+# ``kind.describe(...)``) or the catalog's data (``backend.moves``), so that a new backend is one
+# catalog entry, a kind if its behaviour is new, a runner if it installs differently.
+
+SHARED = {"core/backends.py", "core/kinds/__init__.py", "core/kinds/base.py", "core/run/install.py"}
+CHECKPOINT_RUNNER = {"core/run/chains.py", "core/run/links.py", "core/run/scopes.py", "core/run/kernels.py",
+                     "core/run/seams.py"}
+HOMES = {  # kind name -> the modules of the kind and its runner
+    "whole-block": {"core/kinds/block.py", *CHECKPOINT_RUNNER},
+    "ffn-seam": {"core/kinds/ffn.py", *CHECKPOINT_RUNNER},
+    "compiled-block": {"core/kinds/compiled.py", "core/run/compiled.py", "core/run/compiler.py", "core/run/unused.py"},
+    "attention-offload": {"core/kinds/attention.py", "core/run/scopes.py", "core/planning.py"},
+}
+# "torch" names a package as often as a backend: it is left out of the words searched for.
+PACKAGE_NAMES = {"torch"}
+
+
+def _names_of_kinds() -> dict[str, set[str]]:
+    from gradseam.backends import CATALOG
+    from gradseam.kinds import KINDS
+
+    names: dict[str, tuple[set[str], set[str]]] = {}  # kind -> (its strings, its identifiers)
+    for name, kind in KINDS.items():
+        strings = {name} | ({b.name for b in CATALOG.values() if b.kind == name} - PACKAGE_NAMES)
+        names[name] = (strings, {type(kind).__name__, kind._global})
+    return names
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def _words(path: Path) -> tuple[set[str], set[str]]:
+    """The exact string constants (docstrings left out) and the identifiers a module uses."""
+    tree = ast.parse(path.read_text())
+    skip = _docstrings(tree)
+    strings: set[str] = set()
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
+            strings.add(node.value)
+        elif isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+        elif isinstance(node, ast.alias):
+            names.add(node.name.rsplit(".", 1)[-1])
+    return strings, names
+
+
+def test_only_a_kinds_home_names_it():
+    """No module of the package (runtime, tools, kit) outside a kind's own module, the catalog, the kinds'
+    registry and the kind's runner names a kind or one of its backends: it would be branching on it."""
+    names = _names_of_kinds()
+    assert set(names) == set(HOMES), "every kind needs its homes declared here"
+    offenders = []
+    for path in sorted((ROOT / "core").rglob("*.py")):
+        where = str(path.relative_to(ROOT))
+        strings, identifiers = _words(path)
+        for kind, (kind_strings, kind_identifiers) in names.items():
+            if where in SHARED or where in HOMES[kind]:
+                continue
+            hits = sorted((strings & kind_strings) | (identifiers & kind_identifiers))
+            if hits:
+                offenders.append(f"{where} names kind {kind!r}: {hits}")
+    assert not offenders, "\n".join(offenders)

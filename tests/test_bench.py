@@ -10,14 +10,17 @@ import torch
 
 import gradseam
 from gradseam.backends import CATALOG
+from gradseam.kinds import KINDS
 from gradseam.tools import bench as b
 from gradseam.tools import bench_report as report
+from gradseam.tools import bench_rows
 from gradseam.tools.advise import GiB, advise
 from gradseam.tools.measure import count_saved_bytes
 
 MiB = 1 << 20
 TINY = [(2, 64, 128)]  # blocks, tokens, dim
-MEASURED = ["none", "ref: torch.utils.checkpoint", "ref: torch.utils.checkpoint (FFN)", "torch", "torch-ffn",
+# the rows the CPU measures, in the sweep's order: the references, then gradseam's least aggressive first
+MEASURED = ["none", "ref: torch.utils.checkpoint", "ref: torch.utils.checkpoint (FFN)", "torch-ffn", "torch",
             "torch, interval 2"]
 ROW_KEYS = {"workload", "tokens", "strategy", "peak_gib", "step_ms", "status", "pinned_allocations_after_warmup",
             "pinned_gib", "depth", "blocks", "vs_none", "vs_torch", "step_times_ms", "forward_peak_gib",
@@ -31,17 +34,17 @@ def results():
 
 def test_cpu_sweep_measures_torch_rows_and_marks_offload_rows(results):
     by = {r.strategy: r for r in results}
-    assert [r.strategy for r in results] == [n for n, _ in b.synthetic_rows()]
+    assert [r.strategy for r in results] == [n for n, _ in bench_rows.synthetic_rows()]
     assert {r.workload for r in results} == {"synthetic 2x64x128"}
     for name in MEASURED:
         assert by[name].status == "ok", by[name]
         assert by[name].peak_gib > 0 and by[name].step_ms > 0
     assert b.CUDA_ONLY_ROWS & set(by)
     for name in b.CUDA_ONLY_ROWS & set(by):
-        assert by[name].status == b.NEEDS_CUDA and by[name].peak_gib is None
+        assert by[name].status == bench_rows.NEEDS_CUDA and by[name].peak_gib is None
     # rows that run on the CPU but are not measured there say so, not "needs CUDA"
-    assert by["compile"].status == b.NOT_ON_CPU_COMPILED and by["compile"].peak_gib is None
-    assert by["torch + attention kept"].status == b.NOT_ON_CPU_KEPT
+    assert by["compile"].status == bench_rows.NOT_ON_CPU_COMPILED and by["compile"].peak_gib is None
+    assert by["torch + attention kept"].status == bench_rows.NOT_ON_CPU_KEPT
     # the memory column is bytes kept for backward: exact counts, so these compare exactly
     assert by["torch"].peak_gib == by["ref: torch.utils.checkpoint"].peak_gib < by["torch-ffn"].peak_gib
     assert by["torch-ffn"].peak_gib == by["ref: torch.utils.checkpoint (FFN)"].peak_gib < by["none"].peak_gib
@@ -129,10 +132,10 @@ def _cpu_measure(blocks: int = 4, tokens: int = 64, dim: int = 128):
             sub.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
 
     def measure(config):
-        backend = config.get("gradient_checkpointing_backend", "")
-        if config.get("compile_blocks") or (backend and CATALOG[backend].budget):
+        backend = CATALOG.get(config.get("gradient_checkpointing_backend", ""))
+        if config.get("compile_blocks") or (backend is not None and KINDS[backend.kind].compiles):
             raise gradseam.UnsupportedStrategyError("inductor's memory budget is measured on the GPU")
-        if backend.startswith("unsloth") or config.get("gradient_checkpointing_offload_attention"):
+        if (backend is not None and backend.moves) or config.get("gradient_checkpointing_offload_attention"):
             raise gradseam.UnsupportedStrategyError("pinned-memory offload needs CUDA")
         handle = gradseam.patch(model, config) if config.get("gradient_checkpointing") else None
         try:
@@ -160,15 +163,15 @@ def test_advise_with_a_real_cpu_measurement_picks_a_partial_stride():
         ("every other", {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch",
                          "gradient_checkpointing_interval": 1, "gradient_checkpointing_segment_stride": 2}),
     ]}
-    # a budget that no checkpointing and torch-ffn miss, torch meets, and that leaves room for
+    # a GPU size that no checkpointing and torch-ffn miss, torch meets, and that leaves room for
     # leaving one block of four unchecked but not two
     assert kept["torch"] < kept["3 of 4"] < min(kept["every other"], kept["torch-ffn"]) < kept["none"]
-    budget = (kept["3 of 4"] + min(kept["every other"], kept["torch-ffn"])) / 2
-    advice = advise(None, {}, budget, measure=measure, static_gib=0.0)
+    gpu = (kept["3 of 4"] + min(kept["every other"], kept["torch-ffn"])) / 2
+    advice = advise(None, {}, gpu, measure=measure, static_gib=0.0)
     status = {t.label: t.status for t in advice.trials}
-    assert status["none"] == status["torch-ffn"] == "over budget"
+    assert status["none"] == status["torch-ffn"] == "over GPU memory"
     assert status["torch"] == "fits" and status["unsloth"] == "unsupported"
-    assert status["torch, every other block"] == "over budget"
+    assert status["torch, every other block"] == "over GPU memory"
     assert advice.chosen.label == "torch, 3 of every 4 blocks"
     assert advice.config == {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch",
                              "gradient_checkpointing_interval": 3, "gradient_checkpointing_segment_stride": 4}
@@ -241,3 +244,51 @@ def test_every_row_keeps_its_first_step_and_a_slow_one_is_named(results):
     assert report.first_steps_note(rows) == ("First steps (compiling, once per shape and row; not in the step "
                                              "times above): compile at depth 2 53.1 s; unsloth-compile 35.7 s.")
     assert report.first_steps_note(rows[:1]) is None  # a warm-up under 5x its step: not worth a line
+
+
+# -- the rows, derived from the catalog (gradseam.tools.named_strategies) ---------------------------
+
+
+def test_every_tools_rows_are_derived_least_aggressive_first():
+    """bench, the demo and the compiled rows take the named strategies by property, in the catalog's
+    ladder order: a new backend appears in each by being in the catalog."""
+    from gradseam.tools.demo import strategies
+    from gradseam.tools.named_strategies import STRATEGIES
+
+    assert [s.label for s in STRATEGIES] == [
+        "none", "torch-ffn", "torch", "torch, interval 2", "torch, interval 2, stride 4", "torch + attention kept",
+        "unsloth-ffn", "unsloth", "attention offload", "torch-ffn + attention offload", "torch + attention offload",
+        "unsloth-ffn + attention offload", "unsloth + attention offload", "compile, budget 0.3", "compile",
+        "compile, budget 0.05", "unsloth-compile, budget 0.3", "unsloth-compile", "unsloth-compile, budget 0.05",
+    ]
+    # bench: every row that patches and checkpoints every block, but the compiler's own budget rows
+    assert [label for label, _ in bench_rows.GRADSEAM_ROWS] == [
+        "torch-ffn", "torch", "torch, interval 2", "torch + attention kept", "unsloth-ffn", "unsloth",
+        "attention offload", "torch-ffn + attention offload", "torch + attention offload",
+        "unsloth-ffn + attention offload", "unsloth + attention offload", "compile", "unsloth-compile, budget 0.3",
+        "unsloth-compile", "unsloth-compile, budget 0.05",
+    ]
+    assert [label for label, _ in bench_rows.COMPILED_ROWS] == ["compiled: torch + attention kept",
+                                                       "compiled: unsloth + attention offload"]
+    # the demo: every row that does not compile; on the CPU those it can measure there
+    assert [label for label, _ in strategies(cuda=False)] == [
+        "none", "torch-ffn", "torch", "torch, interval 2", "torch, interval 2, stride 4"]
+    assert [label for label, _ in strategies(cuda=True)] == [s.label for s in STRATEGIES if not s.compiles]
+
+
+def test_named_strategies_are_selected_by_property():
+    from gradseam.backends import Kept
+    from gradseam.tools.named_strategies import BY_LABEL, compared, kept_kernel_variants, select
+
+    assert all(not s.compiles for s in select(compiles=False)) and select(compiles=True)
+    assert [s.label for s in select(patches=False)] == ["none"]
+    assert {s.label for s in select(strided=True)} == {"torch, interval 2, stride 4"}
+    # another budget on the compiled backend that keeps everything on the device is the compiler's own row
+    assert {s.label for s in select(repeats_compiler=True)} == {"compile, budget 0.3", "compile, budget 0.05"}
+    assert not any(s.repeats_compiler for s in compared())
+    # kernel outputs kept where the backend keeps what it saves: one on the device, one in CPU memory
+    kept = kept_kernel_variants()
+    assert [(s.kept, s.backend.moves) for s in kept] == [(Kept.GPU, False), (Kept.CPU, True)]
+    assert BY_LABEL["torch + attention offload"].kept_apart
+    with pytest.raises(TypeError, match="no property"):
+        select(colour="blue")

@@ -14,6 +14,7 @@ from test_bench import ROW_KEYS  # the documented row schema, written once
 from typer.testing import CliRunner
 
 import gradseam
+from gradseam.tools.bench_rows import real_rows
 from gradseam.tools.cli import app
 
 runner = CliRunner()
@@ -125,7 +126,7 @@ def test_bench_skip_row_runs_every_other_row(monkeypatch):
     monkeypatch.setattr(bench, "real", fake_real)
     result = _invoke("bench", "--family", "flux", "--skip-row", "ref: save_on_cpu", "--skip-row", "torch")
     assert "stop here" in result.output
-    assert seen["rows"] == [n for n, _ in bench.real_rows() if n not in ("ref: save_on_cpu", "torch")]
+    assert seen["rows"] == [n for n, _ in real_rows() if n not in ("ref: save_on_cpu", "torch")]
 
 
 def test_bench_option_errors():
@@ -150,8 +151,9 @@ def _bench_json(tmp_path, *extra: str, path=None):
 
 
 def test_bench_synthetic_on_cpu_writes_json_and_png(tmp_path):
-    from gradseam.tools.bench import CPU_SKIPPED, CPU_STATUS_WHY
+    from gradseam.tools.bench import CPU_SKIPPED
     from gradseam.tools.bench_report import MEMORY_CPU
+    from gradseam.tools.bench_rows import CPU_STATUS_WHY
 
     result, doc, path = _bench_json(tmp_path)
     # the documented schema (gradseam.tools.bench's module docstring)
@@ -190,9 +192,9 @@ def test_bench_oom_cell_is_reported_and_the_sweep_continues(tmp_path, monkeypatc
 
     real, calls = bench.measuring.measure, []
 
-    def measure(step, **kwargs):  # the 4th measured row is gradseam's "torch"
+    def measure(step, **kwargs):  # the 5th measured row is gradseam's "torch" (rows in ladder order)
         calls.append(1)
-        if len(calls) == 4:
+        if len(calls) == 5:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return real(step, **kwargs)
 
@@ -248,20 +250,61 @@ def test_an_interrupted_bench_keeps_the_rows_it_measured(tmp_path, monkeypatch):
 
 @no_cuda
 def test_advise_without_cuda_errors_clearly():
-    result = _invoke("advise", "--family", "flux", "--budget", "40GiB", "--depths", "1,2")
+    result = _invoke("advise", "--family", "flux", "--gpu", "40GiB", "--depths", "1,2")
     assert result.exit_code == 2
     assert "needs a CUDA GPU" in result.output
 
 
-def test_advise_bad_budget():
-    result = _invoke("advise", "--family", "flux", "--budget", "forty")
+def test_advise_bad_gpu_size():
+    result = _invoke("advise", "--family", "flux", "--gpu", "forty")
     assert result.exit_code == 2
-    assert "memory budget" in result.output
+    assert "Invalid value for '--gpu': GPU memory size: cannot read 'forty'" in result.output
+    assert "budget" not in result.output  # "budget" is the compiler's activation fraction, not the GPU's size
 
 
-def test_advise_needs_family_and_budget():
-    result = _invoke("advise", "--budget", "40GiB")
-    assert result.exit_code != 0
+def test_advise_needs_family_and_gpu():
+    assert _invoke("advise", "--gpu", "40GiB").exit_code != 0
+    result = _invoke("advise", "--family", "flux")
+    assert result.exit_code == 2 and result.stderr == "gradseam advise: error: Missing option '--gpu'.\n"
+
+
+def test_advise_help_names_gpu_and_hides_budget():
+    out = _invoke("advise", "--help").output
+    assert "--gpu SIZE" in out and "GPU memory available to the run" in out
+    assert "--budget" not in out and "budget" not in out.lower().replace("--", "")
+
+
+def test_advise_budget_is_a_deprecated_alias_of_gpu(monkeypatch):
+    """``--budget SIZE`` still works as ``--gpu SIZE``: it reaches the measurement as the GPU's size in GiB,
+    and a one-line warning names --gpu once the command line has been accepted (a refused one stays
+    one error line)."""
+    from gradseam.tools import cli
+
+    seen = []
+
+    def measure(out, fam, preset, gpu_gib, **kwargs):
+        seen.append(gpu_gib)
+        cli.fail("stop here")
+
+    monkeypatch.setattr(cli, "_need_cuda", lambda *args: None)
+    monkeypatch.setattr(cli, "_model_class", lambda fam: None)
+    monkeypatch.setattr(cli, "_measure_advice", measure)
+    for option in ("--gpu", "--budget"):
+        result = _invoke("advise", "--family", "flux", option, "40960MiB")
+        assert result.exit_code == 2 and seen.pop() == 40.0, result.output
+        lines = result.stderr.splitlines()
+        assert lines[-1] == "gradseam advise: error: stop here"
+        if option == "--gpu":
+            assert len(lines) == 1
+        else:
+            assert lines == ["gradseam advise: warning: --budget is deprecated; use --gpu SIZE (the GPU memory "
+                             "available to the run).", "gradseam advise: error: stop here"]
+    # refused before the warning: one error line, naming the option as typed
+    result = _invoke("advise", "--family", "flux", "--budget", "40XB")
+    assert result.stderr == ("gradseam advise: error: Invalid value for '--budget': GPU memory size: cannot read "
+                             "'40XB'; write a number with a unit, e.g. '40GiB', '40 GB', '40960MiB', or a plain "
+                             "number of GiB like 42.5.\n")
+    assert not seen
 
 
 def test_python_m_gradseam_help():
@@ -356,7 +399,7 @@ def test_chart_draws_a_wide_memory_span_on_a_log_axis(tmp_path, monkeypatch):
 
 
 def test_real_rows_cover_references_and_strategies():
-    from gradseam.tools.bench import DIFFUSERS_ROW, real_rows
+    from gradseam.tools.bench_rows import DIFFUSERS_ROW, real_rows
 
     names = [n for n, _ in real_rows()]
     assert names[:3] == ["none", DIFFUSERS_ROW, "ref: save_on_cpu"]
@@ -401,18 +444,23 @@ OPTION_ERRORS = [
     (["bench", "--json", "{dir}"], "is a directory; name a file."),
     (["bench", "--json", "{dir}/r.png"], "Invalid value for '--png': the chart would overwrite the results file"),
     (["bench", "--png", "{dir}/chart.txt"], "Invalid value for '--png': matplotlib cannot write '.txt'"),
-    (["advise", "--family", "nosuch", "--budget", "40GiB"], f"no installed family 'nosuch'; {INSTALLED}"),
-    (["advise", "--family", "flux", "--budget", "40XB"], "Invalid value for '--budget': memory budget: cannot read "
-                                                         "'40XB'"),
-    (["advise", "--family", "flux", "--budget", "0"], "memory budget: must be a positive finite size, got '0'."),
-    (["advise", "--family", "flux", "--budget", "40GiB", "--preset", "x"], "family 'flux' has no preset 'x'"),
-    (["advise", "--family", "flux", "--budget", "40GiB", "--tokens", "0"], "Invalid value for '--tokens': expected "
-                                                                            "a number of tokens >= 1, got 0."),
-    (["advise", "--family", "flux", "--budget", "40GiB", "--depth", "-2"], "Invalid value for '--depth': expected "
-                                                                            "a depth in units of depth >= 1, got -2."),
-    (["advise", "--family", "flux", "--budget", "40GiB", "--depths", "4"], "Invalid value for '--depths'"),
-    (["advise", "--family", "flux", "--budget", "40GiB", "--json", "{dir}"], "Invalid value for '--json'"),
-    (["advise", "--budget", "40GiB"], "Missing option '--family'"),
+    (["advise", "--family", "nosuch", "--gpu", "40GiB"], f"no installed family 'nosuch'; {INSTALLED}"),
+    (["advise", "--family", "flux", "--gpu", "40XB"], "Invalid value for '--gpu': GPU memory size: cannot read "
+                                                      "'40XB'"),
+    (["advise", "--family", "flux", "--gpu", "0"], "GPU memory size: must be a positive finite size, got '0'."),
+    (["advise", "--family", "flux", "--budget", "0"], "Invalid value for '--budget': GPU memory size: must be a "
+                                                      "positive finite size, got '0'."),
+    (["advise", "--family", "flux", "--gpu", "40GiB", "--budget", "40GiB"], "--budget is the deprecated old name "
+                                                                              "of --gpu; give --gpu only."),
+    (["advise", "--family", "flux"], "Missing option '--gpu'."),
+    (["advise", "--family", "flux", "--gpu", "40GiB", "--preset", "x"], "family 'flux' has no preset 'x'"),
+    (["advise", "--family", "flux", "--gpu", "40GiB", "--tokens", "0"], "Invalid value for '--tokens': expected "
+                                                                         "a number of tokens >= 1, got 0."),
+    (["advise", "--family", "flux", "--gpu", "40GiB", "--depth", "-2"], "Invalid value for '--depth': expected "
+                                                                         "a depth in units of depth >= 1, got -2."),
+    (["advise", "--family", "flux", "--gpu", "40GiB", "--depths", "4"], "Invalid value for '--depths'"),
+    (["advise", "--family", "flux", "--gpu", "40GiB", "--json", "{dir}"], "Invalid value for '--json'"),
+    (["advise", "--gpu", "40GiB"], "Missing option '--family'"),
     (["families", "extra"], "Got unexpected extra argument(s) (extra)"),
     (["nosuch"], "No such command 'nosuch'."),
 ]
@@ -480,3 +528,91 @@ def test_bench_creates_the_output_directory_before_running(tmp_path):
     path = tmp_path / "new" / "dir" / "bench.json"
     _, doc, _ = _bench_json(tmp_path, path=path)
     assert path.parent.is_dir() and doc["device"] == "cpu"
+
+
+def test_bench_family_sweep_writes_full_depth_rows(tmp_path, monkeypatch):
+    """The --family path end to end on the CPU: a tiny Flux stands for the preset (bench.real is called as
+    the command calls it, on the CPU), so the progress, the partial JSON, the full-depth table and the
+    final JSON are those of a real-model sweep."""
+    import dataclasses
+
+    from gradseam.tools import bench, cli
+    from gradseam.tools.checks import find_family
+
+    family = find_family("flux")
+    preset = dataclasses.replace(next(iter(family.presets.values())), config={
+        "in_channels": 4, "num_layers": 2, "num_single_layers": 4, "attention_head_dim": 8,
+        "num_attention_heads": 2, "joint_attention_dim": 16, "pooled_projection_dim": 8,
+        "axes_dims_rope": [2, 2, 4]}, inputs={"image_tokens": 16, "text_tokens": 8})
+    tiny = dataclasses.replace(family, presets={"tiny": preset})
+    real, calls = bench.real, []
+
+    def on_cpu(name, preset_name, **kwargs):
+        calls.append((name, preset_name, kwargs["rows"], kwargs["full_rows"], kwargs["depths"]))
+        return real(tiny, "tiny", device="cpu", **kwargs)
+
+    monkeypatch.setattr(cli, "_need_cuda", lambda *args: None)
+    monkeypatch.setattr(bench, "real", on_cpu)
+    path = tmp_path / "flux.json"
+    result = _invoke("bench", "--family", "flux", "--depths", "1,2", "--full", "--full-row", "torch", "--row", "none",
+                     "--row", "torch", "--steps", "1", "--json", str(path), "--png", str(tmp_path / "flux.png"))
+    assert result.exit_code == 0, result.output
+    assert calls == [("flux", "dev-1024", ["none", "torch"], ["torch"], "1,2")]
+    doc = json.loads(path.read_text())
+    assert doc["family"] == "flux" and doc["preset"] == "dev-1024" and doc["steps"] == 1
+    assert "partial" not in doc["title"] and doc["title"] == "gradseam bench: flux dev-1024"
+    assert {r["depth"] for r in doc["rows"]} == {1, 2} | {doc["depth"]["full"]}
+    assert [r["strategy"] for r in doc["full_depth"]] == ["none", "torch"]
+    assert "Measured:" in result.output and f"wrote {path}" in result.output
+
+
+def test_advise_measures_with_the_gpu_size_and_prints_the_advice(tmp_path, monkeypatch):
+    """The command around the ladder, without a GPU: the workload is built on "cuda", the ladder gets the
+    GPU's size in GiB (positionally) and the static memory, the table, the JSON and the recommendation
+    are printed; nothing that fits exits 1 with the reason."""
+    import types
+
+    from gradseam.tools import advise, cli, workloads
+
+    seen = {}
+    workload = types.SimpleNamespace(
+        model="model", dropped_gib=0.5, fit_depths=(2, 4), plan="plan", preset_name="dev-1024",
+        family=types.SimpleNamespace(name="flux"), inputs=lambda tokens: {"tokens": tokens})
+
+    def build(fam, preset, **kwargs):
+        seen["build"] = (fam.name, preset, kwargs)
+        return workload
+
+    trial = types.SimpleNamespace(label="torch", peak_gib=3.0, growth_gib=0.25, pinned_gib=None, step_ms=120.0,
+                                  reason="", status="fits")
+    advice = types.SimpleNamespace(
+        depth_note="57 blocks (the preset's depth)", pinnable_gib=None, static_gib=24.0, trials=[trial],
+        chosen=trial, compile=None, to_dict=lambda: {"chosen": "torch"},
+        to_json=lambda: '{"gradient_checkpointing": true}', no_fit_message=lambda: "nothing fits: raise --gpu")
+
+    def run_ladder(model, inputs, gpu_gib, **kwargs):
+        seen["advise"] = (model, inputs, gpu_gib, kwargs)
+        if gpu_gib < 10:
+            raise advise.NoFitError(advice)  # type: ignore[arg-type]
+        return advice
+
+    monkeypatch.setattr(cli, "_need_cuda", lambda *args: None)
+    monkeypatch.setattr(cli, "_model_class", lambda fam: None)
+    monkeypatch.setattr(workloads, "build", build)
+    monkeypatch.setattr(advise, "advise", run_ladder)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 2 << 30)
+    path = tmp_path / "out" / "advice.json"
+    result = _invoke("advise", "--family", "flux", "--gpu", "40GiB", "--tokens", "64", "--depth", "3",
+                     "--json", str(path))
+    assert result.exit_code == 0, result.output
+    assert seen["build"] == ("flux", "dev-1024", {"depth": "fit", "depths": None, "device": "cuda"})
+    assert seen["advise"] == ("model", {"tokens": 64}, 40.0, {"static_gib": 2.5, "depths": (2, 4), "depth": 3,
+                                                              "plan": "plan"})
+    out = result.stdout
+    assert "flux dev-1024: planned for 57 blocks" in out and "strategies within 40.00 GiB (static 24.00 GiB" in out
+    assert "recommended (torch)" in out and '"gradient_checkpointing": true' in out
+    assert json.loads(path.read_text()) == {"chosen": "torch"}
+    advice.chosen = None
+    result = _invoke("advise", "--family", "flux", "--gpu", "8GiB")
+    assert result.exit_code == 1 and "nothing fits: raise --gpu" in result.stdout

@@ -295,7 +295,7 @@ def test_compiling_after_a_compiled_backend_patched_is_refused_at_the_next_forwa
         _compile_as(model, idiom)
         with pytest.raises(UnsupportedStrategyError, match="compiles each block itself.*non-compiling backend"):
             run_step(model, WAN)
-        assert handle.active and all(r.runner == "compiled" for r in handle.regions())  # the patch is intact
+        assert handle.active and all(r.kind == "compiled-block" for r in handle.regions())  # the patch is intact
 
 
 def test_torch_compile_of_the_patched_model_is_exact_and_summary_says_the_budget_did_not_apply():
@@ -389,8 +389,8 @@ def test_in_place_edit_of_a_saved_tensor_raises_as_autograd_would():
     from gradseam.run.compiled import CompiledBlocks
 
     with cpu_test_mode():
-        engine = engine_for(4)
-    blocks = CompiledBlocks(1.0, engine)
+        engine = engine_for("host", 4)
+    blocks = CompiledBlocks(1.0, engine, backend="unsloth-compile")
     x = torch.randn(16, 32, requires_grad=True)
     with engine.group():
         out = blocks.compiled("cpu")(type(block).forward, block, (x,), {})

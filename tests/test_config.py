@@ -10,7 +10,7 @@ import gradseam
 from gradseam import BACKENDS, CheckpointConfig
 from gradseam.backends import Offload, Scope
 from gradseam.config import DEFAULT_PIN_BUCKETS
-from gradseam.planning import strategy_of
+from gradseam.spec import strategy_of
 
 KEYS = (
     "gradient_checkpointing",
@@ -48,7 +48,7 @@ def _assert_full(cfg: CheckpointConfig) -> None:
         True, "unsloth-ffn", 2, 5, True, 3,
     )
     strategy = strategy_of(cfg)
-    assert strategy.scope is Scope.FFN and strategy.offload_inputs
+    assert strategy.backend.scope is Scope.FFN and strategy.backend.offload is Offload.INPUTS
 
 
 def _write(tmp_path, text: str, name: str = "gradseam.json"):
@@ -74,7 +74,7 @@ def test_defaults():
     assert cfg.gradient_checkpointing_offload_attention is False
     assert cfg.gradient_checkpointing_offload_pin_memory_max_buckets == DEFAULT_PIN_BUCKETS == 12
     assert cfg.interval == 1 and cfg.stride is None
-    assert strategy_of(cfg).backend is None and not strategy_of(cfg).needs_engine  # checkpointing off
+    assert strategy_of(cfg).backend is None and not strategy_of(cfg).destinations  # checkpointing off
     assert cfg.describe() == "no checkpointing"
     assert CheckpointConfig.from_dict({}) == cfg
     assert CheckpointConfig.coerce() == cfg
@@ -118,8 +118,8 @@ def test_every_backend_accepted(backend):
     cfg = CheckpointConfig(gradient_checkpointing=True, gradient_checkpointing_backend=backend)
     assert cfg.backend == backend
     strategy = strategy_of(cfg)
-    assert (strategy.scope is Scope.FFN) == backend.endswith("-ffn")
-    assert (strategy.offload is not Offload.NOTHING) == backend.startswith("unsloth")
+    assert (strategy.backend.scope is Scope.FFN) == backend.endswith("-ffn")
+    assert (strategy.backend.offload is not Offload.NOTHING) == backend.startswith("unsloth")
 
 
 def test_to_dict_round_trip(tmp_path):

@@ -137,7 +137,9 @@ def _named_hook(module: torch.nn.Module, name: str) -> None:
 
 
 def test_only_a_context_parallel_hook_registered_after_the_seam_is_refused():
-    from gradseam.run.seams import _argument_hook_outside, installed_seam
+    from seam_probe import installed_seam
+
+    from gradseam.run.seams import _argument_hook_outside
 
     reference = run_step(_model(parallel=False), CASE)
     # a split hook registered before gradseam sits inside the seam; a casting-like hook after it is harmless

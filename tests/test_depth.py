@@ -15,8 +15,8 @@ import gradseam
 from gradseam.tools import bench as b
 from gradseam.tools import bench_report as report
 from gradseam.tools.advise import Estimate, run_ladder
-from gradseam.tools.depth import DepthPlan, at_depth, fit, parse_depths, plan_for, predict
-from gradseam.tools.workloads import find_family
+from gradseam.tools.checks import find_family, parse_depths
+from gradseam.tools.depth import DepthPlan, at_depth, fit, plan_for, predict
 
 
 def test_a_plan_keeps_every_list_in_its_real_proportion():
@@ -175,7 +175,7 @@ def test_advise_rules_out_what_the_host_cannot_pin():
     by = {t.label: t for t in advice.trials}
     assert by["unsloth"].status == "over host memory"
     assert by["unsloth"].reason == "needs 50.0 GiB of pinned host memory, more than the 24.0 GiB this machine can pin"
-    assert by["torch"].status == "over budget" and advice.chosen is None
+    assert by["torch"].status == "over GPU memory" and advice.chosen is None
     advice = run_ladder(measure, 20.0, 0.0, pinnable_gib=64.0)
     assert advice.chosen.label == "unsloth-ffn" and advice.chosen.pinned_gib == 50.0
 

@@ -15,9 +15,8 @@ from torch import nn
 
 import gradseam
 from gradseam import BlockClass, BlockList, Carry, Family, hookimpl
-from gradseam.errors import UnsupportedModelError, UnsupportedStrategyError
+from gradseam.errors import GradseamWarning, UnsupportedModelError, UnsupportedStrategyError
 from gradseam.offload import cpu_test_mode
-from gradseam.patcher import GradseamWarning
 from gradseam.run.links import ARGUMENTS, RANDOM, VERSION
 from gradseam.testing import Case, assert_same_step, run_step
 
@@ -118,7 +117,7 @@ def compare(between, *, cause: str | None, block: type = ToyBlock):
             got, rng = toy_step(model)
             assert_same_step(reference, got, what=f"step {step}")
             assert torch.equal(rng, ref_rng), f"step {step}: the generator ended elsewhere than unpatched"
-        chunks = [r for r in handle.regions() if r.kind == "chunk"]
+        chunks = [r for r in handle.regions() if r.shape == "chunk"]
         assert [r.chunk_calls for r in chunks] == [2, 2]  # tried as chunks on every call, never latched off
         if cause is None:
             assert all(r.served == 2 and not r.fallbacks for r in chunks), chunks
@@ -193,7 +192,7 @@ def test_tensor_argument_edited_in_place_between_blocks_is_refused_as_torch_chec
     try:
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             run_step(model, Case("toy", ToyStack, toy_inputs), count_bytes=False)
-        chunks = [r for r in handle.regions() if r.kind == "chunk"]
+        chunks = [r for r in handle.regions() if r.shape == "chunk"]
         assert all(r.fallbacks == {ARGUMENTS: 1} for r in chunks) and len(chunks) == (2 if config is CHUNKS else 0)
     finally:
         handle.remove()
@@ -214,7 +213,7 @@ def test_fallback_is_per_call_and_the_summary_counts_it(toy):
         toy_step(model)
         model.between = None
         toy_step(model)  # the next call runs as a chunk again
-        chunks = [r for r in handle.regions() if r.kind == "chunk"]
+        chunks = [r for r in handle.regions() if r.shape == "chunk"]
         assert [(r.chunk_calls, r.served, dict(r.fallbacks)) for r in chunks] == [(2, 1, {RANDOM: 1})] * 2
         text = str(handle.summary())
         assert "blocks[0, 1]: ran as one chunk 2 of 2 calls; 1 call(s) fell back to one region per block because 1x random" in text
@@ -399,8 +398,8 @@ def test_pipeline_patch_checks_every_device_before_installing(monkeypatch):
     from gradseam import patcher
 
     pipe = TwoTransformers()
-    real = patcher.model_device
-    monkeypatch.setattr(patcher, "model_device", lambda m: "cuda" if m is pipe.transformer else real(m))
+    real = patcher.device_type
+    monkeypatch.setattr(patcher, "device_type", lambda m: "cuda" if m is pipe.transformer else real(m))
     with pytest.raises(UnsupportedStrategyError, match="WanTransformer3DModel is on the CPU"):
         gradseam.patch(pipe, gradient_checkpointing=True, gradient_checkpointing_backend="unsloth")
     for model in pipe.components.values():
@@ -409,21 +408,21 @@ def test_pipeline_patch_checks_every_device_before_installing(monkeypatch):
 
 
 def test_pipeline_patch_rolls_back_when_installing_fails(monkeypatch):
-    from gradseam import patcher
+    from gradseam.handle import PatchHandle
 
     pipe = TwoTransformers()
     earlier = gradseam.patch(pipe.transformer, gradient_checkpointing=True)  # replaced, then put back
-    real = patcher.PatchHandle._install
+    real = PatchHandle.install
 
     def install(self):
         if self.model is pipe.transformer_2:
             raise RuntimeError("injected install failure")
         real(self)
 
-    monkeypatch.setattr(patcher.PatchHandle, "_install", install)
+    monkeypatch.setattr(PatchHandle, "install", install)
     with pytest.raises(RuntimeError, match="injected install failure"):
         gradseam.patch(pipe, CHUNKS)
-    monkeypatch.setattr(patcher.PatchHandle, "_install", real)
+    monkeypatch.setattr(PatchHandle, "install", real)
     assert gradseam.handle_of(pipe.transformer) is earlier and earlier.config.interval == 1
     assert gradseam.handle_of(pipe.transformer_2) is None
     assert not [n for n, m in pipe.transformer_2.named_modules() if "forward" in m.__dict__]

@@ -13,20 +13,16 @@ import pytest
 import torch
 
 import gradseam
-from gradseam.patcher import family_for, plan
+from gradseam.patcher import family_for
+from gradseam.planning import plan
 from gradseam.testing import (
     Case,
     ConformanceSuite,
     check_bench_workload,
     check_strategy,
-    config_id,
-    cpu_configs,
-    offload_configs,
-    pick,
     randn,
     run_step,
 )
-from gradseam.tools.named_strategies import BACKEND, INTERVAL, KEEP, OFFLOAD_ATTENTION, STRIDE
 
 TEXT, TEXT_DIM = 6, 16
 
@@ -95,38 +91,19 @@ COSMOS_V1 = Case("cosmos-1.0", lambda: cosmos_model(in_channels=4, rope_scale=(2
 COSMOS_TRANSFER = Case("cosmos-transfer", lambda: cosmos_model(**TRANSFER), cosmos_transfer_inputs)
 
 
-# A reduced matrix for the variant cases: whole blocks in chunks, the FFN seams with a stride, kept
-# attention; offload of chunks with a stride, of the FFN seams, and of attention beside chunks.
-REDUCED_CPU = pick(cpu_configs(), {BACKEND: "torch", INTERVAL: 2}, {BACKEND: "torch-ffn", INTERVAL: 2, STRIDE: 4},
-                   {BACKEND: "torch", INTERVAL: 2, KEEP: True})
-REDUCED_OFFLOAD = pick(offload_configs(), {BACKEND: "unsloth", INTERVAL: 2, STRIDE: 4}, {BACKEND: "unsloth-ffn"},
-                       {BACKEND: "unsloth", INTERVAL: 2, OFFLOAD_ATTENTION: True})
-
-
 class TestCosmos(ConformanceSuite):
     case = COSMOS
 
 
 class TestCosmos1(ConformanceSuite):
     case = COSMOS_V1
-    configs = REDUCED_CPU
-    offload = REDUCED_OFFLOAD
+    reduced = True
 
 
 class TestCosmosTransfer(ConformanceSuite):
     case = COSMOS_TRANSFER
-    configs = REDUCED_CPU
-    offload = REDUCED_OFFLOAD
+    reduced = True
     whole_regions = False  # chunks meeting a ControlNet residual compute block by block, on purpose
-
-
-def test_reduced_matrices_are_what_they_say() -> None:
-    assert [config_id(c) for c in REDUCED_CPU] == [
-        "torch+interval2", "torch-ffn+interval2+stride4", "torch+interval2+attentionkept"
-    ]
-    assert [config_id(c) for c in REDUCED_OFFLOAD] == [
-        "unsloth+interval2+stride4", "unsloth-ffn", "unsloth+interval2+attentionoffload"
-    ]
 
 
 def _fresh(case: Case) -> torch.nn.Module:
@@ -141,7 +118,7 @@ CHUNKED = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
 def test_interval_chunks_chain(case: Case) -> None:
     # A wrong carry would still be exact (chunks fall back): both chunks must be served whole.
     report = check_strategy(case, CHUNKED, whole=True)
-    assert sorted(r.label for r in report.regions if r.kind == "chunk") == [
+    assert sorted(r.label for r in report.regions if r.shape == "chunk") == [
         "transformer_blocks[0, 1]", "transformer_blocks[2, 3]"
     ]
 
@@ -150,7 +127,7 @@ def test_controlnet_residuals_make_only_their_chunks_fall_back() -> None:
     # Residuals reach blocks 0 and 4: the chunks holding them compute block by block (exactly), the
     # chunk in between, whose blocks both get None, still runs whole.
     report = check_strategy(COSMOS_TRANSFER, CHUNKED)
-    chunks = {r.label: r for r in report.regions if r.kind == "chunk"}
+    chunks = {r.label: r for r in report.regions if r.shape == "chunk"}
     assert sorted(chunks) == [f"transformer_blocks[{i}, {i + 1}]" for i in (0, 2, 4)]
     assert chunks["transformer_blocks[0, 1]"].fallbacks and chunks["transformer_blocks[4, 5]"].fallbacks
     assert chunks["transformer_blocks[2, 3]"].whole

@@ -10,16 +10,16 @@ import pytest
 import torch
 
 import gradseam
-from gradseam.patcher import family_for, plan
+from gradseam.patcher import family_for
+from gradseam.planning import plan
 from gradseam.testing import (
     Case,
     ConformanceSuite,
     check_bench_workload,
     check_strategy,
-    cpu_configs,
-    offload_configs,
-    pick,
     randn,
+    reduced_configs,
+    reduced_offload_configs,
     run_step,
 )
 
@@ -71,16 +71,9 @@ HIDREAM_EVAL = Case("hidream-eval-routing", _eval_model, hidream_inputs)
 
 
 # -- The conformance kit ------------------------------------------------------------------------
-BACKEND, STRIDE = "gradient_checkpointing_backend", "gradient_checkpointing_segment_stride"
-KEEP, OFF = "gradient_checkpointing_keep_attention", "gradient_checkpointing_offload_attention"
-
-
-# The family declares no carry, so the kit's matrices have no interval: variants run whole blocks
-# with a stride, the FFN seams, kept attention; offload of whole blocks, of the seams, and attention.
-_CPU = cpu_configs(interval=False)
-_OFFLOAD = offload_configs(interval=False)
-REDUCED_CPU = pick(_CPU, {BACKEND: "torch", STRIDE: 4}, {BACKEND: "torch-ffn"}, {BACKEND: "torch", KEEP: True})
-REDUCED_OFFLOAD = pick(_OFFLOAD, {BACKEND: "unsloth"}, {BACKEND: "unsloth-ffn"}, {BACKEND: "unsloth-ffn", OFF: True})
+# The family declares no carry, so the matrices the suites derive have no interval (whole blocks with a
+# stride in the reduced ones). The dense and eval-routing variants run the offloaded FFN seams alone of
+# the offload matrix.
 
 
 class TestHiDream(ConformanceSuite):
@@ -89,29 +82,26 @@ class TestHiDream(ConformanceSuite):
 
 class TestHiDreamMasked(ConformanceSuite):
     case = HIDREAM_MASKED
-    configs = REDUCED_CPU
-    offload = REDUCED_OFFLOAD
+    reduced = True
 
 
 class TestHiDreamDense(ConformanceSuite):
     case = HIDREAM_DENSE
-    configs = REDUCED_CPU
-    offload = REDUCED_OFFLOAD[1:2]
+    reduced = True
+    offload = reduced_offload_configs(interval=False, blocks=False, attention=False)
 
 
 class TestHiDreamEvalRouting(ConformanceSuite):
     case = HIDREAM_EVAL
-    configs = REDUCED_CPU[:2]
-    offload = REDUCED_OFFLOAD[1:2]
+    configs = reduced_configs(interval=False, kept=False)
+    offload = reduced_offload_configs(interval=False, blocks=False, attention=False)
 
 
-def test_reduced_matrices_are_what_they_say() -> None:
-    assert TestHiDream.strategy_configs() == _CPU  # what the family derives: no interval anywhere
-    assert not any(c.get("gradient_checkpointing_interval") for c in _CPU + _OFFLOAD)
-    assert [c[BACKEND] for c in REDUCED_CPU] == ["torch", "torch-ffn", "torch"]
-    assert REDUCED_CPU[0][STRIDE] == 4 and REDUCED_CPU[2][KEEP]
-    assert [c[BACKEND] for c in REDUCED_OFFLOAD] == ["unsloth", "unsloth-ffn", "unsloth-ffn"]
-    assert REDUCED_OFFLOAD[2][OFF]
+def test_the_family_takes_no_interval() -> None:
+    """What the suites' matrices follow from: no carry, so no interval row anywhere."""
+    assert not TestHiDream.family().supports_interval
+    rows = TestHiDream.strategy_configs() + TestHiDream.offload_configs()
+    assert rows and not any(c.get("gradient_checkpointing_interval") for c in rows)
 
 
 # -- What the suites cannot see -------------------------------------------------------------------
@@ -122,7 +112,7 @@ def _fresh(case: Case) -> torch.nn.Module:
 
 def test_interval_is_ignored_with_a_warning_and_every_block_is_its_own_region() -> None:
     # Both loops rebuild the next block's input between blocks: no carry, so no chunk.
-    from gradseam.planning import GradseamWarning
+    from gradseam.errors import GradseamWarning
 
     model = _fresh(HIDREAM)
     family = family_for(model)
@@ -130,7 +120,7 @@ def test_interval_is_ignored_with_a_warning_and_every_block_is_its_own_region() 
     config = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
     with pytest.warns(GradseamWarning, match="does not support gradient_checkpointing_interval"):
         the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
-    assert [(r.list_path, r.blocks, r.kind) for r in the_plan.regions] == [
+    assert [(r.list_path, r.blocks, r.shape) for r in the_plan.regions] == [
         *(("double_stream_blocks", (i,), "block") for i in range(DOUBLE)),
         *(("single_stream_blocks", (i,), "block") for i in range(SINGLE)),
     ]
@@ -146,8 +136,8 @@ def test_a_carry_would_only_fall_back(monkeypatch) -> None:
     from dataclasses import replace
 
     import gradseam.patcher as patcher
+    from gradseam.errors import GradseamWarning
     from gradseam.family import Carry
-    from gradseam.planning import GradseamWarning
 
     model = _fresh(HIDREAM)
     family = family_for(model)
@@ -158,7 +148,7 @@ def test_a_carry_would_only_fall_back(monkeypatch) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", GradseamWarning)  # the fallbacks this test is about
         report = check_strategy(HIDREAM, {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2})
-    chunks = [r for r in report.regions if r.kind == "chunk"]
+    chunks = [r for r in report.regions if r.shape == "chunk"]
     assert {r.list_path for r in chunks} == {"double_stream_blocks", "single_stream_blocks"}
     assert all(r.fallbacks and not r.whole for r in chunks)
 

@@ -18,32 +18,16 @@ import torch
 
 import gradseam
 from gradseam.family import Carry
-from gradseam.patcher import family_for, plan
+from gradseam.patcher import family_for
+from gradseam.planning import plan
 from gradseam.testing import (
     Case,
     ConformanceSuite,
     check_strategy,
-    cpu_configs,
-    offload_configs,
     randn,
     run_step,
 )
 
-# The reduced matrix for the I2V variants, written out (the kit's own lists change order): whole blocks
-# in chunks, the FFN seams, kept attention; offloaded chunks (and blocks a stride leaves out), offloaded
-# FFN seams, and attention offload alone.
-_ON = {"gradient_checkpointing": True}
-REDUCED_CPU = [
-    {**_ON, "gradient_checkpointing_backend": "torch", "gradient_checkpointing_interval": 2},
-    {**_ON, "gradient_checkpointing_backend": "torch-ffn"},
-    {**_ON, "gradient_checkpointing_keep_attention": True, "gradient_checkpointing_interval": 2},
-]
-REDUCED_OFFLOAD = [
-    {**_ON, "gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_interval": 2,
-     "gradient_checkpointing_segment_stride": 4},
-    {**_ON, "gradient_checkpointing_backend": "unsloth-ffn"},
-    {"gradient_checkpointing_offload_attention": True},
-]
 CHUNKED = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
 
 # Head width 8 split 2 + 2 + 4 over (frame, row, column) for RoPE; patch 1 keeps the video tiny.
@@ -101,25 +85,12 @@ class TestHunyuanVideo(ConformanceSuite):
 
 class TestHunyuanVideoI2V(ConformanceSuite):
     case = HUNYUANVIDEO_I2V
-    configs = REDUCED_CPU
-    offload = REDUCED_OFFLOAD
+    reduced = True
 
 
 class TestHunyuanVideoTokenReplace(ConformanceSuite):
     case = HUNYUANVIDEO_TOKEN_REPLACE
-    configs = REDUCED_CPU
-    offload = REDUCED_OFFLOAD
-
-
-def _describe(configs: list[dict]) -> set[str]:
-    return {gradseam.CheckpointConfig.coerce(c).describe() for c in configs}
-
-
-def test_reduced_matrices_are_rows_of_the_kits() -> None:
-    # so they stay in step with what the full suite runs; and each is what its comment says
-    assert _describe(REDUCED_CPU) <= _describe(cpu_configs())
-    assert _describe(REDUCED_OFFLOAD) <= _describe(offload_configs())
-    assert len(_describe(REDUCED_CPU + REDUCED_OFFLOAD)) == 6
+    reduced = True
 
 
 # -- the chunks chain ---------------------------------------------------------------------------
@@ -132,7 +103,7 @@ def _chunks(case: Case) -> dict[str, bool]:
     with gradseam.patch(model, CHUNKED) as handle:
         run_step(model, case)
         return {f"{r.list_path.rsplit('.', 1)[-1]}{list(r.blocks)}": not r.fallbacks
-                for r in handle.regions() if r.kind == "chunk"}
+                for r in handle.regions() if r.shape == "chunk"}
 
 
 @pytest.mark.parametrize("case", [HUNYUANVIDEO, HUNYUANVIDEO_I2V, HUNYUANVIDEO_TOKEN_REPLACE], ids=lambda c: c.name)

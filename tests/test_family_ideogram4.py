@@ -10,16 +10,16 @@ import torch
 
 import gradseam
 from gradseam.adapters.ideogram4 import packed_layout
-from gradseam.patcher import family_for, plan
+from gradseam.patcher import family_for
+from gradseam.planning import plan
 from gradseam.testing import (
     Case,
     ConformanceSuite,
     check_bench_workload,
     check_strategy,
-    cpu_configs,
-    offload_configs,
-    pick,
     randn,
+    reduced_configs,
+    reduced_offload_configs,
 )
 
 GRID, MAX_TEXT, LAYERS = 2, 6, 4  # 2 x 2 image tokens after 6 text slots
@@ -73,15 +73,7 @@ IDEOGRAM4_UNCONDITIONAL = Case("ideogram4-unconditional", ideogram4_model, ideog
 
 
 # -- The conformance kit ------------------------------------------------------------------------
-BACKEND, INTERVAL = "gradient_checkpointing_backend", "gradient_checkpointing_interval"
-STRIDE = "gradient_checkpointing_segment_stride"
-KEEP, OFF = "gradient_checkpointing_keep_attention", "gradient_checkpointing_offload_attention"
-
-
-REDUCED_CPU = pick(cpu_configs(), {BACKEND: "torch-ffn", INTERVAL: 2, STRIDE: 4}, {BACKEND: "torch", INTERVAL: 2},
-                    {BACKEND: "torch", KEEP: True, INTERVAL: 2})
-REDUCED_OFFLOAD = pick(offload_configs(), {BACKEND: "unsloth", INTERVAL: 2, STRIDE: 4}, {BACKEND: "unsloth-ffn"},
-                        {BACKEND: "unsloth", OFF: True, INTERVAL: 2})
+BACKEND, STRIDE = "gradient_checkpointing_backend", "gradient_checkpointing_segment_stride"
 
 
 class TestIdeogram4(ConformanceSuite):
@@ -90,21 +82,14 @@ class TestIdeogram4(ConformanceSuite):
 
 class TestIdeogram4Packed(ConformanceSuite):
     case = IDEOGRAM4_PACKED
-    configs = REDUCED_CPU
-    offload = REDUCED_OFFLOAD
+    reduced = True
 
 
 class TestIdeogram4Unconditional(ConformanceSuite):
     case = IDEOGRAM4_UNCONDITIONAL
-    configs = REDUCED_CPU[1:2]
-    offload = REDUCED_OFFLOAD[1:2]
-
-
-def test_reduced_matrices_are_what_they_say() -> None:
-    assert [c[BACKEND] for c in REDUCED_CPU] == ["torch-ffn", "torch", "torch"]
-    assert REDUCED_CPU[0][STRIDE] == 4 and REDUCED_CPU[2][KEEP]
-    assert [c[BACKEND] for c in REDUCED_OFFLOAD] == ["unsloth", "unsloth-ffn", "unsloth"]
-    assert REDUCED_OFFLOAD[2][OFF]
+    # the zeroed prompt through chunks and offloaded FFN seams: one row each
+    configs = reduced_configs(ffn=False, kept=False)
+    offload = reduced_offload_configs(blocks=False, attention=False)
 
 
 # -- What the suites cannot see -------------------------------------------------------------------
@@ -124,7 +109,7 @@ def test_layout_is_the_pipelines() -> None:
 @pytest.mark.parametrize("case", [IDEOGRAM4, IDEOGRAM4_PACKED], ids=lambda c: c.name)
 def test_interval_chunks_chain(case: Case) -> None:
     report = check_strategy(case, {**CHUNKED, STRIDE: None}, whole=True)
-    assert [r.label for r in report.regions if r.kind == "chunk"] == ["layers[0, 1]", "layers[2, 3]"]
+    assert [r.label for r in report.regions if r.shape == "chunk"] == ["layers[0, 1]", "layers[2, 3]"]
 
 
 def test_plan_has_the_ffn_seam_in_every_block() -> None:

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import gradseam
-from gradseam.patcher import family_for, plan
-from gradseam.testing import Case, ConformanceSuite, cpu_configs, offload_configs, randn, run_step
+from gradseam.patcher import family_for
+from gradseam.planning import plan
+from gradseam.testing import Case, ConformanceSuite, randn, run_step
 
 # -- Flux 2 -------------------------------------------------------------------------------------
 FLUX2_GRID, FLUX2_TEXT = 4, 6
@@ -98,24 +99,13 @@ QWEN_LAYERED = Case(
 
 
 # -- The conformance kit ------------------------------------------------------------------------
-def _reduced(configs: list[dict], picks: tuple[int, ...]) -> list[dict]:
-    return [configs[i] for i in picks]
-
-
-# torch-ffn + interval2 + stride4, torch + interval2, kept attention (interval 2)
-_CPU_PICKS = (7, 2, 8)
-# unsloth + interval2 + stride4, unsloth-ffn, unsloth + offloaded attention + interval2
-_OFFLOAD_PICKS = (1, 2, 4)
-
-
 class TestFlux2(ConformanceSuite):
     case = FLUX2
 
 
 class TestFlux2Klein(ConformanceSuite):
     case = FLUX2_KLEIN
-    configs = _reduced(cpu_configs(), _CPU_PICKS)
-    offload = _reduced(offload_configs(), _OFFLOAD_PICKS)
+    reduced = True
 
 
 class TestQwenImage(ConformanceSuite):
@@ -124,35 +114,17 @@ class TestQwenImage(ConformanceSuite):
 
 class TestQwenImageMasked(ConformanceSuite):
     case = QWEN_MASKED
-    configs = _reduced(cpu_configs(), _CPU_PICKS)
-    offload = _reduced(offload_configs(), _OFFLOAD_PICKS)
+    reduced = True
 
 
 class TestQwenImageEdit2511(ConformanceSuite):
     case = QWEN_EDIT
-    configs = _reduced(cpu_configs(), _CPU_PICKS)
-    offload = _reduced(offload_configs(), _OFFLOAD_PICKS)
+    reduced = True
 
 
 class TestQwenImageLayered(ConformanceSuite):
     case = QWEN_LAYERED
-    configs = _reduced(cpu_configs(), _CPU_PICKS)
-    offload = _reduced(offload_configs(), _OFFLOAD_PICKS)
-
-
-def test_reduced_matrices_are_what_they_say() -> None:
-    from gradseam.testing import config_id
-
-    assert [config_id(c) for c in TestQwenImageMasked.configs] == [
-        config_id(cpu_configs()[i]) for i in _CPU_PICKS
-    ]
-    cpu = TestQwenImageMasked.configs
-    assert cpu[0]["gradient_checkpointing_backend"] == "torch-ffn" and cpu[0]["gradient_checkpointing_interval"] == 2
-    assert cpu[1]["gradient_checkpointing_backend"] == "torch" and cpu[1]["gradient_checkpointing_interval"] == 2
-    assert cpu[2].get("gradient_checkpointing_keep_attention")
-    off = TestQwenImageMasked.offload
-    assert [c.get("gradient_checkpointing_backend") for c in off] == ["unsloth", "unsloth-ffn", "unsloth"]
-    assert off[2].get("gradient_checkpointing_offload_attention")
+    reduced = True
 
 
 # -- The optional inputs really change what the blocks compute ---------------------------------
@@ -207,11 +179,11 @@ def test_interval_chunks_chain_without_fallback(case: Case, lists: tuple[str, ..
     model = _fresh(case)
     handle = gradseam.patch(model, gradient_checkpointing=True, gradient_checkpointing_interval=2)
     try:
-        chunks = [r for r in handle.plan.regions if r.kind == "chunk"]
+        chunks = [r for r in handle.plan.regions if r.shape == "chunk"]
         assert {r.list_path for r in chunks} == set(lists)
         run_step(model, case)
         for region in handle.regions():
-            if region.kind == "chunk":
+            if region.shape == "chunk":
                 assert region.chunk_calls == 1 and not region.fallbacks, f"{region.label} fell back: {region.fallbacks}"
     finally:
         handle.remove()
@@ -230,7 +202,7 @@ def test_qwen_controlnet_residuals_make_chunks_fall_back_exactly() -> None:
     handle = gradseam.patch(model, gradient_checkpointing=True, gradient_checkpointing_interval=2)
     try:
         assert_same_step(reference, run_step(model, case), what="controlnet residuals, interval 2")
-        assert any(r.fallbacks for r in handle.regions() if r.kind == "chunk")
+        assert any(r.fallbacks for r in handle.regions() if r.shape == "chunk")
     finally:
         handle.remove()
 
@@ -301,7 +273,7 @@ def test_flux2_single_block_seam_saves_on_its_own() -> None:
     case = Case("flux2-single-only", lambda: flux2_model(num_layers=0), flux2_inputs)
     report = check_strategy(case, {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"},
                             whole=True)
-    assert [r.kind for r in report.regions] == ["ffn"] * 4
+    assert [r.shape for r in report.regions] == ["ffn"] * 4
     assert report.saved_ratio < 0.95
 
 
@@ -420,7 +392,7 @@ def test_flux2_kv_extract_with_interval_chunks_is_exact(config) -> None:
     assert len(layers) == 2 + 4
     for i, (a, b) in enumerate(layers):
         assert a.k_ref is not None and torch.equal(a.k_ref, b.k_ref) and torch.equal(a.v_ref, b.v_ref), f"layer {i}"
-    chunks = [r for r in regions if r.kind == "chunk"]
+    chunks = [r for r in regions if r.shape == "chunk"]
     expected_chunks = 2 if config.get("gradient_checkpointing_segment_stride") else 3
     assert len(chunks) == expected_chunks
     for r in chunks:  # refused up front: each block computed once, as its own region
@@ -454,7 +426,7 @@ def test_flux2_chunks_run_whole_again_without_a_cache() -> None:
     try:
         run_step(model, FLUX2_EXTRACT)
         run_step(model, Case("flux2-kv-plain", _flux2_kv_model, flux2_inputs))
-        chunks = [r for r in handle.regions() if r.kind == "chunk"]
+        chunks = [r for r in handle.regions() if r.shape == "chunk"]
         assert chunks and all(r.chunk_calls == 1 and sum(r.fallbacks.values()) == 1 for r in chunks)
     finally:
         handle.remove()

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import gradseam
-from gradseam.patcher import family_for, plan
+from gradseam.patcher import family_for
+from gradseam.planning import plan
 from gradseam.run.links import PER_BLOCK
 from gradseam.testing import (
     Case,
@@ -16,16 +17,17 @@ from gradseam.testing import (
     Step,
     assert_same_step,
     cpu_configs,
-    offload_configs,
+    pick,
     randn,
     record_regions,
+    reduced_configs,
     run_step,
 )
+from gradseam.tools.named_strategies import BACKEND, INTERVAL, STRIDE
 
 LAYERS, HEADS, HEAD_DIM, CONTEXT = 4, 2, 8, 16
 GRID = 4  # every image is GRID x GRID latent tokens: GRID * GRID // 4 vision slots of 2x2 tokens
 LEAD, TAIL = 2, 4  # text tokens before each condition image, and after the last one
-
 
 
 def qwen21_model(**overrides):
@@ -103,16 +105,9 @@ QWEN21_CACHED = Case("qwenimage21-kv-cached", qwen21_model, qwen21_cached_inputs
 
 
 # -- The conformance kit ------------------------------------------------------------------------
-def _reduced(configs: list[dict], picks: tuple[int, ...]) -> list[dict]:
-    return [configs[i] for i in picks]
-
-
-# torch-ffn + interval2 + stride4, torch + interval2, kept attention (interval 2)
-_CPU_PICKS = (7, 2, 8)
-# unsloth + interval2 + stride4, unsloth-ffn, unsloth + offloaded attention + interval2
-_OFFLOAD_PICKS = (1, 2, 4)
-# with a KV cache the chunks compute block by block on purpose: also interval2 + stride4 on torch
-_KV_CPU_PICKS = (2, 3, 7, 8)
+# With a KV cache the chunks compute block by block on purpose: the reduced rows, and chunks of two
+# with a stride on top.
+KV_CPU = [*reduced_configs(), *pick(cpu_configs(), {BACKEND: "torch", INTERVAL: 2, STRIDE: 4})]
 
 
 class TestQwenImage21(ConformanceSuite):
@@ -121,46 +116,31 @@ class TestQwenImage21(ConformanceSuite):
 
 class TestQwenImage21Edit(ConformanceSuite):
     case = QWEN21_EDIT
-    configs = _reduced(cpu_configs(), _CPU_PICKS)
-    offload = _reduced(offload_configs(), _OFFLOAD_PICKS)
+    reduced = True
 
 
 class TestQwenImage21Masked(ConformanceSuite):
     case = QWEN21_MASKED
-    configs = _reduced(cpu_configs(), _CPU_PICKS)
-    offload = _reduced(offload_configs(), _OFFLOAD_PICKS)
+    reduced = True
 
 
 class TestQwenImage21WithoutCausalCondition(ConformanceSuite):
     case = QWEN21_UNCAUSAL
-    configs = _reduced(cpu_configs(), _CPU_PICKS)
-    offload = _reduced(offload_configs(), _OFFLOAD_PICKS)
+    reduced = True
 
 
 class TestQwenImage21KVExtract(ConformanceSuite):
     case = QWEN21_EXTRACT
-    configs = _reduced(cpu_configs(), _KV_CPU_PICKS)
-    offload = _reduced(offload_configs(), _OFFLOAD_PICKS)
+    configs = KV_CPU
+    reduced_offload = True
     whole_regions = False  # chunks compute block by block while a cache is passed (per_block)
 
 
 class TestQwenImage21KVCached(ConformanceSuite):
     case = QWEN21_CACHED
-    configs = _reduced(cpu_configs(), _KV_CPU_PICKS)
-    offload = _reduced(offload_configs(), _OFFLOAD_PICKS)
+    configs = KV_CPU
+    reduced_offload = True
     whole_regions = False
-
-
-def test_reduced_matrices_are_what_they_say() -> None:
-    cpu = TestQwenImage21KVExtract.configs
-    assert [(c["gradient_checkpointing_backend"], c["gradient_checkpointing_interval"],
-             c["gradient_checkpointing_segment_stride"]) for c in cpu[:3]] == [
-        ("torch", 2, None), ("torch", 2, 4), ("torch-ffn", 2, 4)
-    ]
-    assert cpu[3].get("gradient_checkpointing_keep_attention")
-    off = TestQwenImage21Edit.offload
-    assert [c.get("gradient_checkpointing_backend") for c in off] == ["unsloth", "unsloth-ffn", "unsloth"]
-    assert off[0]["gradient_checkpointing_interval"] == 2 and off[2].get("gradient_checkpointing_offload_attention")
 
 
 # -- The optional inputs really change what the blocks compute ---------------------------------
@@ -246,7 +226,7 @@ def test_extract_mode_with_interval_chunks_fills_the_cache_exactly(config: dict)
     patched, regions, summary = _patched_kv_step(model, QWEN21_EXTRACT, config, caches)
     assert_same_step(reference, patched, what="extract mode, interval 2")
     _assert_same_cache(*caches)
-    chunks = [r for r in regions if r.kind == "chunk"]
+    chunks = [r for r in regions if r.shape == "chunk"]
     assert chunks, "the config formed no chunk"
     for r in chunks:  # every chunk call was refused up front, and each block ran once as its own region
         assert r.fallbacks == {PER_BLOCK: 1} and r.calls == (1, 1) and r.runs == 2, r
@@ -273,7 +253,7 @@ def test_cached_mode_with_interval_chunks_reads_each_blocks_cache() -> None:
     finally:
         handle.remove()
     assert_same_step(expected, got, what="cached mode, interval 2")
-    chunks = [r for r in regions if r.kind == "chunk"]
+    chunks = [r for r in regions if r.shape == "chunk"]
     assert len(chunks) == 2 and all(r.fallbacks == {PER_BLOCK: 1} for r in chunks)
     # each block read its own layer's prefix: the decode reproduces the prefill's target tokens
     # (up to rounding: the two attend in a different layout)

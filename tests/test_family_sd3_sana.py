@@ -8,17 +8,20 @@ import pytest
 import torch
 
 import gradseam
-from gradseam.patcher import family_for, plan
-from gradseam.testing import Case, ConformanceSuite, assert_same_step, randn, run_step
+from gradseam.patcher import family_for
+from gradseam.planning import plan
+from gradseam.testing import (
+    Case,
+    ConformanceSuite,
+    assert_same_step,
+    randn,
+    reduced_configs,
+    reduced_offload_configs,
+    run_step,
+)
 
 ON = {"gradient_checkpointing": True}
 CHUNKS = {**ON, "gradient_checkpointing_interval": 2}
-# what the optional-input cases run: chunks, FFN seams, and the offload paths that touch attention
-REDUCED = [CHUNKS, {**ON, "gradient_checkpointing_backend": "torch-ffn"}]
-REDUCED_OFFLOAD = [
-    {**ON, "gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_interval": 2},
-    {**ON, "gradient_checkpointing_backend": "torch-ffn", "gradient_checkpointing_offload_attention": True},
-]
 
 
 # -- SD3 / SD3.5 --------------------------------------------------------------------------------
@@ -63,15 +66,14 @@ class TestSD3(ConformanceSuite):
 
 class TestSD35DualAttention(ConformanceSuite):
     case = SD35
-    configs = REDUCED
-    offload = REDUCED_OFFLOAD
+    reduced = True
 
 
 class TestSD3ControlNet(ConformanceSuite):
     case = SD3_CONTROLNET
     whole_regions = False  # the residuals make chunks compute block by block on purpose
-    configs = [CHUNKS]
-    offload = [REDUCED_OFFLOAD[0]]
+    configs = reduced_configs(ffn=False, kept=False)  # chunks, where the residuals meet them
+    offload = reduced_offload_configs(ffn=False, attention=False)
 
 
 # -- Sana ---------------------------------------------------------------------------------------
@@ -118,14 +120,12 @@ class TestSana(ConformanceSuite):
 
 class TestSanaMasked(ConformanceSuite):
     case = SANA_MASKED
-    configs = REDUCED
-    offload = REDUCED_OFFLOAD
+    reduced = True
 
 
 class TestSanaSprint(ConformanceSuite):
     case = SANA_SPRINT
-    configs = REDUCED
-    offload = REDUCED_OFFLOAD
+    reduced = True
 
 
 # -- SANA-Video ---------------------------------------------------------------------------------
@@ -166,8 +166,7 @@ class TestSanaVideo(ConformanceSuite):
 
 class TestSanaVideoPerTokenTimesteps(ConformanceSuite):
     case = SANA_VIDEO_I2V
-    configs = REDUCED
-    offload = REDUCED_OFFLOAD
+    reduced = True
 
 
 # -- The optional inputs really reach the blocks ------------------------------------------------
@@ -204,7 +203,7 @@ def test_sd3_optional_seams_are_skipped_only_where_absent() -> None:
     model = _fresh(SD35)
     handle = gradseam.patch(model, gradient_checkpointing=True, gradient_checkpointing_backend="torch-ffn")
     try:
-        seams = sorted((r.blocks, r.seam) for r in handle.plan.regions if r.kind == "ffn")
+        seams = sorted((r.blocks, r.seam) for r in handle.plan.regions if r.shape == "ffn")
         expected = [((i,), ("ff",)) for i in range(4)] + [((i,), ("ff_context",)) for i in range(3)]
         assert seams == sorted(expected)
         assert_same_step(run_step(_fresh(SD35), SD35), run_step(model, SD35), what="sd3.5 torch-ffn")
@@ -217,7 +216,7 @@ def test_interval_chunks_chain_without_fallback(case: Case) -> None:
     model = _fresh(case)
     handle = gradseam.patch(model, CHUNKS)
     try:
-        assert [r.kind for r in handle.plan.regions] == ["chunk", "chunk"]
+        assert [r.shape for r in handle.plan.regions] == ["chunk", "chunk"]
         run_step(model, case)
         for region in handle.regions():
             assert region.chunk_calls == 1 and not region.fallbacks, f"{region.label} fell back: {region.fallbacks}"
@@ -251,7 +250,7 @@ def test_presets_plan_at_full_size(model_name: str, expected: dict[str, int]) ->
         assert sorted(b for r in whole.regions for b in r.blocks) == list(range(expected[name])), name
         # every block has its FFN seam(s); SD3's optional ones are simply absent where the block lacks them
         seams = plan(model, family, gradseam.CheckpointConfig.coerce({**ON, "gradient_checkpointing_backend": "torch-ffn"}))
-        assert {b for r in seams.regions if r.kind == "ffn" for b in r.blocks} == set(range(expected[name])), name
+        assert {b for r in seams.regions if r.shape == "ffn" for b in r.blocks} == set(range(expected[name])), name
         inputs = preset.make_inputs(model, torch.device("meta"), torch.bfloat16, **preset.inputs)
         assert inputs["hidden_states"].requires_grad and inputs["hidden_states"].dtype == torch.bfloat16
 
@@ -281,8 +280,9 @@ def test_preset_inputs_drive_the_model_and_patch_exactly(family_name, config, si
     from dataclasses import replace
 
     from gradseam import Preset
+    from gradseam.tools.checks import find_family
     from gradseam.tools.measure import forward_backward, grad_leaves
-    from gradseam.tools.workloads import build, find_family, sequence_length
+    from gradseam.tools.workloads import build, sequence_length
 
     family = find_family(family_name)
     real = next(iter(family.presets.values()))

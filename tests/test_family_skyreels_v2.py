@@ -14,31 +14,16 @@ import pytest
 import torch
 
 import gradseam
-from gradseam.patcher import family_for, plan
+from gradseam.patcher import family_for
+from gradseam.planning import plan
 from gradseam.testing import (
     Case,
     ConformanceSuite,
     check_strategy,
-    cpu_configs,
-    offload_configs,
     randn,
     run_step,
 )
 
-_ON = {"gradient_checkpointing": True}
-# whole blocks in chunks, the FFN seams, kept attention; offloaded chunks (a stride leaving blocks out),
-# offloaded FFN seams, attention offload alone
-REDUCED_CPU = [
-    {**_ON, "gradient_checkpointing_backend": "torch", "gradient_checkpointing_interval": 2},
-    {**_ON, "gradient_checkpointing_backend": "torch-ffn"},
-    {**_ON, "gradient_checkpointing_keep_attention": True, "gradient_checkpointing_interval": 2},
-]
-REDUCED_OFFLOAD = [
-    {**_ON, "gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_interval": 2,
-     "gradient_checkpointing_segment_stride": 4},
-    {**_ON, "gradient_checkpointing_backend": "unsloth-ffn"},
-    {"gradient_checkpointing_offload_attention": True},
-]
 CHUNKED = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
 
 # Five blocks: two chunks and a lone block at interval 2; stride 4 leaves blocks 2 and 3 alone.
@@ -98,24 +83,12 @@ class TestSkyReelsV2DiffusionForcing(ConformanceSuite):
 
 class TestSkyReelsV2Causal(ConformanceSuite):
     case = SKYREELS_V2_CAUSAL
-    configs = REDUCED_CPU
-    offload = REDUCED_OFFLOAD
+    reduced = True
 
 
 class TestSkyReelsV2I2V(ConformanceSuite):
     case = SKYREELS_V2_I2V
-    configs = REDUCED_CPU
-    offload = REDUCED_OFFLOAD
-
-
-def _describe(configs: list[dict]) -> set[str]:
-    return {gradseam.CheckpointConfig.coerce(c).describe() for c in configs}
-
-
-def test_reduced_matrices_are_rows_of_the_kits() -> None:
-    assert _describe(REDUCED_CPU) <= _describe(cpu_configs())
-    assert _describe(REDUCED_OFFLOAD) <= _describe(offload_configs())
-    assert len(_describe(REDUCED_CPU + REDUCED_OFFLOAD)) == 6
+    reduced = True
 
 
 # -- the chunks chain, the inputs matter --------------------------------------------------------
@@ -128,7 +101,7 @@ def test_every_chunk_runs_whole(case: Case) -> None:
     model = case.build()
     with gradseam.patch(model, CHUNKED) as handle:
         run_step(model, case)
-        chunks = {f"{r.list_path}{list(r.blocks)}": not r.fallbacks for r in handle.regions() if r.kind == "chunk"}
+        chunks = {f"{r.list_path}{list(r.blocks)}": not r.fallbacks for r in handle.regions() if r.shape == "chunk"}
     assert chunks == {"blocks[0, 1]": True, "blocks[2, 3]": True}
 
 

@@ -15,41 +15,17 @@ import pytest
 import torch
 
 import gradseam
-from gradseam.patcher import family_for, plan
-from gradseam.planning import GradseamWarning
+from gradseam.errors import GradseamWarning
+from gradseam.patcher import family_for
+from gradseam.planning import plan
 from gradseam.testing import (
     Case,
     ConformanceSuite,
     check_bench_workload,
     check_strategy,
-    cpu_configs,
-    offload_configs,
     randn,
     run_step,
 )
-
-
-def _reduced(configs: list[dict], picks: list[int]) -> list[dict]:
-    return [configs[i] for i in picks]
-
-
-# A reduced matrix for the optional-input cases: whole blocks in chunks, the FFN seams, kept
-# attention (cpu_configs: torch+interval2, torch-ffn, keep-attention+interval2), and offload of
-# whole chunks, of the FFN seams and of attention (offload_configs: unsloth+interval2+stride4,
-# unsloth-ffn, offload-attention alone).
-REDUCED_CPU = _reduced(cpu_configs(), [2, 4, 8])
-REDUCED_OFFLOAD = _reduced(offload_configs(), [1, 2, 5])
-
-
-def test_reduced_matrices_are_what_they_say():
-    describe = [gradseam.CheckpointConfig.coerce(c).describe() for c in REDUCED_CPU + REDUCED_OFFLOAD]
-    assert [c.get("gradient_checkpointing_backend") for c in REDUCED_CPU] == ["torch", "torch-ffn", "torch"]
-    assert REDUCED_CPU[0]["gradient_checkpointing_interval"] == 2
-    assert REDUCED_CPU[2]["gradient_checkpointing_keep_attention"]
-    assert [c.get("gradient_checkpointing_backend") for c in REDUCED_OFFLOAD] == ["unsloth", "unsloth-ffn", None]
-    assert REDUCED_OFFLOAD[2] == {"gradient_checkpointing_offload_attention": True}
-    assert len(set(describe)) == len(describe)
-
 
 # -- HunyuanVideo 1.5 ---------------------------------------------------------------------------
 # Head width 8 split 2 + 2 + 4 over (frame, row, column) for RoPE.
@@ -108,8 +84,7 @@ class TestHunyuanVideo15(ConformanceSuite):
 
 class TestHunyuanVideo15I2V(ConformanceSuite):
     case = HV15_I2V
-    configs = REDUCED_CPU
-    offload = REDUCED_OFFLOAD
+    reduced = True
 
 
 # -- LTX-Video 0.9 ------------------------------------------------------------------------------
@@ -166,8 +141,7 @@ class TestLTXVideo(ConformanceSuite):
 
 class TestLTXVideoConditioned(ConformanceSuite):
     case = LTXV_CONDITIONED
-    configs = REDUCED_CPU
-    offload = REDUCED_OFFLOAD
+    reduced = True
 
 
 # -- Wan VACE -----------------------------------------------------------------------------------
@@ -218,8 +192,7 @@ class TestWanVACE(ConformanceSuite):
 
 class TestWanVACEScaled(ConformanceSuite):
     case = VACE_SCALED
-    configs = REDUCED_CPU
-    offload = REDUCED_OFFLOAD
+    reduced = True
 
 
 # -- what the suites cannot see ------------------------------------------------------------------
@@ -233,7 +206,7 @@ def _chunks(case: Case) -> dict[str, bool]:
     model = case.build()
     with gradseam.patch(model, CHUNKED) as handle:
         run_step(model, case)
-        return {f"{r.list_path}{list(r.blocks)}": bool(r.fallbacks) for r in handle.regions() if r.kind == "chunk"}
+        return {f"{r.list_path}{list(r.blocks)}": bool(r.fallbacks) for r in handle.regions() if r.shape == "chunk"}
 
 
 @pytest.mark.parametrize(
@@ -305,7 +278,7 @@ def test_hv15_regions():
     ],
 )
 def test_presets_plan_at_full_size(family_name: str, preset_name: str, expected: dict[str, int]) -> None:
-    from gradseam.tools.workloads import find_family, model_class
+    from gradseam.tools.checks import find_family, model_class
 
     family = find_family(family_name)
     preset = family.presets[preset_name]

@@ -17,31 +17,17 @@ import pytest
 import torch
 
 import gradseam
+from gradseam.errors import GradseamWarning
 from gradseam.family import Carry
-from gradseam.patcher import family_for, plan
-from gradseam.planning import GradseamWarning
+from gradseam.patcher import family_for
+from gradseam.planning import plan
 from gradseam.testing import (
     Case,
     ConformanceSuite,
     check_strategy,
-    cpu_configs,
-    offload_configs,
     randn,
 )
 
-_ON = {"gradient_checkpointing": True}
-# whole blocks (a stride leaving some out), the FFN seams, kept attention; offloaded blocks, offloaded
-# FFN seams, attention offload alone
-REDUCED_CPU = [
-    {**_ON, "gradient_checkpointing_backend": "torch", "gradient_checkpointing_segment_stride": 4},
-    {**_ON, "gradient_checkpointing_backend": "torch-ffn"},
-    {**_ON, "gradient_checkpointing_keep_attention": True},
-]
-REDUCED_OFFLOAD = [
-    {**_ON, "gradient_checkpointing_backend": "unsloth"},
-    {**_ON, "gradient_checkpointing_backend": "unsloth-ffn"},
-    {"gradient_checkpointing_offload_attention": True},
-]
 CHUNKED = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
 
 # Six trunk blocks with a face adapter after blocks 0 and 3 (every 3rd: the released model's pattern at
@@ -90,21 +76,14 @@ class TestWanAnimate(ConformanceSuite):
 
 class TestWanAnimateBatch(ConformanceSuite):
     case = WAN_ANIMATE_BATCH
-    configs = REDUCED_CPU
-    offload = REDUCED_OFFLOAD
+    reduced = True
 
 
-def _describe(configs: list[dict]) -> set[str]:
-    return {gradseam.CheckpointConfig.coerce(c).describe() for c in configs}
-
-
-def test_the_matrix_has_no_interval_and_the_reduced_rows_are_in_it() -> None:
+def test_the_matrix_has_no_interval() -> None:
     family = TestWanAnimate.family()
     assert family.name == "wan-animate" and not family.supports_interval and family.has_ffn and family.has_attention
     rows = TestWanAnimate.strategy_configs() + TestWanAnimate.offload_configs()
-    assert not any(c.get("gradient_checkpointing_interval") for c in rows)
-    assert _describe(REDUCED_CPU) <= _describe(cpu_configs(interval=False))
-    assert _describe(REDUCED_OFFLOAD) <= _describe(offload_configs(interval=False))
+    assert rows and not any(c.get("gradient_checkpointing_interval") for c in rows)
 
 
 # -- no carry, and why ---------------------------------------------------------------------------
@@ -135,7 +114,7 @@ def test_a_carry_would_make_the_chunks_around_a_face_injection_fall_back(monkeyp
     carried = replace(family, block_lists=(replace(family.block_lists[0], carry=Carry({"hidden_states": None})),))
     monkeypatch.setattr(patcher, "family_for", lambda m: carried)
     report = check_strategy(WAN_ANIMATE, CHUNKED)
-    whole = {r.label: r.whole for r in report.regions if r.kind == "chunk"}
+    whole = {r.label: r.whole for r in report.regions if r.shape == "chunk"}
     assert whole == {"blocks[0, 1]": False, "blocks[2, 3]": True, "blocks[4, 5]": True}
 
 

@@ -133,7 +133,7 @@ def assert_clean(handle, what: str = "") -> None:
     assert not fell, f"{what}: {fell} fell back"
     engine = handle.engine
     if engine is not None:
-        assert engine.pool.checked_out == 0, f"{what}: {engine.pool.checked_out} host buffers still checked out"
+        assert engine.store.checked_out == 0, f"{what}: {engine.store.checked_out} host buffers still checked out"
         copies = engine.copies
         x = torch.randn(64, 64, requires_grad=True)
         (x * 2).sin().sum().backward()  # saved outside any region: must not be intercepted

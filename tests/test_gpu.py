@@ -224,14 +224,14 @@ def test_pool_makes_no_new_pinned_allocations_after_warmup_and_host_memory_is_fl
         for _ in range(2):
             step()
         torch.cuda.synchronize()
-        pinned = handle.engine.pool.pinned_allocations
+        pinned = handle.engine.store.pinned_allocations
         rss = psutil.Process(os.getpid()).memory_info().rss
         for _ in range(50):
             step()
         torch.cuda.synchronize()
         gc.collect()
-        assert handle.engine.pool.pinned_allocations == pinned
-        assert handle.engine.pool.checked_out == 0
+        assert handle.engine.store.pinned_allocations == pinned
+        assert handle.engine.store.checked_out == 0
         growth = psutil.Process(os.getpid()).memory_info().rss - rss
         assert growth < 64 * 2**20, f"host memory grew by {growth / 2**20:.1f} MiB over 50 steps"
 
@@ -241,17 +241,17 @@ def test_zero_buckets_uses_really_pageable_memory():
     seen = []
     with gradseam.patch(model, {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth",
                                 "gradient_checkpointing_offload_pin_memory_max_buckets": 0}) as handle:
-        acquire = handle.engine.pool.acquire
+        acquire = handle.engine.store.acquire
 
         def spy(n, dtype):
             buf, key = acquire(n, dtype)
             seen.append(buf.is_pinned())
             return buf, key
 
-        handle.engine.pool.acquire = spy
+        handle.engine.store.acquire = spy
         got = step()
         assert seen and not any(seen)
-        assert handle.engine.pool.pinned_allocations == 0
+        assert handle.engine.store.pinned_allocations == 0
     expected = step()
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
@@ -263,20 +263,20 @@ def test_pinning_failure_falls_back_to_pageable_with_one_warning():
         def refuse(n):
             raise RuntimeError("CUDA error: out of memory (simulated pinned-memory cap)")
 
-        h.engine.pool._allocate = refuse
+        h.engine.store._allocate = refuse
         with warnings.catch_warnings(record=True) as record:
             warnings.simplefilter("always")
             got = step()
             step()
         assert sum("pinned host memory" in str(w.message) for w in record) == 1
-        assert h.engine.pool.pageable_allocations > 0
+        assert h.engine.store.pageable_allocations > 0
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
 def test_in_place_modification_is_still_detected_on_gpu():
-    from gradseam.offload import OffloadEngine
+    from gradseam.offload import OffloadEngine, host_store
 
-    engine = OffloadEngine(4, min_bytes=0)
+    engine = OffloadEngine(host_store(4), min_bytes=0)
     x = torch.randn(1024, device="cuda", requires_grad=True)
     with engine.group():
         h = x * 2
@@ -359,7 +359,7 @@ def test_oom_while_reloading_is_the_normal_error_with_a_hint_and_a_smaller_step_
         assert "CUDA out of memory" in message  # PyTorch's own message comes first...
         assert "[gradseam] out of GPU memory while reloading offloaded activations" in message  # ...then the hint
         assert "smaller batch or resolution" in message and "'unsloth'" in message
-        assert handle.engine.pool.checked_out == 0  # nothing leaked from the failed step
+        assert handle.engine.store.checked_out == 0  # nothing leaked from the failed step
         got = step(small)  # the next, smaller step works and is exact
         assert handle.engine.copies > 0
     torch.testing.assert_close(got, expected_small, rtol=0, atol=0)
@@ -390,7 +390,7 @@ def test_reload_oom_surfaces_even_when_injected_at_the_copy():
         finally:
             offload.torch = torch
         gc.collect()
-        assert handle.engine.pool.checked_out == 0
+        assert handle.engine.store.checked_out == 0
         torch.testing.assert_close(step(x), expected, rtol=0, atol=0)
 
 
@@ -477,7 +477,7 @@ def test_200_steps_of_changing_shapes_leak_nothing(buckets):
            "gradient_checkpointing_offload_attention": True,
            "gradient_checkpointing_offload_pin_memory_max_buckets": buckets}
     with gradseam.patch(model, cfg) as handle:
-        pool = handle.engine.pool
+        pool = handle.engine.store
         for i in range(2 * len(ASPECTS)):  # warm-up: every shape twice
             step(i)
         torch.cuda.synchronize()

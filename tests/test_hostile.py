@@ -262,7 +262,7 @@ def test_strict_inplace_catches_the_edit_through_a_detached_alias_that_the_engin
     from gradseam.offload import engine_for
 
     with cpu_test_mode():
-        engine = engine_for(4)
+        engine = engine_for("host", 4)
         assert _edit_through_a_detached_alias(engine, strict=False) == "trained on"  # docs/strategies.md says so
         message = _edit_through_a_detached_alias(engine, strict=True)
     assert "modified by an inplace operation" in message and "gradseam's activation offload" in message

@@ -19,7 +19,9 @@ from cases_image import (
 )
 
 import gradseam
-from gradseam.patcher import GradseamWarning, family_for, plan
+from gradseam.errors import GradseamWarning
+from gradseam.patcher import family_for
+from gradseam.planning import plan
 from gradseam.testing import Case, assert_same_step, config_id, run_step
 
 
@@ -132,7 +134,7 @@ def test_chroma_declines_interval_chunks() -> None:
         handle = gradseam.patch(model, gradient_checkpointing=True, gradient_checkpointing_interval=2)
     handle.remove()
     assert any(issubclass(w.category, GradseamWarning) and "interval" in str(w.message) for w in caught)
-    assert all(r.kind == "block" for r in handle.plan.regions)
+    assert all(r.shape == "block" for r in handle.plan.regions)
 
 
 # -- Interval chunks really chain (no fallback) where the adapters claim they do ----------------
@@ -151,11 +153,11 @@ def test_interval_chunks_chain_without_fallback(case: Case, lists: tuple[str, ..
     model = _fresh(case)
     handle = gradseam.patch(model, gradient_checkpointing=True, gradient_checkpointing_interval=2)
     try:
-        chunks = [r for r in handle.plan.regions if r.kind == "chunk"]
+        chunks = [r for r in handle.plan.regions if r.shape == "chunk"]
         assert {r.list_path for r in chunks} == set(lists)
         run_step(model, case)
         for region in handle.regions():
-            if region.kind == "chunk":
+            if region.shape == "chunk":
                 assert region.chunk_calls == 1 and not region.fallbacks, f"{region.label} fell back: {region.fallbacks}"
     finally:
         handle.remove()

@@ -165,7 +165,7 @@ def test_a_bad_kernel_name_is_refused_naming_the_plugin():
 def test_keep_attention_warns_where_it_has_no_effect():
     from cases import WAN
 
-    from gradseam.patcher import GradseamWarning
+    from gradseam.errors import GradseamWarning
 
     torch.manual_seed(0)
     model = WAN.build()

@@ -82,7 +82,7 @@ def dead_ffn():
 ON = {"gradient_checkpointing": True}
 
 
-NEVER_RAN = r"unused_attn \(attention-offload\) never ran"
+NEVER_RAN = r"unused_attn \(attention\) never ran"
 # whole blocks a stride checkpoints keep their kernels: the kit says first that the declared side misses them
 MISSES_KERNEL = r"in submodule 'attn', which is outside its declared attention side \('unused_attn',\)"
 

@@ -453,7 +453,7 @@ def test_trainer_under_gradseam_run_trains_bit_identically(tmp_path, tiny_pipeli
     assert "[gradseam] patched FluxTransformer2DModel: family flux, torch-ffn;" in runs[1].stderr
     # gradseam really checkpointed: every FFN region ran once per step, as one region, LoRA'd proj_mlp included
     (model,) = json.loads(report.read_text())["models"]
-    runs_by_label = {r["label"]: (r["kind"], r["runs"], r["whole"]) for r in model["region_runs"]}
+    runs_by_label = {r["label"]: (r["shape"], r["runs"], r["whole"]) for r in model["region_runs"]}
     assert runs_by_label == {
         "transformer_blocks[0].ff": ("ffn", 3, True),
         "transformer_blocks[0].ff_context": ("ffn", 3, True),

@@ -19,11 +19,11 @@ import pytest
 import torch
 from cases import FLUX, WAN
 from cases import STRATEGIES as CONFIGS
+from seam_probe import installed_seam
 from torch import nn
 
 import gradseam
 from gradseam.offload import cpu_test_mode
-from gradseam.run.seams import installed_seam
 from gradseam.testing import Case, assert_same_step, run_step
 
 NAMES = list(CONFIGS)
@@ -58,7 +58,7 @@ def unpatched(case: Case, what: str, run=None, seed: int | None = None):
 
 def regions(handle) -> int:
     """Checkpoint regions one training forward opens: every planned region runs exactly once."""
-    return sum(1 for r in handle.plan.regions if r.kind != "attention-offload")
+    return sum(1 for r in handle.plan.regions if r.shape != "attention")
 
 
 def seamed(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -165,7 +165,7 @@ def test_deepcopy_is_patched_on_its_own_modules(case, name, checkpoint_calls):
     assert [n for n, _ in seamed(clone)] == [n for n, _ in seamed(model)]
     assert_points_at(clone, clone_handle)
     if handle.engine is not None:
-        assert clone_handle.engine is not handle.engine and clone_handle.engine.pool.checked_out == 0
+        assert clone_handle.engine is not handle.engine and clone_handle.engine.store.checked_out == 0
         watched = getattr(clone_handle.engine, "_model", None)  # the engine knows whose weights to leave alone
         assert watched is None or watched() is clone
 
@@ -234,7 +234,7 @@ def test_pickle_whole_model(case, name, checkpoint_calls):
     assert_same_step(reference, run_step(loaded, case), what="unpickled")
     assert len(checkpoint_calls) == regions(loaded_handle)
     if loaded_handle.engine is not None:
-        assert loaded_handle.engine.copies > 0 and loaded_handle.engine.pool.checked_out == 0
+        assert loaded_handle.engine.copies > 0 and loaded_handle.engine.store.checked_out == 0
         watched = getattr(loaded_handle.engine, "_model", None)
         assert watched is None or watched() is loaded
     loaded_handle.remove()
@@ -276,7 +276,7 @@ def test_requires_grad_changes_give_exact_grads(case, name, checkpoint_calls):
         assert sorted(got.param_grads) == sorted(n for n, _ in model.named_parameters() if trainable(n)), what
         assert len(checkpoint_calls) == regions(handle), what
         if handle.engine is not None:
-            assert handle.engine.pool.checked_out == 0
+            assert handle.engine.store.checked_out == 0
 
 
 # -- meta device ----------------------------------------------------------------------------------------

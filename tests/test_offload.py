@@ -12,7 +12,7 @@ from cases import WAN
 
 import gradseam
 from gradseam.errors import UnsupportedStrategyError
-from gradseam.offload import OffloadEngine, cpu_test_mode
+from gradseam.offload import OffloadEngine, cpu_test_mode, host_store
 from gradseam.offload.pinned import PinnedPool, register_pinned, size_class
 from gradseam.testing import check_strategy, config_id, run_step
 
@@ -197,7 +197,7 @@ def test_pool_pins_exactly_what_it_counts_and_close_unpins_on_the_gpu():
 
 
 def _engine(**kw) -> OffloadEngine:
-    return OffloadEngine(kw.pop("max_buckets", 4), min_bytes=kw.pop("min_bytes", 0), device_test_mode=True)
+    return OffloadEngine(host_store(kw.pop("max_buckets", 4), test_mode=True), min_bytes=kw.pop("min_bytes", 0), device_test_mode=True)
 
 
 def test_views_are_restored_with_strides_and_storage_copied_once():
@@ -286,8 +286,8 @@ def test_buffers_return_to_the_pool_and_nothing_leaks():
         y.backward()
         del y
         gc.collect()
-    assert engine.pool.checked_out == 0
-    assert engine.pool.pinned_allocations == 1  # one bucket buffer, reused by steps 2 and 3
+    assert engine.store.checked_out == 0
+    assert engine.store.pinned_allocations == 1  # one bucket buffer, reused by steps 2 and 3
 
 
 def test_exception_mid_forward_leaks_no_buffer():
@@ -297,7 +297,7 @@ def test_exception_mid_forward_leaks_no_buffer():
         (x * 2).sin()
         raise ValueError("boom")
     gc.collect()
-    assert engine.pool.checked_out == 0
+    assert engine.store.checked_out == 0
 
 
 def test_offload_strategies_need_a_cuda_model():

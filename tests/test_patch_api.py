@@ -9,6 +9,7 @@ import warnings
 import pytest
 import torch
 from cases import FLUX, WAN, flux_inputs, wan_model
+from seam_probe import installed_seam
 from torch import nn
 
 import gradseam
@@ -21,9 +22,8 @@ from gradseam import (
     UnsupportedStrategyError,
     hookimpl,
 )
-from gradseam.errors import warned
-from gradseam.patcher import GradseamWarning, PatchHandle, PipelineHandle
-from gradseam.run.seams import installed_seam
+from gradseam.errors import GradseamWarning, warned
+from gradseam.handle import PatchHandle, PipelineHandle
 from gradseam.testing import Case, assert_same_step, check_strategy, run_step
 
 TRAIN = {"gradient_checkpointing": True}
@@ -199,7 +199,7 @@ def test_interval_without_carry_warns_once_and_stays_exact(stack_family, checkpo
     assert "family 'nocarry' does not support gradient_checkpointing_interval" in messages[0]
     assert "interval=2" in messages[0] and "every selected block on its own" in messages[0]
     # what runs instead: one region per block, no chunks
-    assert [r.kind for r in handle.plan.regions] == ["block"] * 4
+    assert [r.shape for r in handle.plan.regions] == ["block"] * 4
     reference_model = build(STACK)
     checkpoint_calls.clear()
     assert_same_step(run_step(reference_model, STACK), run_step(model, STACK))

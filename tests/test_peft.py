@@ -17,10 +17,10 @@ import torch
 from cases import FLUX, WAN
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer
+from seam_probe import installed_seam
 
 import gradseam
 from gradseam.offload import cpu_test_mode
-from gradseam.run.seams import installed_seam
 from gradseam.testing import assert_same_step, config_id, record_regions, run_step
 
 TARGETS = {

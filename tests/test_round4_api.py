@@ -20,7 +20,7 @@ from torch import nn
 import gradseam
 from gradseam import BACKENDS, CheckpointConfig, ConfigFileNotFoundError, UnsupportedModelError
 from gradseam.errors import GradseamWarning, UnsupportedStrategyError
-from gradseam.planning import check_config
+from gradseam.kinds import check_config
 from gradseam.testing import assert_same_step, run_step
 from gradseam.tools.launch import FLAG_KEYS, build_config
 

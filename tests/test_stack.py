@@ -38,10 +38,10 @@ import torch
 from cases import FLUX, WAN, flux_inputs, wan_inputs
 from diffusers.hooks import HookRegistry, apply_group_offloading
 from diffusers.hooks import group_offloading as diffusers_group_offloading
+from seam_probe import installed_seam
 
 import gradseam
 from gradseam.offload import cpu_test_mode
-from gradseam.run.seams import installed_seam
 from gradseam.testing import Case, Step, assert_same_step, config_id, run_step
 
 TORCH = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch"}

@@ -108,7 +108,7 @@ def test_one_model_per_thread_trains_exactly_as_alone(pair):
             assert_same_step(a, b, what=f"{pair}: job {j} ({case.name}) threaded vs alone, step {s}")
         engine = handles[j].engine
         if engine is not None:
-            assert engine.copies > 0 and engine.pool.checked_out == 0, f"{pair}: job {j} engine state"
+            assert engine.copies > 0 and engine.store.checked_out == 0, f"{pair}: job {j} engine state"
     for h in handles:
         h.remove()
 

@@ -17,7 +17,8 @@ from cases_video import (
 
 import gradseam
 from gradseam.config import CheckpointConfig
-from gradseam.patcher import family_for, plan
+from gradseam.patcher import family_for
+from gradseam.planning import plan
 from gradseam.registry import REGISTRY
 from gradseam.testing import Case, assert_same_step, check_strategy, run_step
 
@@ -62,7 +63,7 @@ def test_ltx2_audio_inputs_reach_the_patched_path():
 def _chunk_fallbacks(model: torch.nn.Module) -> dict[str, bool]:
     handle = gradseam.handle_of(model)
     assert handle is not None
-    return {f"{r.list_path}{list(r.blocks)}": bool(r.fallbacks) for r in handle.regions() if r.kind == "chunk"}
+    return {f"{r.list_path}{list(r.blocks)}": bool(r.fallbacks) for r in handle.regions() if r.shape == "chunk"}
 
 
 @pytest.mark.parametrize(
@@ -210,8 +211,9 @@ def test_mageflow_bench_workload_runs_and_patches_exactly(monkeypatch):
     from dataclasses import replace
 
     from gradseam import Preset
+    from gradseam.tools.checks import find_family
     from gradseam.tools.measure import forward_backward, grad_leaves
-    from gradseam.tools.workloads import build, find_family, sequence_length
+    from gradseam.tools.workloads import build, sequence_length
 
     _ship_mageflow(monkeypatch)
     family = find_family("mageflow")

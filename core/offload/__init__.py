@@ -8,8 +8,9 @@ engine group per region call; what goes into it is the run layer's decision.
 from __future__ import annotations
 
 from .device import cpu_allowed, cpu_test_mode, engine_for
-from .engine import KEEP_RECENT, MIN_OFFLOAD_BYTES, OffloadEngine, strict_inplace
+from .engine import KEEP_RECENT, MIN_OFFLOAD_BYTES, OffloadEngine, Store, strict_inplace
 from .pinned import Bucket, PinnedPool, size_class
+from .stores import STORES, host_store
 
 __all__ = [
     "KEEP_RECENT",
@@ -17,6 +18,9 @@ __all__ = [
     "Bucket",
     "OffloadEngine",
     "PinnedPool",
+    "STORES",
+    "Store",
+    "host_store",
     "cpu_allowed",
     "cpu_test_mode",
     "strict_inplace",

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from .engine import OffloadEngine
+from .stores import STORES
 
 _cpu_test_mode: list[int] = []  # a stack of min_bytes values while active
 
@@ -30,10 +31,12 @@ def cpu_test_mode(min_bytes: int = 0) -> Iterator[None]:
         _cpu_test_mode.pop()
 
 
-def engine_for(max_buckets: int) -> OffloadEngine:
+def engine_for(destination: str, max_buckets: int) -> OffloadEngine:
+    """An engine copying into the store of ``destination`` ("host"), sized by ``max_buckets``."""
+    store = STORES[destination](max_buckets, test_mode=bool(_cpu_test_mode))
     if _cpu_test_mode:
-        return OffloadEngine(max_buckets, min_bytes=_cpu_test_mode[-1], device_test_mode=True)
-    return OffloadEngine(max_buckets)
+        return OffloadEngine(store, min_bytes=_cpu_test_mode[-1], device_test_mode=True)
+    return OffloadEngine(store)
 
 
 def cpu_allowed() -> bool:

@@ -25,6 +25,9 @@ How the copies stay off the critical path (each point is a decision, not an acci
   attention save the same input three times. Packs are keyed by storage and version (within a
   group), the storage span is copied once, and each view is rebuilt with its own size, stride and
   offset. A save after an in-place edit has another version, so it gets a copy of its own.
+* **The engine copies into a store it is given** (:class:`Store`): the pool of pinned host memory
+  today (:mod:`gradseam.offload.stores` makes one per destination). Packing, dedup, streams and
+  prefetch are the engine's; where the bytes live is the store's.
 * **Pinned buffers from a pool.** Pinning costs ~1 s/GiB, so buffers are pooled by size class and
   dtype (at most ``max_buckets`` classes) and reused across steps; a size with no bucket under the
   cap, or a failed pinning, falls back to pageable memory (warning once for the failure). The pool
@@ -49,12 +52,27 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from .pinned import Bucket, PinnedPool
+
+class Store(Protocol):
+    """Where the engine copies offloaded bytes: host buffers handed out and taken back.
+
+    ``acquire`` returns a uint8 buffer of at least ``nbytes`` and a token (None: the buffer is not
+    pinned, so copies into it are synchronous); ``release`` takes it back once the recorded events
+    (copies into and out of it) complete. A store must pickle as a fresh, empty store with the same
+    settings (a deep-copied patched model gets its own engine).
+    """
+
+    max_buckets: int
+
+    def acquire(self, nbytes: int, dtype: torch.dtype) -> tuple[torch.Tensor, Any]: ...
+    def release(self, buf: torch.Tensor, token: Any, events: list[Any]) -> None: ...
+    def close(self) -> None: ...
+    def stats(self) -> dict[str, int]: ...
 
 MIN_OFFLOAD_BYTES = 1 << 20  # smaller tensors cost more in launch and bookkeeping than they save
 _WHOLE_STORAGE_FACTOR = 4  # copy the whole storage when a view covers at least 1/4 of it
@@ -98,7 +116,7 @@ class _Stored:
     nbytes: int
     device: torch.device
     host: torch.Tensor | None = None
-    bucket: Bucket | None = None
+    bucket: Any = None  # the store's token for the buffer (None: not pinned)
     copied: Any = None  # event: device-to-host copy done
     loads: list[Any] = field(default_factory=list)  # events of host-to-device copies out of the buffer
     gpu: torch.Tensor | None = None  # loaded bytes, kept until every view has been unpacked
@@ -113,7 +131,7 @@ class _Stored:
         if host is not None:
             self.host = None
             events = [e for e in [self.copied, *self.loads] if e is not None]
-            self.group.engine.pool.release(host, self.bucket, events)
+            self.group.engine.store.release(host, self.bucket, events)
 
 
 class _Packed:
@@ -164,19 +182,14 @@ class _Group:
 
 
 class OffloadEngine:
-    """Offloads saved tensors of a model's regions; one engine per patched model.
+    """Offloads saved tensors of a model's regions into ``store``; one engine per patched model and destination.
 
     ``device_test_mode`` lets the CPU stand in for the device (host copies are made as for a GPU,
     streams and events become no-ops) so the engine's logic is tested exactly without CUDA.
     """
 
-    def __init__(
-        self, max_buckets: int, *, min_bytes: int = MIN_OFFLOAD_BYTES, device_test_mode: bool = False
-    ) -> None:
-        if device_test_mode:  # same pool logic, plain memory standing in for pinned buffers
-            self.pool = PinnedPool(max_buckets, allocate=lambda n: torch.empty(n, dtype=torch.uint8))
-        else:
-            self.pool = PinnedPool(max_buckets, pin=torch.cuda.is_available())
+    def __init__(self, store: Store, *, min_bytes: int = MIN_OFFLOAD_BYTES, device_test_mode: bool = False) -> None:
+        self.store = store
         self.min_bytes = min_bytes
         self.test_mode = device_test_mode
         self._last: weakref.ref[_Group] | None = None  # the newest group that copied something
@@ -196,7 +209,7 @@ class OffloadEngine:
         # A deep-copied or unpickled model gets a fresh engine with the same settings: buffers,
         # streams, locks and in-flight groups belong to the process and the steps that made them.
         model = self._model() if self._model is not None else None
-        return (_fresh_engine, (self.pool.max_buckets, self.min_bytes, self.test_mode, model))
+        return (_fresh_engine, (self.store, self.min_bytes, self.test_mode, model))
 
     # -- streams ---------------------------------------------------------------------------
     def _side_streams(self, device: torch.device) -> tuple[Any, Any]:
@@ -320,7 +333,7 @@ class OffloadEngine:
 
     def _copy_out(self, group: _Group, t: torch.Tensor, storage: Any, lo: int, hi: int) -> _Stored:
         nbytes = hi - lo
-        host, bucket = self.pool.acquire(nbytes, t.dtype)
+        host, bucket = self.store.acquire(nbytes, t.dtype)
         stored = _Stored(group, nbytes, t.device, host, bucket)
         src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)[lo:hi]
         if t.device.type == "cuda":
@@ -432,11 +445,11 @@ class OffloadEngine:
         return gpu
 
     def close(self) -> None:
-        """Give the pinned memory back (``remove()``): what a later backward still needs stays readable."""
-        self.pool.close()
+        """Give the store's memory back (``remove()``): what a later backward still needs stays readable."""
+        self.store.close()
 
     def stats(self) -> dict[str, int]:
-        return {**self.pool.stats(), "offloaded_bytes": self.offloaded_bytes, "copies": self.copies,
+        return {**self.store.stats(), "offloaded_bytes": self.offloaded_bytes, "copies": self.copies,
                 "loads": self.loads}
 
 
@@ -451,8 +464,8 @@ def _storage_ptr(t: torch.Tensor) -> int:
         return 0
 
 
-def _fresh_engine(max_buckets: int, min_bytes: int, device_test_mode: bool, model: nn.Module | None) -> OffloadEngine:
-    engine = OffloadEngine(max_buckets, min_bytes=min_bytes, device_test_mode=device_test_mode)
+def _fresh_engine(store: Store, min_bytes: int, device_test_mode: bool, model: nn.Module | None) -> OffloadEngine:
+    engine = OffloadEngine(store, min_bytes=min_bytes, device_test_mode=device_test_mode)
     if model is not None:  # the copy of the watched model (deepcopy and pickle map it through their memo)
         engine.watch(model)
     return engine

@@ -55,6 +55,11 @@ def unregister_pinned(buf: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
 
 
+def pageable(nbytes: int) -> torch.Tensor:
+    """Plain host memory standing in for a pinned buffer (the engine's CPU test mode)."""
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
 def _unpin_all(owned: list[torch.Tensor], unpin: Callable[[torch.Tensor], None]) -> None:
     """Unpin every buffer the pool made, once nothing may still copy into or out of them."""
     if not owned:
@@ -80,6 +85,7 @@ class PinnedPool:
 
     def __init__(self, max_buckets: int, pin: bool = True, allocate: Callable[[int], torch.Tensor] | None = None,
                  unpin: Callable[[torch.Tensor], None] | None = None) -> None:
+        self._recipe = (max_buckets, pin, allocate, unpin)
         self.max_buckets = max_buckets
         self.pin = pin and max_buckets > 0
         # How a bucket buffer is made; tests substitute plain memory to exercise the pool on the CPU.
@@ -97,6 +103,11 @@ class PinnedPool:
         self.pageable_allocations = 0
         self.checked_out = 0
         self._warned = False
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # A deep-copied or unpickled pool is a fresh, empty one with the same settings: its buffers are
+        # this process's pinned memory, in use by this pool's steps.
+        return (PinnedPool, self._recipe)
 
     @property
     def buckets(self) -> int:

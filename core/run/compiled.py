@@ -57,8 +57,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..backends import CATALOG
 from ..errors import UnsupportedStrategyError, warn_once
-from ..planning import refuse_layerwise_casting, resolve
+from ..kinds import siblings
+from ..kinds.compiled import refuse_layerwise_casting
+from ..modules import device_type, resolve
 from .chains import ChainStats
 from .compiler import (
     allow_retained_graph,
@@ -118,9 +121,10 @@ class CompiledBlocks:
     budget the partitioner plans under (:mod:`gradseam.run.compiler` says how blocks are compiled).
     """
 
-    def __init__(self, budget: float, engine: Any = None) -> None:
+    def __init__(self, budget: float, engine: Any = None, *, backend: str) -> None:
         self.budget = budget
         self.engine = engine
+        self.backend = backend  # the catalog name, for messages
         self.unused = UnusedOutputs()  # an output the loss leaves unused: None gradients, as in eager
         self._compiled: dict[tuple[str, bool], Callable[..., Any]] = {}
         self._eager: dict[int, tuple[nn.Module, Any, Callable[..., Any]]] = {}  # id(sub) -> (sub, inner, wrapper)
@@ -228,10 +232,10 @@ class CompiledBlocks:
         stats.runs += 1
         new_shape = not self._past_limit and self._note_shapes(args, kwargs)
         if new_shape:  # before a compile: layerwise casting enabled after patching is refused as at patch time
-            refuse_layerwise_casting(original.module, "unsloth-compile" if self.engine is not None else "compile")
+            refuse_layerwise_casting(original.module, self.backend)
         previous = original.previous
         function, module = (_call_previous, previous) if previous is not None else (original.function, original.module)
-        device = _device_of(original.module)
+        device = device_type(original.module)
         subs = _attention_modules(original.module, attention) if attention and broadcast_mask(args, kwargs) else []
         if subs:
             stats.notes[ATTENTION_OUTSIDE] += 1
@@ -259,14 +263,14 @@ class CompiledBlocks:
 
         Seen on the H200: a HiDream block's graph took in the engine's ``record_stream`` call, which
         inductor refuses; the eager backends run the same model."""
-        name = "unsloth-compile" if self.engine is not None else "compile"
         inner = getattr(exc, "inner_exception", exc)
         first = (str(inner).strip().splitlines() or [type(inner).__name__])[0][:300]
+        staying = [b.name for b in siblings(CATALOG[self.backend]) if not b.moves] if self.engine is not None else []
         return UnsupportedStrategyError(
-            f"backend {name!r} could not compile {type(block).__name__}: torch.compile failed "
+            f"backend {self.backend!r} could not compile {type(block).__name__}: torch.compile failed "
             f"({type(inner).__name__}: {first}). Train this model with an eager backend: 'unsloth' with "
             "gradient_checkpointing_offload_attention (the least memory) or 'torch'"
-            + (", or 'compile' (what the blocks keep stays on the GPU)." if name == "unsloth-compile" else ".")
+            + (f", or {staying[0]!r} (what the blocks keep stays on the GPU)." if staying else ".")
         )
 
 
@@ -277,12 +281,6 @@ def _attention_modules(block: Any, paths: tuple[str, ...]) -> list[nn.Module]:
 
 def _call_previous(previous: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     return previous(*args, **kwargs)
-
-
-def _device_of(module: Any) -> str:
-    for p in module.parameters():
-        return p.device.type
-    return "cpu"
 
 
 class CompiledMember:

@@ -1,10 +1,10 @@
 """The one install step: a plan's region specs become seams, chains and scopes on the model.
 
 The plan (:mod:`gradseam.planning`) has decided everything: each :class:`RegionSpec` names its
-runner, whether its inputs are offloaded, where kept kernel outputs live, and how its members are
-linked. Here each spec is handed to the runner it names in :data:`RUNNERS`, which installs what
-runs it; nothing here reads the config or a backend's name. Adding a backend whose regions run
-differently means one function in :data:`RUNNERS` (and its catalog entry naming it).
+kind, what it offloads and where, where kept kernel outputs live, and how its members are linked.
+Here each spec is handed to its kind's runner in :data:`RUNNERS`, which installs what runs it;
+nothing here reads the config, and nothing but the table below names a kind. A kind whose regions
+install differently is one function in :data:`RUNNERS`.
 
 :class:`Installation` also keeps the installed seams in place while the model changes under them:
 PEFT (``add_adapter``, ``get_peft_model``) replaces each targeted ``nn.Linear`` with a LoRA layer
@@ -22,10 +22,10 @@ from typing import Any
 
 from torch import nn
 
-from ..backends import Offload
+from ..backends import Destination, Kept, Offload
 from ..errors import UnsupportedModelError
-from ..planning import resolve, unwrap
-from ..spec import Kept, Kind, LinkKind, Plan, RegionSpec
+from ..modules import resolve, unwrap
+from ..spec import LinkKind, Plan, RegionSpec, Shape
 from . import seams
 from .chains import Chain, ChainStats, Runner
 from .compiled import CompiledBlocks, CompiledMember
@@ -36,12 +36,19 @@ from .scopes import AttentionOffload, RegionScope
 
 @dataclass
 class Context:
-    """What every runner may use: the patched model (owner of the seams) and its offload engine."""
+    """What every runner may use: the patched model (owner of the seams) and its offload engines."""
 
     model: nn.Module
-    engine: Any  # an OffloadEngine, or None when the plan moves nothing
+    engines: dict[Destination, Any]  # an OffloadEngine per destination the plan moves activations to
     family: str = ""  # for errors about the family's declarations
-    compiled: dict[tuple[float, bool], CompiledBlocks] = field(default_factory=dict)  # shared per handle
+    compiled: dict[tuple[float, str], CompiledBlocks] = field(default_factory=dict)  # shared per handle
+
+    def engine(self, spec: RegionSpec) -> Any:
+        """The engine of the spec's destination, or None for a region that moves nothing."""
+        if not spec.moves:
+            return None
+        assert spec.destination in self.engines, "the plan names this destination, so the handle made its engine"
+        return self.engines[spec.destination]
 
 
 @dataclass
@@ -66,13 +73,11 @@ def _link(spec: RegionSpec, ctx: Context) -> Link | None:
 
 def _scope(spec: RegionSpec, ctx: Context, stats: ChainStats) -> RegionScope | None:
     kernels = kernel_set(spec.kernels) if spec.kept is not Kept.NOWHERE else None
-    if not spec.offload_inputs and kernels is None:
+    inputs = spec.offload is Offload.INPUTS
+    if not inputs and kernels is None:
         return None
-    moves = spec.offload_inputs or spec.kept is Kept.CPU
     scoped = bool(spec.attention)  # kernel modes only inside the declared attention submodules
-
-    return RegionScope(ctx.engine if moves else None, inputs=spec.offload_inputs, kernels=kernels,
-                       scoped=scoped, missed=_Missed(stats))
+    return RegionScope(ctx.engine(spec), inputs=inputs, kernels=kernels, scoped=scoped, missed=_Missed(stats))
 
 
 REPLAY_MISSED = "a kept attention kernel output did not match the recomputed call (computed again)"
@@ -111,9 +116,8 @@ def checkpoint_region(spec: RegionSpec, ctx: Context) -> Installed:
 
 def attention_offload(spec: RegionSpec, ctx: Context) -> Installed:
     """An attention submodule outside any region: everything it saves goes to the engine."""
-    assert ctx.engine is not None, "the plan offloads attention, so the handle made an engine"
     stats = ChainStats([0])
-    handler = AttentionOffload(ctx.engine, stats.member_calls)
+    handler = AttentionOffload(ctx.engine(spec), stats.member_calls)
     return Installed(spec, seams=[seams.install(spec.modules[0], handler, owner=ctx.model)], stats=stats)
 
 
@@ -121,21 +125,22 @@ def compiled_region(spec: RegionSpec, ctx: Context) -> Installed:
     """One block run through ``torch.compile`` under the spec's memory budget (:mod:`gradseam.run.compiled`);
     what it keeps goes to the engine when the spec offloads it. Blocks of one handle share the compiled
     function of their budget and offload, so blocks of a class compile once."""
-    assert spec.budget is not None and len(spec.modules) == 1
-    engine = ctx.engine if spec.offload is Offload.SAVED else None
-    key = (spec.budget, engine is not None)
+    assert spec.memory_budget is not None and len(spec.modules) == 1
+    key = (spec.memory_budget, spec.backend)
     blocks = ctx.compiled.get(key)
     if blocks is None:
-        blocks = ctx.compiled[key] = CompiledBlocks(spec.budget, engine)
+        blocks = ctx.compiled[key] = CompiledBlocks(spec.memory_budget, ctx.engine(spec), backend=spec.backend)
     stats = ChainStats([0])
     seam = seams.install(spec.modules[0], CompiledMember(blocks, stats, spec.attention), owner=ctx.model)
     return Installed(spec, seams=[seam], stats=stats)
 
 
+# Each kind's runner, by the kind's name (gradseam.kinds.KINDS): the only table here that names kinds.
 RUNNERS: dict[str, Callable[[RegionSpec, Context], Installed]] = {
-    "checkpoint": checkpoint_region,
+    "whole-block": checkpoint_region,
+    "ffn-seam": checkpoint_region,
     "attention-offload": attention_offload,
-    "compiled": compiled_region,
+    "compiled-block": compiled_region,
 }
 
 
@@ -153,15 +158,15 @@ class _Slot:
 class Installation:
     """Everything a plan installed on a model, with how to follow replaced submodules and undo it."""
 
-    def __init__(self, plan: Plan, model: nn.Module, engine: Any) -> None:
-        ctx = Context(model, engine, plan.family.name)
+    def __init__(self, plan: Plan, model: nn.Module, engines: dict[Destination, Any]) -> None:
+        ctx = Context(model, engines, plan.family.name)
         self.model = model
-        self.regions = [RUNNERS[spec.runner](spec, ctx) for spec in plan.regions]
+        self.regions = [RUNNERS[spec.kind.name](spec, ctx) for spec in plan.regions]
         self.compiled = ctx.compiled  # the compiled functions' owners (compiled regions), dropped on remove()
         self._slots: list[_Slot] = []
         for r, done in enumerate(self.regions):
             spec = done.spec
-            if spec.kind in (Kind.FFN, Kind.ATTENTION_OFFLOAD):
+            if spec.shape in (Shape.FFN, Shape.ATTENTION):
                 for index in range(len(spec.modules)):
                     self._watch(done, r, index)
 

@@ -48,8 +48,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
-from ..registry import BUILTIN_KERNELS  # noqa: F401 - re-exported: the built-in names live with the plugins' ones
-
 
 class KernelSet:
     """Which operators count as attention kernels; answers per op object, memoised (ops are few)."""

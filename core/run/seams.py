@@ -234,8 +234,3 @@ def _unlink(seam: SeamForward) -> None:
         del module.forward
     else:
         module.forward = seam.original.previous  # type: ignore[method-assign]
-
-
-def installed_seam(module: nn.Module) -> SeamForward | None:
-    forward = module.__dict__.get("forward")
-    return forward if isinstance(forward, SeamForward) else None

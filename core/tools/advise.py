@@ -1,15 +1,17 @@
-"""Pick the fastest strategy that fits a GPU memory budget, by measuring the real model at two depths.
+"""Pick the fastest strategy that fits a GPU's memory, by measuring the real model at two depths.
 
-``advise(model, example_inputs, budget)`` walks the practical ladder: no checkpointing, torch-ffn,
-torch, unsloth-ffn, unsloth, the attention-offload combinations, the compiler's activation memory
-budgets (blocks compiled one by one) and gradseam on compiled blocks. Each candidate runs one
+``advise(model, example_inputs, gpu)`` walks the practical ladder, from the least aggressive strategy
+to the most: no checkpointing, then every named strategy that checkpoints every block, in the
+catalog's order (:mod:`gradseam.tools.named_strategies`: the eager backends, attention offload alone
+and beside them, the compiled backends), the compiler alone under its activation memory budgets
+(blocks compiled one by one) and gradseam on compiled blocks. Each candidate runs one
 warm-up and one timed forward + backward at two shallow depths of the model (the blocks stay
 allocated; see :mod:`gradseam.tools.depth`), and its activation peak, step time and pinned host
 memory are predicted at the model's real depth from the fit: a peak measured on a truncated model
 alone would hide what each block adds, and recommend what cannot fit the real model.
 
 A candidate fits when its predicted peak plus the model's static memory (weights, inputs) is within
-the budget and its pinned host memory within what the machine can pin (:mod:`gradseam.tools.host`);
+the GPU's memory (``gpu``) and its pinned host memory within what the machine can pin (:mod:`gradseam.tools.host`);
 the fastest fitting one wins. Once something fits, sparser checkpointing on the chosen backend
 (interval 2, then a stride that checkpoints fewer blocks) is tried to win speed back.
 
@@ -21,6 +23,7 @@ inside the functions that need it, so ``import gradseam`` stays cheap.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -28,26 +31,29 @@ from typing import Any
 from ..backends import Scope
 from ..config import CheckpointConfig
 from ..errors import GradseamError, UnsupportedStrategyError
+from ..kinds import KINDS
 from ..spec import strategy_of
-from .checks import parse_budget  # noqa: F401 - re-exported: advise(budget=...) and its tests use it
-from .compiled import BUDGETS, budget_config, budget_name, compiled_rows, gradseam_keys
-from .named_strategies import rows
+from .bench_rows import COMPILED_ROWS
+from .checks import parse_size
+from .compiled import BUDGETS, budget_config, budget_name, gradseam_keys
+from .named_strategies import compared, rows_of
 
 GiB = 1 << 30
 
 
 # -- the ladder ---------------------------------------------------------------------------------
 
-# From the least to the most aggressive, out of the one table of named strategies; every rung is
-# measured and the fastest that fits is chosen.
-LADDER: list[tuple[str, dict[str, Any]]] = [("none", {"gradient_checkpointing": False})] + rows(
-    "torch-ffn", "torch", "torch + attention kept", "unsloth-ffn", "unsloth", "attention offload",
-    "torch-ffn + attention offload", "unsloth-ffn + attention offload", "torch + attention offload",
-    "unsloth + attention offload", "compile", "unsloth-compile, budget 0.3", "unsloth-compile",
-    "unsloth-compile, budget 0.05",
-) + [
-    (budget_name(b), {"gradient_checkpointing": False, **budget_config(b)}) for b in BUDGETS
-] + compiled_rows(rows("torch + attention kept", "unsloth + attention offload"))
+OFF: dict[str, Any] = {"gradient_checkpointing": False}  # no checkpointing, as a config says it
+
+# From the least to the most aggressive, out of the one table of named strategies: every one that
+# checkpoints every block in its own regions (interval chunks and strides are the win-back's steps
+# below), then the compiler alone under each memory budget, then gradseam on compiled blocks. Every
+# rung is measured and the fastest that fits is chosen.
+LADDER: list[tuple[str, dict[str, Any]]] = [
+    (label, config or dict(OFF)) for label, config in rows_of(compared(chunked=False, strided=False))
+] + [
+    (budget_name(b), {**OFF, **budget_config(b)}) for b in BUDGETS
+] + COMPILED_ROWS
 
 # Win-back steps on the chosen backend, from the least extra memory to the most.
 INTERVAL_STEP = ("interval 2", {"gradient_checkpointing_interval": 2})
@@ -79,7 +85,7 @@ class Trial:
     config: dict[str, Any]
     peak_gib: float | None = None
     step_ms: float | None = None
-    status: str = "not tried"  # fits | over budget | over host memory | OOM | unsupported | not tried
+    status: str = "not tried"  # fits | over GPU memory | over host memory | OOM | unsupported | not tried
     reason: str = ""
     pinned_gib: float | None = None
     growth_gib: float | None = None
@@ -88,12 +94,19 @@ class Trial:
 
 @dataclass
 class Advice:
-    budget_gib: float
+    gpu_gib: float  # the GPU memory the strategies had to fit in
     static_gib: float
     trials: list[Trial] = field(default_factory=list)
     chosen: Trial | None = None
     depth_note: str = ""  # the depth the advice was planned for, and how
     pinnable_gib: float | None = None  # pinned host memory the plan allowed
+
+    @property
+    def budget_gib(self) -> float:
+        """Deprecated: the old name of :attr:`gpu_gib` (the GPU's size, not the compiler's memory budget)."""
+        warnings.warn("Advice.budget_gib is deprecated; use Advice.gpu_gib (the GPU memory size in GiB).",
+                      DeprecationWarning, stacklevel=2)
+        return self.gpu_gib
 
     @property
     def config(self) -> dict[str, Any]:
@@ -117,36 +130,36 @@ class Advice:
         return json.dumps(self.config, indent=2)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "budget_gib": round(self.budget_gib, 3),
-            "static_gib": round(self.static_gib, 3),
-            "recommended": self.config if self.chosen else None,
-            "compile": self.compile,
-            "chosen": self.chosen.label if self.chosen else None,
-            "depth": self.depth_note,
-            "pinnable_gib": round(self.pinnable_gib, 1) if self.pinnable_gib is not None else None,
-            "trials": [asdict(t) for t in self.trials],
-        }
+        return dict(
+            gpu_gib=round(self.gpu_gib, 3),
+            static_gib=round(self.static_gib, 3),
+            recommended=self.config if self.chosen else None,
+            compile=self.compile,  # how to compile the blocks (a sentence), or None
+            chosen=self.chosen.label if self.chosen else None,
+            depth=self.depth_note,
+            pinnable_gib=round(self.pinnable_gib, 1) if self.pinnable_gib is not None else None,
+            trials=[asdict(t) for t in self.trials],
+        )
 
     def no_fit_message(self) -> str:
         measured = [t for t in self.trials if t.peak_gib is not None]
         if not measured:
             return (
-                f"no strategy could be measured within the {self.budget_gib:.2f} GiB budget (every candidate "
+                f"no strategy could be measured within {self.gpu_gib:.2f} GiB of GPU memory (every candidate "
                 "ran out of memory or was unsupported); shorten the sequence, truncate the model or use a "
                 "bigger GPU."
             )
         best = min(measured, key=lambda t: t.peak_gib or 0.0)
         total = self.static_gib + (best.peak_gib or 0.0)
         return (
-            f"nothing fits in {self.budget_gib:.2f} GiB: the smallest activation peak seen was "
+            f"nothing fits in {self.gpu_gib:.2f} GiB of GPU memory: the smallest activation peak seen was "
             f"{best.peak_gib:.2f} GiB ({best.label}), which with {self.static_gib:.2f} GiB of static memory "
-            f"needs {total:.2f} GiB, {total - self.budget_gib:.2f} GiB over budget. Raise the budget by at "
-            "least that much, or shorten the sequence / lower the batch size."
+            f"needs {total:.2f} GiB, {total - self.gpu_gib:.2f} GiB over the GPU size. Use a GPU with at "
+            "least that much more memory, or shorten the sequence / lower the batch size."
         )
 
     def report(self) -> str:
-        lines = [f"budget {self.budget_gib:.2f} GiB, static memory (weights + inputs) {self.static_gib:.2f} GiB"]
+        lines = [f"GPU memory {self.gpu_gib:.2f} GiB, static memory (weights + inputs) {self.static_gib:.2f} GiB"]
         if self.depth_note:
             lines.append(f"planned for {self.depth_note}")
         for t in self.trials:
@@ -165,14 +178,14 @@ class Advice:
 
 
 class NoFitError(GradseamError):
-    """No candidate fits the budget; ``.advice`` holds every measurement."""
+    """No candidate fits the GPU; ``.advice`` holds every measurement."""
 
     def __init__(self, advice: Advice) -> None:
         super().__init__(advice.no_fit_message())
         self.advice = advice
 
 
-def _try(trial: Trial, measure: Measure, budget_gib: float, static_gib: float,
+def _try(trial: Trial, measure: Measure, gpu_gib: float, static_gib: float,
          pinnable_gib: float | None = None) -> Trial:
     try:
         got = measure(dict(trial.config))
@@ -191,9 +204,9 @@ def _try(trial: Trial, measure: Measure, budget_gib: float, static_gib: float,
     trial.peak_gib, trial.step_ms = round(float(got.peak_gib), 3), round(float(got.step_ms), 1)
     trial.pinned_gib, trial.source = round(max(float(got.pinned_gib), 0.0), 2), got.source
     trial.growth_gib = round(got.growth_gib, 3) if got.growth_gib is not None else None
-    over = static_gib + trial.peak_gib - budget_gib
+    over = static_gib + trial.peak_gib - gpu_gib
     if over > 0:
-        trial.status, trial.reason = "over budget", f"over budget by {over:.2f} GiB"
+        trial.status, trial.reason = "over GPU memory", f"over the GPU size by {over:.2f} GiB"
     elif pinnable_gib is not None and trial.pinned_gib > pinnable_gib:
         trial.status = "over host memory"
         trial.reason = (f"needs {trial.pinned_gib:.1f} GiB of pinned host memory, more than the "
@@ -204,45 +217,21 @@ def _try(trial: Trial, measure: Measure, budget_gib: float, static_gib: float,
 
 
 def run_ladder(
-    measure: Measure, budget_gib: float, static_gib: float = 0.0, *, supports_interval: bool = True,
+    measure: Measure, gpu_gib: float, static_gib: float = 0.0, *, supports_interval: bool = True,
     pinnable_gib: float | None = None, ladder: list[tuple[str, dict[str, Any]]] | None = None,
 ) -> Advice:
-    """Walk the ladder with ``measure`` and return the advice (``chosen`` is None when nothing fits)."""
-    advice = Advice(budget_gib, static_gib, pinnable_gib=pinnable_gib)
-    fits: list[Trial] = []
-    ladder = LADDER if ladder is None else ladder
-    for i, (label, config) in enumerate(ladder):
-        trial = _try(Trial(label, dict(config)), measure, budget_gib, static_gib, pinnable_gib)
-        advice.trials.append(trial)
-        if trial.status == "fits":
-            fits.append(trial)
-        if i == 0 and trial.status == "fits":
-            for rest_label, rest in ladder[1:]:
-                advice.trials.append(Trial(rest_label, dict(rest), reason="no checkpointing fits; nothing is faster"))
-            break
+    """Walk the ladder with ``measure`` within ``gpu_gib`` of GPU memory and return the advice (``chosen``
+    is None when nothing fits): every rung, then the win-back steps on the fastest one that fits."""
+    advice = Advice(gpu_gib, static_gib, pinnable_gib=pinnable_gib)
+
+    def try_one(trial: Trial) -> Trial:
+        return _try(trial, measure, gpu_gib, static_gib, pinnable_gib)
+
+    fits = _climb(advice, LADDER if ladder is None else ladder, try_one)
     if not fits:
         return advice
     base = min(fits, key=lambda t: t.step_ms or 0.0)
-
-    if base.config.get("gradient_checkpointing") and not base.config.get("compile_blocks"):
-        chosen_backend = strategy_of(CheckpointConfig.from_dict(base.config)).backend
-        steps = list(STRIDE_STEPS) if chosen_backend is not None and chosen_backend.chunks else []
-        if supports_interval and steps and chosen_backend is not None and chosen_backend.scope is Scope.BLOCK:
-            steps.insert(0, INTERVAL_STEP)
-        stopped = False
-        for label, extra in steps:
-            trial = Trial(f"{base.label}, {label}", {**base.config, **extra})
-            if stopped:
-                trial.reason = "a denser setting already missed the budget"
-                advice.trials.append(trial)
-                continue
-            _try(trial, measure, budget_gib, static_gib, pinnable_gib)
-            advice.trials.append(trial)
-            if trial.status == "fits":
-                fits.append(trial)
-            elif extra is not INTERVAL_STEP[1]:
-                stopped = True  # sparser strides only keep more
-
+    fits += _win_back(advice, base, try_one, supports_interval)
     chosen = min(fits, key=lambda t: t.step_ms or 0.0)
     advice.chosen = chosen
     for t in fits:
@@ -250,6 +239,51 @@ def run_ladder(
             t.reason = f"fits, but slower than chosen ({t.step_ms:.1f} ms vs {chosen.step_ms:.1f} ms)"
     return advice
 
+
+def _climb(advice: Advice, ladder: list[tuple[str, dict[str, Any]]], try_one: Callable[[Trial], Trial]) -> list[Trial]:
+    """Measure every rung (none further when the first, no checkpointing, fits); the ones that fit."""
+    fits: list[Trial] = []
+    for i, (label, config) in enumerate(ladder):
+        trial = try_one(Trial(label, dict(config)))
+        advice.trials.append(trial)
+        if trial.status == "fits":
+            fits.append(trial)
+        if i == 0 and trial.status == "fits":
+            for rest_label, rest in ladder[1:]:
+                advice.trials.append(Trial(rest_label, dict(rest), reason="no checkpointing fits; nothing is faster"))
+            break
+    return fits
+
+
+def _win_back_steps(base: Trial, supports_interval: bool) -> list[tuple[str, dict[str, Any]]]:
+    """Sparser checkpointing on ``base``'s backend, from the least extra memory to the most: interval 2
+    where the family and the backend's whole-block regions allow it, then strides where its kind takes
+    them; none for no checkpointing or compiled blocks."""
+    if not base.config.get("gradient_checkpointing") or base.config.get("compile_blocks"):
+        return []
+    backend = strategy_of(CheckpointConfig.from_dict(base.config)).backend
+    if backend is None or not KINDS[backend.kind].takes_interval:
+        return []
+    interval = [INTERVAL_STEP] if supports_interval and backend.scope is Scope.BLOCK else []
+    return [*interval, *STRIDE_STEPS]
+
+
+def _win_back(advice: Advice, base: Trial, try_one: Callable[[Trial], Trial], supports_interval: bool) -> list[Trial]:
+    """Try the win-back steps on ``base``; once a stride misses, sparser ones are not tried. The ones that fit."""
+    fits: list[Trial] = []
+    stopped = False
+    for label, extra in _win_back_steps(base, supports_interval):
+        trial = Trial(f"{base.label}, {label}", {**base.config, **extra})
+        if stopped:
+            trial.reason = "a denser setting already did not fit the GPU"
+            advice.trials.append(trial)
+            continue
+        advice.trials.append(try_one(trial))
+        if trial.status == "fits":
+            fits.append(trial)
+        elif extra is not INTERVAL_STEP[1]:
+            stopped = True  # sparser strides only keep more
+    return fits
 
 
 # -- measuring on the GPU, at two depths ----------------------------------------------------------
@@ -275,8 +309,9 @@ def depth_measure(
 
     from ..patcher import family_for
     from . import measure as measuring
+    from .checks import parse_depths
     from .compiled import applied
-    from .depth import at_depth, fit, highest, parse_depths, peak_lines, plan_for
+    from .depth import at_depth, fit, highest, peak_lines, plan_for
     from .workloads import blocks as list_blocks
 
     family = family or family_for(model)
@@ -319,7 +354,7 @@ def depth_measure(
 def advise(
     model: Any,
     example_inputs: Mapping[str, Any],
-    budget: str | float,
+    gpu: str | float | None = None,
     loss_fn: Callable[[Any], Any] | None = None,
     *,
     measure: Measure | None = None,
@@ -328,44 +363,71 @@ def advise(
     depth: int | None = None,
     pinnable_gib: float | None = None,
     plan: Any = None,
+    budget: str | float | None = None,
 ) -> Advice:
-    """The fastest strategy whose predicted peak plus the model's static memory fits ``budget``.
+    """The fastest strategy whose predicted peak plus the model's static memory fits in ``gpu``.
 
-    ``example_inputs`` are ``model``'s forward keyword arguments (one real batch, latents with
-    ``requires_grad`` for a full backward); ``loss_fn(output)`` defaults to the mean square of every
-    floating output. Each candidate is measured at two shallow ``depths`` of ``model`` (default 2
-    and 4 units) and predicted at ``depth`` (default: the model's own). Raises :class:`NoFitError`
-    (with the smallest peak seen and the shortfall) when nothing fits. ``measure`` replaces the GPU
-    measurement (``config -> Estimate or (peak GiB, ms)``); ``pinnable_gib`` overrides the host's
-    pinnable memory (default: what :mod:`gradseam.tools.host` reads, less its margin).
+    ``gpu`` is the GPU memory available to the run: GiB as a number, or a size like ``"40GiB"``
+    (``budget=`` is its deprecated old name). ``example_inputs`` are ``model``'s forward keyword
+    arguments (one real batch, latents with ``requires_grad`` for a full backward); ``loss_fn(output)``
+    defaults to the mean square of every floating output. Each candidate is measured at two shallow
+    ``depths`` of ``model`` (default 2 and 4 units) and predicted at ``depth`` (default: the model's
+    own). Raises :class:`NoFitError` (with the smallest peak seen and the shortfall) when nothing
+    fits. ``measure`` replaces the GPU measurement (``config -> Estimate or (peak GiB, ms)``);
+    ``pinnable_gib`` overrides the host's pinnable memory (default: what :mod:`gradseam.tools.host`
+    reads, less its margin).
     """
-    from .host import pinnable_gib as host_pinnable
-
-    budget_gib = parse_budget(budget)
+    gpu_gib = parse_size(_gpu_argument(gpu, budget))
     supports_interval = True
     note = ""
     if measure is None:
-        import torch
-
-        device = next((p.device for p in model.parameters()), None)
-        if not torch.cuda.is_available() or device is None or device.type != "cuda":
-            raise GradseamError(
-                "gradseam.advise measures GPU memory and needs the model on a CUDA GPU "
-                f"(model is on {device}, CUDA available: {torch.cuda.is_available()}). Move the model and "
-                "inputs to the GPU, or pass measure= to supply your own measurements."
-            )
-        from ..patcher import family_for
-
-        supports_interval = family_for(model).supports_interval
-        torch.cuda.synchronize()
-        if static_gib is None:
-            static_gib = torch.cuda.memory_allocated() / GiB
-        measure, note = depth_measure(model, example_inputs, loss_fn, depths=depths, target=depth, plan=plan)
+        measure, note, static_gib, supports_interval = _gpu_measure(model, example_inputs, loss_fn, static_gib,
+                                                                    depths, depth, plan)
         if pinnable_gib is None:
+            from .host import pinnable_gib as host_pinnable
+
             pinnable_gib = host_pinnable()
-    advice = run_ladder(measure, budget_gib, static_gib or 0.0, supports_interval=supports_interval,
+    advice = run_ladder(measure, gpu_gib, static_gib or 0.0, supports_interval=supports_interval,
                         pinnable_gib=pinnable_gib)
     advice.depth_note = note
     if advice.chosen is None:
         raise NoFitError(advice)
     return advice
+
+
+def _gpu_argument(gpu: str | float | None, budget: str | float | None) -> str | float:
+    """``gpu``, or the deprecated ``budget=`` keyword that stood for it (with a warning)."""
+    if budget is None:
+        if gpu is None:
+            raise TypeError("advise() missing the GPU memory size: advise(model, example_inputs, gpu=...)")
+        return gpu
+    if gpu is not None:
+        raise TypeError("advise(): budget= is the deprecated old name of gpu=; give gpu only.")
+    warnings.warn("advise(budget=...) is deprecated; use gpu=... (the GPU memory available to the run, in GiB "
+                  "or a size like '40GiB').", DeprecationWarning, stacklevel=3)
+    return budget
+
+
+def _gpu_measure(
+    model: Any, inputs: Mapping[str, Any], loss_fn: Callable[[Any], Any] | None, static_gib: float | None,
+    depths: tuple[int, int] | None, depth: int | None, plan: Any,
+) -> tuple[Measure, str, float, bool]:
+    """The default measurement on the model's CUDA GPU: the measure, its depth note, the static memory
+    (what is allocated now unless given) and whether the family chunks blocks."""
+    import torch
+
+    device = next((p.device for p in model.parameters()), None)
+    if not torch.cuda.is_available() or device is None or device.type != "cuda":
+        raise GradseamError(
+            "gradseam.advise measures GPU memory and needs the model on a CUDA GPU "
+            f"(model is on {device}, CUDA available: {torch.cuda.is_available()}). Move the model and "
+            "inputs to the GPU, or pass measure= to supply your own measurements."
+        )
+    from ..patcher import family_for
+
+    supports_interval = family_for(model).supports_interval
+    torch.cuda.synchronize()
+    if static_gib is None:
+        static_gib = torch.cuda.memory_allocated() / GiB
+    measure, note = depth_measure(model, inputs, loss_fn, depths=depths, target=depth, plan=plan)
+    return measure, note, static_gib, supports_interval

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,25 +34,14 @@ from torch.utils.checkpoint import checkpoint
 
 import gradseam
 
-from ..backends import CATALOG
+from ..config import CheckpointConfig
 from ..family import Family
+from ..kinds import backend_of, kind_of
 from . import measure as measuring
-from .bench_rows import (  # noqa: F401 - the row tables are re-exported: tests and scripts import them here
-    COMPILE_ROWS,
-    COMPILED_ROWS,
-    CPU_STATUS_WHY,
-    DIFFUSERS_ROW,
-    GRADSEAM_ROWS,
-    NEEDS_CUDA,
-    NOT_ON_CPU_COMPILED,
-    NOT_ON_CPU_KEPT,
-    REFERENCE_ROWS,
-    cpu_status,
-    real_rows,
-    synthetic_rows,
-)
-from .compiled import applied
-from .depth import at_depth, parse_depths
+from .bench_rows import DIFFUSERS_ROW, NEEDS_CUDA, cpu_status, real_rows, synthetic_rows
+from .checks import parse_depths
+from .compiled import applied, gradseam_keys
+from .depth import at_depth
 from .results import RealRun, Result
 
 GiB = measuring.GiB
@@ -165,15 +155,38 @@ def _diffusers_checkpointing(model: nn.Module) -> Iterator[None]:
 
 
 def _compiles(config: dict[str, Any] | None) -> bool:
-    """Whether a row compiles blocks: the compiler's own rows, or a gradseam backend whose runner compiles."""
+    """Whether a row compiles blocks: the compiler's own rows (``compile_blocks``), or a gradseam row whose
+    region kind compiles."""
     if not config:
         return False
-    backend = CATALOG.get(str(config.get("gradient_checkpointing_backend", "")))
-    return bool(config.get("compile_blocks")) or (backend is not None and backend.runner == "compiled")
+    if config.get("compile_blocks"):
+        return True
+    kind = kind_of(backend_of(CheckpointConfig.from_dict(gradseam_keys(config))))
+    return kind is not None and kind.compiles
 
 
 def _gib(value: float | None) -> float | None:
     return round(value, 3) if value is not None else None
+
+
+@dataclass(frozen=True)
+class _Sweep:
+    """What every row of one :func:`run_rows` call shares: the workload's words and the model to measure."""
+
+    workload: str
+    tokens: int
+    model: nn.Module
+    make_step: Callable[[], Callable[[], Any]]
+    steps: int
+    blocks_attr: str
+    device: str
+    compile_blocks: list[nn.Module] | None
+    depth: int | None
+    blocks: str | None
+
+    def unmeasured(self, name: str, status: str) -> Result:
+        """The row ``name`` with a status and no figures."""
+        return Result(self.workload, self.tokens, name, None, None, status, depth=self.depth, blocks=self.blocks)
 
 
 def run_rows(
@@ -195,55 +208,72 @@ def run_rows(
     """Measure every row on ``model``; a failing cell becomes a row with a status, never an exception.
 
     On ``device="cpu"`` the steps made by ``make_step`` return their saved bytes and the rows the CPU
-    mode does not measure are reported with their status (:func:`gradseam.tools.bench_rows.cpu_status`). ``rule_out(name)`` may return why a row
-    must not run (say, it would need more pinned host memory than the machine has); the row is
-    then reported with that reason instead of being tried.
+    mode does not measure are reported with their status (:func:`gradseam.tools.bench_rows.cpu_status`).
+    ``rule_out(name)`` may return why a row must not run (say, it would need more pinned host memory
+    than the machine has); the row is then reported with that reason instead of being tried. A row
+    that breaks the GPU's context ends the sweep with :class:`DeviceLostError`, after it is reported.
     """
-    cpu = device == "cpu"
-    results = []
-    for name, config in rows:
-        reason = (cpu_status(name) if cpu else None) or (rule_out(name) if rule_out else None)
-        if reason is not None:
-            result = Result(workload, tokens, name, None, None, reason, depth=depth, blocks=blocks)
-            results.append(result)
-            if on_row is not None:
-                on_row(result)
-            continue
-        measuring.release(device)
-        step = None
-        try:
-            ctx = _strategy_context(model, name, config, blocks_attr, compile_blocks)
-            with ctx:
-                step = make_step()
-                handle = getattr(ctx, "handle", None) or gradseam.handle_of(model)
-                compiled = _compiles(config)
-                # looked up per call, so tests can replace measuring.measure
-                got = measuring.measure(step, steps=steps, warmup=2 if compiled else 1, device=device,
-                                        engine=getattr(handle, "engine", None))
-            # CPU counts are small (KiB to MiB): keep them to the byte
-            result = Result(workload, tokens, name, round(got.peak_gib, 9 if cpu else 3), round(got.step_ms, 1),
-                            pinned_allocations_after_warmup=got.pinned_allocations_after_warmup,
-                            pinned_gib=None if cpu or name == "ref: save_on_cpu" else round(got.pinned_gib, 3),
-                            depth=depth, blocks=blocks,
-                            forward_peak_gib=_gib(got.forward_peak_gib), backward_peak_gib=_gib(got.backward_peak_gib),
-                            first_step_ms=round(got.warmup_times_ms[0], 1) if compiled and got.warmup_times_ms else None)
-        except gradseam.UnsupportedStrategyError as exc:
-            result = Result(workload, tokens, name, None, None, f"unsupported: {exc}", depth=depth, blocks=blocks)
-        except Exception as exc:  # one broken cell must not lose the sweep; the row says what broke
-            oom = measuring.is_oom(exc)
-            reason = "OOM" if oom else f"error: {type(exc).__name__}: {exc}"[:300]
-            result = Result(workload, tokens, name, None, None, reason, depth=depth, blocks=blocks)
-            if not oom and measuring.context_lost(device):
-                results.append(result)
-                if on_row is not None:
-                    on_row(result)
-                raise DeviceLostError(name, exc) from exc
-        finally:
-            step = None
+    sweep = _Sweep(workload, tokens, model, make_step, steps, blocks_attr, device, compile_blocks, depth, blocks)
+    results: list[Result] = []
+
+    def report(result: Result) -> None:
         results.append(result)
         if on_row is not None:
             on_row(result)
+
+    for name, config in rows:
+        reason = (cpu_status(name) if device == "cpu" else None) or (rule_out(name) if rule_out else None)
+        if reason is not None:
+            report(sweep.unmeasured(name, reason))
+            continue
+        try:
+            result = _measure_row(sweep, name, config)
+        except Exception as exc:  # one broken cell must not lose the sweep; the row says what broke
+            report(sweep.unmeasured(name, _failure(exc)))
+            if _context_lost(exc, device):
+                raise DeviceLostError(name, exc) from exc
+            continue
+        report(result)
     return results
+
+
+def _measure_row(sweep: _Sweep, name: str, config: dict[str, Any] | None) -> Result:
+    """One row, measured: the strategy applied, ``sweep.steps`` timed steps (two warm-ups where it compiles)."""
+    cpu = sweep.device == "cpu"
+    measuring.release(sweep.device)
+    step = None
+    try:
+        ctx = _strategy_context(sweep.model, name, config, sweep.blocks_attr, sweep.compile_blocks)
+        with ctx:
+            step = sweep.make_step()
+            handle = getattr(ctx, "handle", None) or gradseam.handle_of(sweep.model)
+            compiled = _compiles(config)
+            # looked up per call, so tests can replace measuring.measure
+            got = measuring.measure(step, steps=sweep.steps, warmup=2 if compiled else 1, device=sweep.device,
+                                    engine=getattr(handle, "engine", None))
+    finally:
+        step = None  # the step holds the model's activations: drop it before the next row, even on failure
+    # CPU counts are small (KiB to MiB): keep them to the byte
+    return Result(sweep.workload, sweep.tokens, name, round(got.peak_gib, 9 if cpu else 3), round(got.step_ms, 1),
+                  pinned_allocations_after_warmup=got.pinned_allocations_after_warmup,
+                  pinned_gib=None if cpu or name == "ref: save_on_cpu" else round(got.pinned_gib, 3),
+                  depth=sweep.depth, blocks=sweep.blocks,
+                  forward_peak_gib=_gib(got.forward_peak_gib), backward_peak_gib=_gib(got.backward_peak_gib),
+                  first_step_ms=round(got.warmup_times_ms[0], 1) if compiled and got.warmup_times_ms else None)
+
+
+def _failure(exc: Exception) -> str:
+    """A failed row's status: unsupported (and why), OOM, or the error."""
+    if isinstance(exc, gradseam.UnsupportedStrategyError):
+        return f"unsupported: {exc}"
+    return "OOM" if measuring.is_oom(exc) else f"error: {type(exc).__name__}: {exc}"[:300]
+
+
+def _context_lost(exc: Exception, device: str) -> bool:
+    """Whether a row's error broke the GPU's context, so that no later row can run in this process."""
+    if isinstance(exc, gradseam.UnsupportedStrategyError) or measuring.is_oom(exc):
+        return False
+    return measuring.context_lost(device)
 
 
 # -- the synthetic workload ---------------------------------------------------------------------

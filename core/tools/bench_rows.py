@@ -10,17 +10,15 @@ from typing import Any
 
 from ..errors import GradseamError
 from .compiled import BUDGETS, COMPILED, budget_config, budget_label, compiled_rows
-from .named_strategies import BY_LABEL, rows
+from .named_strategies import BY_LABEL, compared, kept_kernel_variants, rows_of
 
-# gradseam's rows, from the one table of named strategies (gradseam.tools.named_strategies)
-GRADSEAM_ROWS: list[tuple[str, dict[str, Any]]] = rows(
-    "torch", "torch-ffn", "unsloth", "unsloth-ffn", "attention offload", "torch-ffn + attention offload",
-    "unsloth-ffn + attention offload", "torch + attention kept", "torch + attention offload",
-    "unsloth + attention offload", "torch, interval 2", "compile", "unsloth-compile, budget 0.3", "unsloth-compile",
-    "unsloth-compile, budget 0.05",
-)
-# gradseam's rows that are also measured with compiled blocks on a real model
-COMPILED_ROWS = compiled_rows(rows("torch + attention kept", "unsloth + attention offload"))
+# gradseam's rows, from the one table of named strategies (gradseam.tools.named_strategies), least
+# aggressive first: every one the comparing tools measure that patches something and checkpoints
+# every block ("none" is among the references; a stride's partial coverage is advise's win-back)
+GRADSEAM_ROWS: list[tuple[str, dict[str, Any]]] = rows_of(compared(patches=True, strided=False))
+# gradseam's rows that are also measured with compiled blocks on a real model: the variants that keep
+# attention kernel outputs, one on the device and one in CPU memory
+COMPILED_ROWS = compiled_rows(rows_of(kept_kernel_variants()))
 # Rows of a real-model workload (``gradseam bench --family``): the references a user has today
 # (no checkpointing, diffusers' own flag, ``save_on_cpu``, the compiler's memory budgets), then
 # gradseam's strategies, eager and compiled.
@@ -66,12 +64,12 @@ def cpu_status(label: str) -> str | None:
     if named is None:  # a reference written by hand (torch.utils.checkpoint), or no checkpointing
         return None
     strategy = named.strategy
-    if strategy.needs_engine:
+    if strategy.destinations:
         return NEEDS_CUDA
+    if compiled or (strategy.kind is not None and strategy.kind.compiles):
+        return NOT_ON_CPU_COMPILED
     if not strategy.cpu_measurable:
         return NOT_ON_CPU_KEPT
-    if compiled or (strategy.backend is not None and strategy.backend.budget):
-        return NOT_ON_CPU_COMPILED
     return None
 
 

@@ -3,7 +3,8 @@
 Importing torch takes seconds and diffusers tens of seconds on a small or busy machine (25-60 s were
 seen); a command that is going to refuse its arguments, or to say that it needs a GPU, must say so
 first. Nothing here imports torch or diffusers at import time: a family and its preset are found
-in the plugin registry (plain data), a budget and a pair of depths are parsed as text, and
+in the plugin registry (plain data), a GPU memory size and a pair of depths are parsed as text, the
+options that exclude or need each other are checked as values (:class:`OptionError`), and
 :func:`cuda_missing` reads what the installed torch was built for and whether a CUDA driver exists
 without importing torch (it asks torch itself only where torch is already imported).
 :func:`model_class` is the one check that imports diffusers (to find the family's model class), so
@@ -18,6 +19,7 @@ import importlib.util
 import os
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import GradseamError
@@ -30,10 +32,23 @@ _UNITS = {
 }
 
 
-def parse_budget(value: str | float | int) -> float:
-    """A memory budget in GiB: ``42.5`` (GiB), ``"40GiB"``, ``"40 GB"`` (10^9 bytes), ``"40960MiB"``."""
+DEVICES = ("cpu", "cuda")
+
+
+class OptionError(ValueError):
+    """A mistake in a command's options, found before any work: ``option`` is the option whose value is
+    wrong, shown as click shows its own checks (``Invalid value for '--steps': ...``); None for options
+    that exclude or need each other (the message names them)."""
+
+    def __init__(self, message: str, option: str | None = None) -> None:
+        super().__init__(message)
+        self.option = option
+
+
+def parse_size(value: str | float | int) -> float:
+    """A GPU memory size in GiB: ``42.5`` (GiB), ``"40GiB"``, ``"40 GB"`` (10^9 bytes), ``"40960MiB"``."""
     if isinstance(value, bool):
-        raise ValueError(f"memory budget: expected a size like '40GiB' or a number of GiB, got {value!r}.")
+        raise ValueError(f"GPU memory size: expected a size like '40GiB' or a number of GiB, got {value!r}.")
     if isinstance(value, (int, float)):
         gib = float(value)
     else:
@@ -41,12 +56,12 @@ def parse_budget(value: str | float | int) -> float:
         unit = match.group(2).lower() if match else ""
         if not match or unit not in _UNITS:
             raise ValueError(
-                f"memory budget: cannot read {value!r}; write a number with a unit, e.g. '40GiB', '40 GB', "
+                f"GPU memory size: cannot read {value!r}; write a number with a unit, e.g. '40GiB', '40 GB', "
                 "'40960MiB', or a plain number of GiB like 42.5."
             )
         gib = float(match.group(1)) * _UNITS[unit] / GiB
     if not gib > 0 or gib == float("inf"):
-        raise ValueError(f"memory budget: must be a positive finite size, got {value!r}.")
+        raise ValueError(f"GPU memory size: must be a positive finite size, got {value!r}.")
     return gib
 
 
@@ -68,6 +83,102 @@ def parse_depths(text: str | None, full: int) -> tuple[int, int]:
     if d2 > full:
         raise ValueError(f"--depths: {d2} is deeper than the model's full depth {full}.")
     return d1, d2
+
+
+# -- option checks the commands share: values and combinations, before anything is built --------------
+
+
+def at_least(option: str, value: int | Sequence[int] | None, what: str, minimum: int = 1) -> None:
+    """Refuse a too small count with the value and what is allowed (typer's own ``min=`` check says
+    only "Input should be greater than or equal to 1", without the value or the quantity)."""
+    for item in value if isinstance(value, Sequence) else [value]:
+        if item is not None and item < minimum:
+            raise OptionError(f"expected {what} >= {minimum}, got {item}.", option)
+
+
+def device_name(device: str | None, option: str = "--device") -> None:
+    """``cpu``, ``cuda`` or left out (whether CUDA is there is asked later, of torch)."""
+    if device not in (None, *DEVICES):
+        raise OptionError(f"expected cpu or cuda, got {device!r}.", option)
+
+
+def bench_options(*, family: str | None, preset: str | None, depths: str | None, full: bool, depth: int | None,
+                  full_rows: Sequence[str] | None, tokens: Sequence[int] | None, rows: Sequence[str] | None,
+                  skip_rows: Sequence[str] | None, synthetic: bool, blocks: int | None, dim: int | None,
+                  device: str | None, steps: int | None, threads: int | None) -> None:
+    """``gradseam bench``'s options as values: the counts, the options that exclude or need each other,
+    the device's name (what needs the family registry, the rows or torch is checked by the command)."""
+    at_least("--steps", steps, "a number of timed steps")
+    at_least("--threads", threads, "a number of CPU threads")
+    at_least("--tokens", tokens, "a number of tokens")
+    at_least("--blocks", blocks, "a number of blocks")
+    at_least("--dim", dim, "a model width")
+    at_least("--depth", depth, "a depth in units of depth")
+    if synthetic and family:
+        raise OptionError("--synthetic and --family exclude each other.")
+    if family is None and (preset or depths or full or depth or rows or full_rows or skip_rows):
+        raise OptionError("--preset, --depths, --full, --full-row, --depth, --row and --skip-row need --family.")
+    if rows and skip_rows:
+        raise OptionError("--row and --skip-row exclude each other: name the rows to run, or the rows to leave out.")
+    if full_rows and not full:
+        raise OptionError("--full-row names a row measured at the full depth; it needs --full.")
+    if family is not None and (blocks or dim or device):
+        raise OptionError("--blocks, --dim and --device are for the synthetic stack; they exclude --family.")
+    if family is not None and threads is not None:
+        raise OptionError("--threads sets the CPU's torch threads; this bench runs on the GPU: --family models "
+                          "always run there.")
+    device_name(device)
+
+
+def synthetic_width(dim: int | None, head_dim: int) -> None:
+    """``--dim`` splits into the synthetic stack's heads (one per ``head_dim`` of width, at least one)."""
+    if dim is None:
+        return
+    heads = max(dim // head_dim, 1)
+    if dim % heads:
+        near = sorted({d for d in range(max(1, dim - 2 * head_dim), dim + 2 * head_dim)
+                       if d % max(d // head_dim, 1) == 0}, key=lambda d: (abs(d - dim), d))[:2]
+        raise OptionError(f"{dim} does not split into the synthetic stack's {heads} heads (one per {head_dim} "
+                          f"of width); nearest widths that do: {' and '.join(map(str, sorted(near)))}.", "--dim")
+
+
+def depths_form(depths: str | None) -> int | None:
+    """The form of ``--depths`` (its bound, the model's depth, is checked once the model is built); the
+    lower depth, or None where none was given."""
+    if depths is None:
+        return None
+    try:
+        low, _ = parse_depths(depths, full=1 << 30)
+    except ValueError as exc:
+        raise OptionError(str(exc).removeprefix("--depths: "), "--depths") from None
+    return low
+
+
+def advise_options(*, gpu: str | None, budget: str | None, depth: int | None, tokens: int | None) -> tuple[float, str]:
+    """``gradseam advise``'s options as values: the GPU memory size in GiB, and the option that gave it
+    (``--gpu``, or ``--budget``, its deprecated old name); the counts."""
+    if gpu is not None and budget is not None:
+        raise OptionError("--budget is the deprecated old name of --gpu; give --gpu only.")
+    option, size = ("--gpu", gpu) if budget is None else ("--budget", budget)
+    if size is None:  # as click says it of a required option (--gpu is not one: --budget may stand for it)
+        raise OptionError("Missing option '--gpu'.")
+    at_least("--depth", depth, "a depth in units of depth")
+    at_least("--tokens", tokens, "a number of tokens")
+    try:
+        return parse_size(size), option
+    except ValueError as exc:
+        raise OptionError(str(exc), option) from None
+
+
+def known_rows(labels: Sequence[str] | None, option: str = "--skip-row") -> None:
+    """Every label names a bench row: an unknown one is an error, not a row silently kept."""
+    if labels:
+        from .bench_rows import real_rows
+
+        try:
+            real_rows(list(labels))
+        except GradseamError as exc:
+            raise OptionError(str(exc), option) from None
 
 
 def find_family(name: str) -> Family:

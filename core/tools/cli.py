@@ -5,7 +5,11 @@ then cannot write its results has wasted the minutes): values, combinations, the
 preset (before the CUDA check, so a typo is reported on any machine), the device, and the output
 files; then whether a CUDA GPU can exist (:func:`gradseam.tools.checks.cuda_missing`); and only
 then what imports torch or diffusers (the family's model class), since those imports take tens of
-seconds on a small machine (:mod:`gradseam.tools.checks`). How a mistake is shown, and why flags and tables look the way they do: :mod:`gradseam.cli_support`.
+seconds on a small machine (:mod:`gradseam.tools.checks`, where the option checks are small named
+functions of the values, raising :class:`~gradseam.tools.checks.OptionError`). How a mistake is
+shown, and why flags and tables look the way they do: :mod:`gradseam.tools.cli_support`.
+``gradseam run``'s options are not written here: they are made from the config keys' specs
+(:func:`~gradseam.tools.cli_support.with_key_options`).
 """
 
 from __future__ import annotations
@@ -21,13 +25,31 @@ from rich.table import Table
 
 import gradseam
 
-from ..config import BACKENDS
-from .cli_support import PIPED_WIDTH, Command, Group, bad, console, fail, output_path
+from . import checks
+from .cli_support import (
+    PIPED_WIDTH,
+    Command,
+    Group,
+    bad,
+    chart_path,
+    console,
+    fail,
+    option_names,
+    output_path,
+    refused,
+    warn,
+    with_key_options,
+)
 
 if TYPE_CHECKING:
     from rich.console import Console
+    from rich.progress import TaskID
 
     from ..family import Family
+    from .advise import Advice
+    from .measure import Measurement
+    from .results import RealRun, Result
+    from .workloads import Workload
 
 app = typer.Typer(
     cls=Group,
@@ -37,7 +59,6 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 command = partial(app.command, cls=Command)
-DEVICES = ("cpu", "cuda")
 
 
 def _print_version(value: bool) -> None:
@@ -67,10 +88,8 @@ def _progress(out: Console) -> Progress:
 
 
 def _device(device: str | None, option: str = "--device") -> str | None:
-    if device is None:
-        return None
-    if device not in DEVICES:
-        bad(option, f"expected cpu or cuda, got {device!r}.")
+    with refused():
+        checks.device_name(device, option)
     if device == "cuda":
         import torch
 
@@ -78,14 +97,6 @@ def _device(device: str | None, option: str = "--device") -> str | None:
             bad(option, "cuda asked for, but torch sees no CUDA GPU here (torch.cuda.is_available() is False); "
                         "use --device cpu, or leave --device out.")
     return device
-
-
-def _at_least(option: str, value: int | list[int] | None, what: str, minimum: int = 1) -> None:
-    """Refuse a too small count with the value and what is allowed (typer's own ``min=`` check says
-    only "Input should be greater than or equal to 1", without the value or the quantity)."""
-    for item in value if isinstance(value, list) else [value]:
-        if item is not None and item < minimum:
-            bad(option, f"expected {what} >= {minimum}, got {item}.")
 
 
 def _default_device() -> str:
@@ -96,14 +107,12 @@ def _default_device() -> str:
 
 def _family(name: str, preset: str | None) -> tuple[Family, str]:
     """The installed family and its preset: checked on any machine, without importing torch or diffusers."""
-    from .checks import find_family, find_preset
-
     try:
-        family = find_family(name)
+        family = checks.find_family(name)
     except gradseam.GradseamError as exc:
         bad("--family", str(exc))
     try:
-        preset_name, _ = find_preset(family, preset)
+        preset_name, _ = checks.find_preset(family, preset)
     except gradseam.GradseamError as exc:
         bad("--preset" if preset is not None else "--family", str(exc))
     return family, preset_name
@@ -112,10 +121,8 @@ def _family(name: str, preset: str | None) -> tuple[Family, str]:
 def _model_class(family: Family) -> None:
     """The family's model class importable from the installed diffusers (this imports diffusers: after
     every other check, the GPU's included)."""
-    from .checks import model_class
-
     try:
-        model_class(family)
+        checks.model_class(family)
     except gradseam.GradseamError as exc:
         bad("--family", str(exc))
 
@@ -124,9 +131,7 @@ def _need_cuda(message: str, then: str = "") -> None:
     """Stop with ``message`` (and ``then``, a sentence after the reason) where there is no CUDA GPU:
     first the checks that need no torch (a CPU-only torch build, no driver), so a machine without a
     GPU hears it at once, then torch's own answer."""
-    from .checks import cuda_missing
-
-    why = cuda_missing()
+    why = checks.cuda_missing()
     if why is None:
         import torch
 
@@ -267,8 +272,9 @@ def demo(
     from . import measure
     from .demo import check_tokens, noise_marks, run
 
-    _at_least("--steps", steps, "a number of timed steps")
-    _at_least("--threads", threads, "a number of CPU threads")
+    with refused():
+        checks.at_least("--steps", steps, "a number of timed steps")
+        checks.at_least("--threads", threads, "a number of CPU threads")
     device = _device(device)
     if threads is not None and device != "cpu" and _default_device() != "cpu":
         fail("--threads sets the CPU's torch threads; the demo runs on the GPU here (add --device cpu).")
@@ -324,40 +330,142 @@ def _spread_cell(spread: float | None) -> str:
 # -- bench ----------------------------------------------------------------------------------------
 
 
-def _chart_path(json_path: Path, png_path: Path | None) -> Path:
-    chart = png_path or json_path.with_suffix(".png")
-    if chart.resolve() == json_path.resolve():
-        bad("--png", f"the chart would overwrite the results file {str(json_path)!r}; name another file with --png.")
-    if png_path is not None:
-        try:
-            from matplotlib.backend_bases import FigureCanvasBase
-        except ImportError:
-            pass  # no chart is written without matplotlib; bench says so at the end
-        else:
-            formats = FigureCanvasBase.get_supported_filetypes()
-            if chart.suffix.lstrip(".").lower() not in formats:
-                bad("--png", f"matplotlib cannot write {chart.suffix or 'a file without a suffix'!r}; name a "
-                             f"file ending in one of: {', '.join('.' + f for f in sorted(formats))}.")
-    return output_path(chart, "--png")
-
-
 def _check_depths(depths: str | None) -> None:
     """The form of --depths, before a model is built (its bound, the model's depth, is checked after)."""
-    if depths is not None:
-        from .checks import parse_depths
+    with refused():
+        low = checks.depths_form(depths)
+    if low == 1:
+        # Seen on HunyuanVideo 1.5: at one block nothing is prefetched ahead in backward, so the
+        # step from depth 1 to 2 adds that buffer once and the fit reads it as growth per block.
+        typer.echo(
+            "note: --depths starts at 1; at one unit of depth offload rows have no next block to prefetch, "
+            "so their fitted growth (and full-depth figure) can be too high. Prefer 2,4 where it fits.",
+            err=True,
+        )
 
-        try:
-            low, _ = parse_depths(depths, full=1 << 30)
-        except ValueError as exc:
-            bad("--depths", str(exc).removeprefix("--depths: "))
-        if low == 1:
-            # Seen on HunyuanVideo 1.5: at one block nothing is prefetched ahead in backward, so the
-            # step from depth 1 to 2 adds that buffer once and the fit reads it as growth per block.
-            typer.echo(
-                "note: --depths starts at 1; at one unit of depth offload rows have no next block to prefetch, "
-                "so their fitted growth (and full-depth figure) can be too high. Prefer 2,4 where it fits.",
-                err=True,
-            )
+
+def _check_dim(dim: int | None) -> None:
+    if dim is not None:
+        from .synthetic import HEAD_DIM
+
+        with refused():
+            checks.synthetic_width(dim, HEAD_DIM)
+
+
+class _Sweep:
+    """A bench sweep's progress bar and results file. A sweep of a real model runs for many minutes: each
+    row is written to the JSON as soon as it is measured, so an interrupted run (Ctrl-C, a time limit)
+    loses only the row in flight."""
+
+    def __init__(self, progress: Progress, log: list[Measurement], json_path: Path, title: str,
+                 meta: dict[str, Any]) -> None:
+        self.progress, self.log, self.json_path, self.title, self.meta = progress, log, json_path, title, meta
+        self.task: TaskID = progress.add_task("building", total=None)
+        self.done: list[Result] = []
+        self.times: dict[int, tuple[float, ...]] = {}  # id(result) -> its timed steps (records keep the median)
+
+    def steps_of(self, results: list[Result]) -> list[tuple[float, ...] | None]:
+        return [self.times.get(id(r)) for r in results]
+
+    def expect(self, total: int, description: str | None = None) -> None:
+        self.progress.update(self.task, total=total, **({"description": description} if description else {}))
+
+    def on_row(self, result: Result) -> None:
+        from . import bench_report as report
+        from .bench_rows import CPU_STATUS_WHY
+
+        self.done.append(result)
+        # a row that was measured reports right after its measurement: the log's last entry
+        if result.status == "ok" and self.log:
+            self.times[id(result)] = self.log[-1].step_times_ms
+        self.log.clear()
+        partial = report.payload(report.with_ratios(self.done, self.steps_of(self.done)),
+                                 f"{self.title} (partial: interrupted runs keep this)", **self.meta)
+        self.json_path.write_text(json.dumps(partial, indent=1))
+        self.progress.advance(self.task)
+        where = f" at depth {result.depth}" if result.depth is not None else ""
+        self.progress.update(self.task, description=f"{result.workload}{where}: {result.strategy}")
+        if result.status != "ok" and result.status not in CPU_STATUS_WHY:
+            self.progress.console.print(f"{result.strategy}{where}: {result.status}", markup=False, highlight=False)
+
+
+def _sweep_family(sweep: _Sweep, family: str, preset: str, *, depths: str | None, full: bool, depth: int | None,
+                  full_rows: list[str] | None, tokens: list[int] | None, rows: list[str] | None,
+                  skip_rows: list[str] | None, steps: int) -> RealRun:
+    """The rows chosen (--row, every row but --skip-row's, or all) on the family's real-size model
+    (bench.real); a failure stops the command."""
+    from . import bench as b
+
+    rows = list(rows) if rows else None
+    if skip_rows:
+        rows = [name for name, _ in b.real_rows() if name not in skip_rows]
+    full_rows = list(full_rows) if full_rows else None
+    per_tokens = len(tokens or [None])
+
+    def on_build(built: RealRun) -> None:
+        per_depth = len(b.real_rows(rows)) * per_tokens
+        last = len(b.real_rows(full_rows)) * per_tokens if full_rows else per_depth
+        sweep.expect(per_depth * len(built.fit_depths) + (last if full else 0))
+
+    try:
+        return b.real(family, preset, depths=depths, full=full, full_depth=depth, full_rows=full_rows,
+                      tokens=list(tokens) if tokens else None, rows=rows, steps=steps, on_row=sweep.on_row,
+                      on_build=on_build)
+    except b.DeviceLostError as exc:
+        fail(str(exc), code=1)
+    except (gradseam.GradseamError, ValueError) as exc:
+        fail(str(exc))
+
+
+def _sweep_synthetic(sweep: _Sweep, *, cpu: bool, blocks: int | None, tokens: list[int] | None, dim: int | None,
+                     steps: int, device: str, threads: int | None) -> list[Result]:
+    """Every row on the synthetic stack, at its default shapes or the one --blocks/--tokens/--dim pick."""
+    from . import bench as b
+
+    defaults = b.CPU_SHAPES if cpu else b.SYNTHETIC_SHAPES
+    shapes = None
+    if blocks or dim or tokens:
+        default_blocks, default_tokens, default_dim = defaults[0]
+        shapes = [(blocks or default_blocks, t, dim or default_dim) for t in (tokens or [default_tokens])]
+    sweep.expect(len(shapes or defaults) * len(b.synthetic_rows()), "bench")
+    try:
+        return b.synthetic(shapes, steps=steps, on_row=sweep.on_row, device=device, threads=threads)
+    except b.DeviceLostError as exc:  # a row broke the device: say which, keep the JSON
+        fail(str(exc), code=1)
+
+
+def _print_bench(out: Console, sweep: _Sweep, results: list[Result], run: RealRun | None, *, full: bool, cpu: bool,
+                 png_path: Path) -> None:
+    """The results file, the tables (pasteable markdown) and the chart."""
+    from . import bench_report as report
+    from . import measure
+
+    measured = report.with_ratios(results, sweep.steps_of(results))
+    deep = depth_info = None
+    if run is not None:
+        deep = report.full_depth_rows(run)
+        depth_info = report.depth_info(run, measured_full=full)
+    payload = report.payload(measured, sweep.title, depth=depth_info, full_depth=deep, **sweep.meta)
+    sweep.json_path.write_text(json.dumps(payload, indent=1))
+    out.print(sweep.title, markup=False)
+    if deep is not None:
+        out.print(report.full_depth_markdown(deep, depth_info), markup=False, highlight=False, soft_wrap=True)
+        out.print("\nMeasured:", markup=False)
+    out.print(report.to_markdown(measured, cpu=cpu), markup=False, highlight=False, soft_wrap=True)  # pasteable
+    if cpu:
+        out.print(f"memory: {report.MEMORY_CPU}.", markup=False)
+        left_out = report.cpu_status_note(measured)
+        if left_out:
+            out.print(left_out, markup=False, highlight=False)
+        out.print(measure.spread_line(sweep.meta["steps"]), markup=False)
+        note = report.cpu_noise_note(measured)
+        if note:
+            out.print(note, markup=False, highlight=False)
+    out.print(f"wrote {sweep.json_path}", markup=False)
+    if report.chart(deep if deep is not None else measured, png_path, sweep.title, cpu=cpu):
+        out.print(f"wrote {png_path}", markup=False)
+    else:
+        out.print("matplotlib is not installed, so no chart was written (pip install 'gradseam[bench]').", markup=False)
 
 
 @command()
@@ -389,48 +497,18 @@ def bench(
     family's real-size model with random bf16 weights built on the GPU (needs CUDA), measured at
     two depths; the table shows the figures at the model's real depth first (~ = predicted).
     """
-    _at_least("--steps", steps, "a number of timed steps")
-    _at_least("--threads", threads, "a number of CPU threads")
-    _at_least("--tokens", tokens, "a number of tokens")
-    _at_least("--blocks", blocks, "a number of blocks")
-    _at_least("--dim", dim, "a model width")
-    _at_least("--depth", depth, "a depth in units of depth")
-    if synthetic and family:
-        fail("--synthetic and --family exclude each other.")
-    if family is None and (preset or depths or full or depth or rows or full_rows or skip_rows):
-        fail("--preset, --depths, --full, --full-row, --depth, --row and --skip-row need --family.")
-    if rows and skip_rows:
-        fail("--row and --skip-row exclude each other: name the rows to run, or the rows to leave out.")
-    if full_rows and not full:
-        fail("--full-row names a row measured at the full depth; it needs --full.")
-    if family is not None and (blocks or dim or device):
-        fail("--blocks, --dim and --device are for the synthetic stack; they exclude --family.")
-    if family is not None and threads is not None:
-        fail("--threads sets the CPU's torch threads; this bench runs on the GPU: --family models always run there.")
-    if device not in (None, *DEVICES):
-        bad("--device", f"expected cpu or cuda, got {device!r}.")
-    if family is not None:
-        fam, preset = _family(family, preset)
+    with refused():
+        checks.bench_options(family=family, preset=preset, depths=depths, full=full, depth=depth,
+                             full_rows=full_rows, tokens=tokens, rows=rows, skip_rows=skip_rows, synthetic=synthetic,
+                             blocks=blocks, dim=dim, device=device, steps=steps, threads=threads)
+    fam, preset = _family(family, preset) if family is not None else (None, preset)
     _check_depths(depths)
-    if skip_rows:
-        from .bench_rows import real_rows
-
-        try:
-            real_rows(list(skip_rows))  # an unknown label is an error, not a row silently kept
-        except gradseam.GradseamError as exc:
-            bad("--skip-row", str(exc))
-    if dim is not None:
-        from .synthetic import HEAD_DIM
-
-        heads = max(dim // HEAD_DIM, 1)
-        if dim % heads:
-            near = sorted({d for d in range(max(1, dim - 2 * HEAD_DIM), dim + 2 * HEAD_DIM)
-                           if d % max(d // HEAD_DIM, 1) == 0}, key=lambda d: (abs(d - dim), d))[:2]
-            bad("--dim", f"{dim} does not split into the synthetic stack's {heads} heads (one per {HEAD_DIM} "
-                         f"of width); nearest widths that do: {' and '.join(map(str, sorted(near)))}.")
+    with refused():
+        checks.known_rows(skip_rows)
+    _check_dim(dim)
     json_path = output_path(json_path, "--json")
-    png_path = _chart_path(json_path, png_path)
-    if family is not None:
+    png_path = chart_path(json_path, png_path)
+    if fam is not None:
         _need_cuda(
             "gradseam bench --family builds the family's real-size model (billions of parameters) and "
             "measures GPU memory and time, so it needs a CUDA GPU; none is available",
@@ -439,106 +517,30 @@ def bench(
         _model_class(fam)
     device = _device(device)
     from . import bench as b
-    from . import bench_report as report
     from . import measure
 
-    dev = "cuda" if family is not None else (device or b.default_device())
+    dev = "cuda" if fam is not None else (device or b.default_device())
     cpu = dev == "cpu"
     if threads is not None and not cpu:
         fail("--threads sets the CPU's torch threads; the synthetic stack runs on the GPU here (add --device cpu).")
     if steps is None:
         steps = b.CPU_STEPS if cpu else 5
-    chosen = list(rows) if rows else None
-    if skip_rows:
-        chosen = [name for name, _ in b.real_rows() if name not in skip_rows]
-    at_full = list(full_rows) if full_rows else None
-    shapes = None
-    run = None
+    title = f"gradseam bench: {fam.name} {preset}" if fam is not None else b.synthetic_title(dev)
+    meta = {"device": dev, "family": family, "preset": preset, "steps": steps}
     out = console()
-    if family is not None:
+    run = None
+    if fam is not None:
         _quiet_diffusers()
-        title = f"gradseam bench: {fam.name} {preset}"
-    else:
-        if blocks or dim or tokens:
-            default_blocks, default_tokens, default_dim = (b.CPU_SHAPES if cpu else b.SYNTHETIC_SHAPES)[0]
-            shapes = [(blocks or default_blocks, t, dim or default_dim) for t in (tokens or [default_tokens])]
-        title = b.synthetic_title(dev)
-    times: dict[int, tuple[float, ...]] = {}  # id(result) -> its timed steps (bench's records keep the median)
-
-    def steps_of(results: list) -> list[tuple[float, ...] | None]:
-        return [times.get(id(r)) for r in results]
-
     with _progress(out) as progress, measure.recorded() as log:
-        task = progress.add_task("building", total=None)
-
-        done: list = []
-
-        def on_row(result):
-            # a sweep of a real model runs for many minutes: keep what it measured so far on disk,
-            # so an interrupted run (Ctrl-C, a time limit) loses only the row in flight
-            done.append(result)
-            # a row that was measured reports right after its measurement: the log's last entry
-            if result.status == "ok" and log:
-                times[id(result)] = log[-1].step_times_ms
-            log.clear()
-            partial = report.payload(report.with_ratios(done, steps_of(done)), f"{title} (partial: interrupted runs keep this)",
-                                     device=dev, family=family, preset=preset, steps=steps)
-            json_path.write_text(json.dumps(partial, indent=1))
-            progress.advance(task)
-            where = f" at depth {result.depth}" if result.depth is not None else ""
-            progress.update(task, description=f"{result.workload}{where}: {result.strategy}")
-            if result.status != "ok" and result.status not in b.CPU_STATUS_WHY:
-                progress.console.print(f"{result.strategy}{where}: {result.status}", markup=False, highlight=False)
-
-        def on_build(built):
-            per_depth = len(b.real_rows(chosen)) * len(tokens or [None])
-            last = len(b.real_rows(at_full)) * len(tokens or [None]) if at_full else per_depth
-            progress.update(task, total=per_depth * len(built.fit_depths) + (last if full else 0))
-
-        if family is not None:
-            try:
-                run = b.real(fam.name, preset, depths=depths, full=full, full_depth=depth, full_rows=at_full,
-                             tokens=list(tokens) if tokens else None, rows=chosen, steps=steps, on_row=on_row,
-                             on_build=on_build)
-            except b.DeviceLostError as exc:
-                fail(str(exc), code=1)
-            except (gradseam.GradseamError, ValueError) as exc:
-                fail(str(exc))
+        sweep = _Sweep(progress, log, json_path, title, meta)
+        if fam is not None:
+            run = _sweep_family(sweep, fam.name, preset, depths=depths, full=full, depth=depth,
+                                full_rows=full_rows, tokens=tokens, rows=rows, skip_rows=skip_rows, steps=steps)
             results = run.results
         else:
-            progress.update(task, total=len(shapes or (b.CPU_SHAPES if cpu else b.SYNTHETIC_SHAPES))
-                            * len(b.synthetic_rows()), description="bench")
-            try:
-                results = b.synthetic(shapes, steps=steps, on_row=on_row, device=dev, threads=threads)
-            except b.DeviceLostError as exc:  # a row broke the device: say which, keep the JSON
-                fail(str(exc), code=1)
-    measured = report.with_ratios(results, steps_of(results))
-    deep = depth_info = None
-    if run is not None:
-        deep = report.full_depth_rows(run)
-        depth_info = report.depth_info(run, measured_full=full)
-    payload = report.payload(measured, title, device=dev, family=family, preset=preset, steps=steps,
-                             depth=depth_info, full_depth=deep)
-    json_path.write_text(json.dumps(payload, indent=1))
-    out.print(title, markup=False)
-    if deep is not None:
-        out.print(report.full_depth_markdown(deep, depth_info), markup=False, highlight=False, soft_wrap=True)
-        out.print("\nMeasured:", markup=False)
-    out.print(report.to_markdown(measured, cpu=cpu), markup=False, highlight=False, soft_wrap=True)  # pasteable
-    if cpu:
-        out.print(f"memory: {report.MEMORY_CPU}.", markup=False)
-        left_out = report.cpu_status_note(measured)
-        if left_out:
-            out.print(left_out, markup=False, highlight=False)
-        out.print(measure.spread_line(steps), markup=False)
-        note = report.cpu_noise_note(measured)
-        if note:
-            out.print(note, markup=False, highlight=False)
-    out.print(f"wrote {json_path}", markup=False)
-    if report.chart(deep if deep is not None else measured, png_path, title, cpu=cpu):
-        out.print(f"wrote {png_path}", markup=False)
-    else:
-        out.print("matplotlib is not installed, so no chart was written (pip install 'gradseam[bench]').", markup=False)
+            results = _sweep_synthetic(sweep, cpu=cpu, blocks=blocks, tokens=tokens, dim=dim, steps=steps,
+                                       device=dev, threads=threads)
+    _print_bench(out, sweep, results, run, full=full, cpu=cpu, png_path=png_path)
 
 
 # -- advise ---------------------------------------------------------------------------------------
@@ -547,7 +549,8 @@ def bench(
 @command()
 def advise(
     family: Annotated[str, typer.Option(metavar="NAME", help="the family whose real-size preset model is measured")],
-    budget: Annotated[str, typer.Option(metavar="SIZE", help="GPU memory budget: '40GiB', '40 GB', '40960MiB' or GiB as a number")],
+    gpu: Annotated[str | None, typer.Option(metavar="SIZE", help="the GPU memory available to the run: '40GiB', '40 GB', '40960MiB' or GiB as a number  [required]")] = None,
+    budget: Annotated[str | None, typer.Option(metavar="SIZE", hidden=True, help="deprecated: the old name of --gpu")] = None,
     preset: Annotated[str | None, typer.Option(metavar="NAME", help="the family's preset (default: its first)")] = None,
     depths: Annotated[str | None, typer.Option(metavar="D1,D2", help="the two depths each candidate is measured at, in units of depth (default 2,4)")] = None,
     depth: Annotated[int | None, typer.Option(metavar="N", help="plan for this depth instead of the preset's real one (units of depth)")] = None,
@@ -558,16 +561,11 @@ def advise(
 
     Every candidate's activation peak, step time and pinned host memory are predicted for the
     preset's full depth from two shallow measurements; a candidate fits when its peak plus the full
-    model's static memory is within the budget and its pinned memory within what this machine can pin.
+    model's static memory is within the GPU's memory (--gpu) and its pinned memory within what this
+    machine can pin.
     """
-    from .checks import parse_budget
-
-    _at_least("--depth", depth, "a depth in units of depth")
-    _at_least("--tokens", tokens, "a number of tokens")
-    try:
-        budget_gib = parse_budget(budget)
-    except ValueError as exc:
-        bad("--budget", str(exc))
+    with refused():
+        gpu_gib, option = checks.advise_options(gpu=gpu, budget=budget, depth=depth, tokens=tokens)
     fam, preset = _family(family, preset)
     _check_depths(depths)
     if json_path is not None:
@@ -575,6 +573,18 @@ def advise(
     _need_cuda("gradseam advise measures GPU memory and time on the family's real-size model and needs a "
                "CUDA GPU; none is available")
     _model_class(fam)
+    if option == "--budget":  # once the command line is accepted: a refused one stays one error line
+        warn("--budget is deprecated; use --gpu SIZE (the GPU memory available to the run).")
+    out = console()
+    workload, result, code = _measure_advice(out, fam, preset, gpu_gib, depths=depths, depth=depth, tokens=tokens)
+    _print_advice(out, workload, result, gpu_gib, json_path)
+    if result.chosen is None:
+        raise typer.Exit(code)
+
+
+def _measure_advice(out: Console, fam: Family, preset: str, gpu_gib: float, *, depths: str | None,
+                    depth: int | None, tokens: int | None) -> tuple[Workload, Advice, int]:
+    """Build the model and walk the ladder; the advice and the exit code (1: nothing fits)."""
     import torch
 
     from .advise import NoFitError
@@ -582,7 +592,6 @@ def advise(
     from .workloads import build
 
     _quiet_diffusers()
-    out = console()
     try:
         with out.status("building the model"):
             workload = build(fam, preset, depth="fit", depths=depths, device="cuda")
@@ -590,16 +599,20 @@ def advise(
             torch.cuda.synchronize()
             static = torch.cuda.memory_allocated() / (1 << 30) + workload.dropped_gib
         with out.status("measuring the ladder at two depths (one warm-up + one timed step per candidate and depth)"):
-            result = run_advise(workload.model, inputs, budget_gib, static_gib=static, depths=workload.fit_depths,
+            result = run_advise(workload.model, inputs, gpu_gib, static_gib=static, depths=workload.fit_depths,
                                 depth=depth, plan=workload.plan)
-        code = 0
+        return workload, result, 0
     except NoFitError as exc:
-        result, code = exc.advice, 1
+        return workload, exc.advice, 1
     except (gradseam.GradseamError, ValueError) as exc:
         fail(str(exc))
+
+
+def _print_advice(out: Console, workload: Workload, result: Advice, gpu_gib: float, json_path: Path | None) -> None:
+    """Every candidate's figures, the JSON file, and the recommended config (or why nothing fits)."""
     out.print(f"{workload.family.name} {workload.preset_name}: planned for {result.depth_note}", markup=False)
     pinnable = f", pinnable host memory {result.pinnable_gib:.1f} GiB" if result.pinnable_gib is not None else ""
-    table = Table(title=f"strategies within {budget_gib:.2f} GiB (static {result.static_gib:.2f} GiB at full depth{pinnable})")
+    table = Table(title=f"strategies within {gpu_gib:.2f} GiB (static {result.static_gib:.2f} GiB at full depth{pinnable})")
     for column in ("", "candidate", "act. peak GiB", "GiB per unit", "pinned GiB", "step ms", "verdict"):
         table.add_column(column, justify="right" if "GiB" in column or "ms" in column else "left", overflow="fold")
     for t in result.trials:
@@ -617,7 +630,7 @@ def advise(
         out.print(f"wrote {json_path}", markup=False)
     if result.chosen is None:
         out.print(f"[red]{result.no_fit_message()}[/red]")
-        raise typer.Exit(code)
+        return
     out.print(f"recommended ({result.chosen.label}); paste into your trainer config:", markup=False)
     out.print_json(result.to_json())
     if result.compile:
@@ -633,29 +646,14 @@ def advise(
            "accelerate launch -m gradseam run --backend torch -- train.py ... | "
            "torchrun --nproc-per-node 8 -m gradseam run --config gradseam.json -- train.py ...",
 )
+@with_key_options
 def run(
     program: Annotated[list[str] | None, typer.Argument(
         metavar="PROGRAM", show_default=False,
         help="script.py [ARGS]... or -m module [ARGS]...: the training program and its arguments, as you "
              "would give them to python, after gradseam's options (a -- before it is allowed)")] = None,
-    checkpointing: Annotated[bool | None, typer.Option(
-        "--checkpointing/--no-checkpointing",
-        help="gradient_checkpointing (default: on with no option, or with any option that needs it; off leaves only attention offload)")] = None,
-    backend: Annotated[str | None, typer.Option(
-        metavar="NAME", help=f"gradient_checkpointing_backend: {' | '.join(BACKENDS)} (default torch)")] = None,
-    interval: Annotated[str | None, typer.Option(
-        metavar="N", help="gradient_checkpointing_interval: chunks of N blocks per region")] = None,
-    segment_stride: Annotated[str | None, typer.Option(
-        "--segment-stride", metavar="S", help="gradient_checkpointing_segment_stride: checkpoint the first N of every S blocks")] = None,
-    offload_attention: Annotated[bool | None, typer.Option(
-        "--offload-attention/--no-offload-attention", help="gradient_checkpointing_offload_attention")] = None,
-    offload_pin_memory_max_buckets: Annotated[str | None, typer.Option(
-        "--offload-pin-memory-max-buckets", metavar="N", help="gradient_checkpointing_offload_pin_memory_max_buckets")] = None,
-    keep_attention: Annotated[bool | None, typer.Option(
-        "--keep-attention/--no-keep-attention", help="gradient_checkpointing_keep_attention")] = None,
-    memory_budget: Annotated[str | None, typer.Option(
-        "--memory-budget", metavar="B", help="gradient_checkpointing_memory_budget: the compiler's activation "
-        "memory budget of the compiled backends, 0 < B <= 1 (default 0.1)")] = None,
+    *,
+    flags: dict[str, Any],  # one option per config key, made from the keys' specs (with_key_options)
     config: Annotated[Path | None, typer.Option(
         "--config", metavar="FILE", help="a JSON file of gradseam config keys; the options above override it")] = None,
     ignore_unknown: Annotated[bool, typer.Option(
@@ -672,17 +670,9 @@ def run(
     """
     from . import launch
 
-    values: dict[str, Any] = {
-        "--checkpointing": checkpointing, "--backend": backend, "--interval": interval,
-        "--segment-stride": segment_stride, "--offload-attention": offload_attention,
-        "--offload-pin-memory-max-buckets": offload_pin_memory_max_buckets, "--keep-attention": keep_attention,
-        "--memory-budget": memory_budget,
-    }
-    known = [*launch.FLAG_KEYS, "--no-checkpointing", "--no-offload-attention", "--no-keep-attention", "--config",
-             "--ignore-unknown", "--report", "--help"]
     try:  # every check of the command line before torch or diffusers is imported (but one, see prepare)
         cfg, program_ = launch.prepare(config, ignore_unknown=ignore_unknown, argv=list(program or []),
-                                       flags={k: v for k, v in values.items() if v is not None}, known_flags=known)
+                                       flags=flags, known_flags=option_names())
     except launch.LaunchError as exc:
         fail(str(exc))
     rank, world = launch.rank_info()

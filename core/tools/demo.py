@@ -17,7 +17,7 @@ import torch
 import gradseam
 
 from . import measure as measuring
-from .named_strategies import needs_cuda, rows
+from .named_strategies import rows_of, select
 
 DEMO_CONFIG = dict(
     patch_size=1, in_channels=16, num_layers=2, num_single_layers=6, attention_head_dim=64,
@@ -25,15 +25,11 @@ DEMO_CONFIG = dict(
 )
 
 
-DEMO_ROWS = (
-    "none", "torch-ffn", "torch", "torch, interval 2", "torch, interval 2, stride 4", "torch + attention kept",
-    "unsloth-ffn", "unsloth", "attention offload", "torch-ffn + attention offload", "unsloth + attention offload",
-)
-
-
 def strategies(cuda: bool) -> list[tuple[str, dict[str, Any]]]:
-    """The demo's rows from the table of named strategies; offload rows only where there is a GPU."""
-    return [(label, config) for label, config in rows(*DEMO_ROWS) if cuda or not needs_cuda(label)]
+    """The demo's rows: every named strategy that does not compile (compiling every block takes longer
+    than the whole demo), least aggressive first; on the CPU only those it can measure there (offload
+    needs a GPU, and kept kernel outputs escape the CPU's count)."""
+    return rows_of(s for s in select(compiles=False) if cuda or s.cpu_measurable)
 
 
 def check_tokens(image_tokens: int) -> None:

@@ -25,17 +25,7 @@ from typing import Any
 from torch import nn
 
 from ..family import Family
-from .checks import parse_depths  # noqa: F401 - re-exported
-
-
-def resolve(root: Any, path: str) -> Any:
-    """The attribute at a dotted ``path`` of ``root``, or None where a part is missing."""
-    for part in path.split("."):
-        root = getattr(root, part, None)
-        if root is None:
-            return None
-    return root
-
+from ..modules import resolve
 
 # A fit that leaves out the growth of fewer blocks than this share of the model is not worth a
 # warning: HunyuanVideo's second token-refiner block (1 of 62) moves its figures by well under 1%.

@@ -61,26 +61,19 @@ from pathlib import Path
 from types import CodeType, ModuleType
 from typing import TYPE_CHECKING, Any, TextIO
 
-from ..config import CheckpointConfig
+from ..config import KEY_SPECS, CheckpointConfig
 from .launch_report import Patched
 
 if TYPE_CHECKING:
-    from ..patcher import PatchHandle
+    from ..handle import PatchHandle
 
-# command-line flag -> config key; every flag is its key without the "gradient_checkpointing_" prefix
-FLAG_KEYS: dict[str, str] = {
-    "--checkpointing": "gradient_checkpointing",
-    "--backend": "gradient_checkpointing_backend",
-    "--interval": "gradient_checkpointing_interval",
-    "--segment-stride": "gradient_checkpointing_segment_stride",
-    "--offload-attention": "gradient_checkpointing_offload_attention",
-    "--offload-pin-memory-max-buckets": "gradient_checkpointing_offload_pin_memory_max_buckets",
-    "--keep-attention": "gradient_checkpointing_keep_attention",
-    "--memory-budget": "gradient_checkpointing_memory_budget",
-}
+# command-line flag -> config key, from the keys' specs (gradseam.config.KeySpec); every flag is its key
+# without the "gradient_checkpointing_" prefix
+FLAG_KEYS: dict[str, str] = {spec.flag: key for key, spec in KEY_SPECS.items()}
+# every spelling of a key's option, "--no-..." of a bool key's included -> the key
+_SPELLINGS: dict[str, str] = {flag: key for key, spec in KEY_SPECS.items() for flag in spec.flags}
 # keys a flag may clear with "null"/"none" (back to their default)
-_NULLABLE = {"gradient_checkpointing_interval", "gradient_checkpointing_segment_stride",
-             "gradient_checkpointing_memory_budget"}
+_NULLABLE = frozenset(key for key, spec in KEY_SPECS.items() if spec.nullable)
 
 
 class LaunchError(ValueError):
@@ -167,11 +160,11 @@ def _refuse_for_every_model(config: CheckpointConfig, flag_of: Mapping[str, str]
 
     The planner refuses these when a model is patched; under ``gradseam run`` that would be inside the
     program's first ``from_pretrained``, after it started. They depend on the config alone
-    (:func:`gradseam.planning.check_config`), so here they are one line and exit 2, in the command
+    (:func:`gradseam.kinds.check_config`), so here they are one line and exit 2, in the command
     line's words (a flag by its flag, a key of the file by its key).
     """
     from ..errors import UnsupportedStrategyError
-    from ..planning import check_config
+    from ..kinds import check_config
 
     try:
         check_config(config)
@@ -199,8 +192,8 @@ def _file_keys(where: str, ignore_unknown: bool) -> dict[str, Any]:
 def _unknown_key(where: str, key: str, known: tuple[str, ...]) -> str:
     # a flag's name written as a key ("backend", "--segment-stride") is the likeliest slip here
     flag = "--" + key.lstrip("-").replace("_", "-")
-    if flag in FLAG_KEYS or flag == "--no-checkpointing":
-        wanted = FLAG_KEYS.get(flag, "gradient_checkpointing")
+    if flag in _SPELLINGS:
+        wanted = _SPELLINGS[flag]
         hint = (f" Did you mean {wanted!r}? A config file holds the config keys; {key!r} is the name of "
                 f"the {flag} option.")
     else:
@@ -405,7 +398,7 @@ class Launch:
                 code = _execute(self.program, start, self.stream)
             if self.report is not None:  # the handles count every region's calls as they run
                 for item in self.patched:
-                    item.runs = [r for r in item.handle.regions() if r.kind != "attention-offload"]
+                    item.runs = [r for r in item.handle.regions() if r.shape != "attention"]
             try:
                 self.finish(code)
             except Exception as exc:  # the program's exit status outranks our summary of it

@@ -10,8 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+ATTENTION = "attention"  # the shape (gradseam.spec.Shape, a str enum) of an attention submodule offloaded alone;
+# compared as text so that `gradseam run` checks its command line before torch is imported
+
 if TYPE_CHECKING:
-    from ..patcher import PatchHandle, RegionView
+    from ..handle import PatchHandle
+    from ..summary import RegionView
 
 
 def block_counts(handle: PatchHandle) -> dict[str, tuple[int, int]]:
@@ -20,7 +24,7 @@ def block_counts(handle: PatchHandle) -> dict[str, tuple[int, int]]:
     cut: dict[str, set[int]] = {}
     for region in handle.plan.regions:
         seen.setdefault(region.list_path, set()).update(region.blocks)
-        if region.kind != "attention-offload":
+        if region.shape != ATTENTION:
             cut.setdefault(region.list_path, set()).update(region.blocks)
     for path, index, _ in handle.plan.plain:
         seen.setdefault(path, set()).add(index)
@@ -29,10 +33,9 @@ def block_counts(handle: PatchHandle) -> dict[str, tuple[int, int]]:
     return {p: (len(cut.get(p, ())), len(seen[p])) for p in paths}
 
 
-def _regions(handle: PatchHandle, kind: str | None = None) -> int:
-    if kind is not None:
-        return sum(r.kind == kind for r in handle.plan.regions)
-    return sum(r.kind != "attention-offload" for r in handle.plan.regions)
+def _regions(handle: PatchHandle, *, attention: bool = False) -> int:
+    """The plan's checkpoint regions, or (``attention``) its attention submodules offloaded outside any."""
+    return sum((r.shape == ATTENTION) is attention for r in handle.plan.regions)
 
 
 @dataclass
@@ -52,7 +55,7 @@ class Patched:
         text = f"patched {self.name}: family {handle.family.name}, {handle.config.describe()}"
         if handle.config.enabled:
             text += f"; checkpointed blocks: {blocks or 'none'} ({_regions(handle)} regions)"
-        attention = _regions(handle, "attention-offload")
+        attention = _regions(handle, attention=True)
         if attention:
             text += f"; attention offload in {attention} blocks"
         return text
@@ -73,7 +76,7 @@ class Patched:
             "config": handle.config.to_dict(),
             "blocks": {p: {"checkpointed": c, "total": n} for p, (c, n) in block_counts(handle).items()},
             "regions": _regions(handle),
-            "attention_offload": _regions(handle, "attention-offload"),
+            "attention_offload": _regions(handle, attention=True),
             "summary": [
                 {"blocks": r.blocks, "class": r.block_class, "strategy": r.strategy}
                 for r in handle.summary().rows
@@ -81,7 +84,7 @@ class Patched:
         }
         if self.runs is not None:
             doc["region_runs"] = [
-                {"label": r.label, "kind": r.kind, "calls": list(r.calls), "runs": r.runs,
+                {"label": r.label, "shape": r.shape.value, "kind": r.kind, "calls": list(r.calls), "runs": r.runs,
                  "whole": r.whole if r.ran else None, "fallbacks": dict(r.fallbacks)}
                 for r in self.runs
             ]

@@ -335,8 +335,10 @@ def measure(
         if cuda:
             torch.cuda.synchronize()
         warmups.append((time.perf_counter() - start) * 1000)
-    pool = getattr(engine, "pool", None)
-    allocations_before = pool.pinned_allocations if pool is not None else None
+    # the engine's store (its pinned pool); no getattr default, so a renamed attribute fails loudly instead of
+    # reporting 0 GiB pinned (as it once did)
+    pool = engine.store if engine is not None else None
+    allocations_before = pool.stats()["pinned_allocations"] if pool is not None else None
     if cuda:
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -348,7 +350,7 @@ def measure(
         if cuda:
             torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1000)
-    allocations = pool.pinned_allocations - allocations_before if pool is not None else None
+    allocations = pool.stats()["pinned_allocations"] - allocations_before if pool is not None else None
     forward = backward = None
     if cuda:
         if all(isinstance(k, Phases) for k in kept):
@@ -358,7 +360,7 @@ def measure(
             peak = max(forward, backward)
         else:
             peak = (torch.cuda.max_memory_allocated() - base) / GiB
-        pinned = getattr(pool, "pinned_bytes", 0) / GiB
+        pinned = pool.stats()["pinned_bytes"] / GiB if pool is not None else 0.0
     else:
         peak = max(int(k or 0) for k in kept) / GiB
         pinned = 0.0

@@ -22,8 +22,9 @@ from torch import nn
 
 from ..errors import GradseamError
 from ..family import Family, Preset
-from .checks import find_family, find_preset, model_class  # noqa: F401 - re-exported: tests and scripts import them here
-from .depth import DepthPlan, cut, parse_depths, plan_for, resolve
+from ..modules import resolve
+from .checks import find_family, find_preset, model_class, parse_depths
+from .depth import DepthPlan, cut, plan_for
 
 
 def blocks(model: nn.Module, family: Family) -> list[nn.Module]:

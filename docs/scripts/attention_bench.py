@@ -102,7 +102,7 @@ def run_row(name: str, model: torch.nn.Module, inputs: dict[str, Any], blocks: l
             ms, allocations = got.step_ms, got.pinned_allocations_after_warmup or 0
         except torch.OutOfMemoryError:
             return {"row": name, "status": "OOM"}
-        pinned = engine.pool.pinned_bytes / GiB if engine is not None else 0.0
+        pinned = engine.store.pinned_bytes / GiB if engine is not None else 0.0
         moved = engine.offloaded_bytes / GiB / (args.steps + (2 if compile_it else 1)) if engine is not None else 0.0
     for p in model.parameters():
         p.grad = None

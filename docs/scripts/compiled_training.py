@@ -26,10 +26,13 @@ import torch
 import gradseam
 from gradseam.tools import measure as measuring
 from gradseam.tools.compiled import applied, budget_config, budget_label
+from gradseam.tools.named_strategies import BY_LABEL, compared, kept_kernel_variants, rows_of
 from gradseam.tools.named_strategies import rows as named_rows
 from gradseam.tools.workloads import blocks, build
 
-GRADSEAM_ROWS = ("torch", "unsloth + attention offload", "compile", "unsloth-compile", "unsloth-compile, budget 0.3")
+# by default: the eager rows bench also compiles (kept kernel outputs, on the device and in CPU memory),
+# then every compiled backend at each memory budget bench compares
+GRADSEAM_ROWS = tuple(label for label, _ in rows_of([*kept_kernel_variants(), *compared(compiles=True)]))
 GiB = 1 << 30
 
 
@@ -51,7 +54,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--budget", type=float, action="append", help="the compiler alone at this budget (default 0.05)")
     parser.add_argument("--no-compiler-row", action="store_true", help="leave out the compiler-alone rows")
-    parser.add_argument("--row", action="append", help="gradseam rows by label (default: a fixed set)")
+    parser.add_argument("--row", action="append", help="gradseam rows by label (default: GRADSEAM_ROWS)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
@@ -82,7 +85,7 @@ def main() -> None:
             with applied(model, config or {}, block_list):
                 handle = gradseam.handle_of(model)
                 step = measuring.forward_backward(model, inputs)
-                compiled = bool(config and (config.get("compile_blocks") or "compile" in label))
+                compiled = bool(config and config.get("compile_blocks")) or (label in BY_LABEL and BY_LABEL[label].compiles)
                 if compiled:
                     row["first_step_ms"] = round(_timed(step), 1)
                 got = measuring.measure(step, steps=args.steps, warmup=1, engine=getattr(handle, "engine", None))

@@ -45,20 +45,25 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import gradseam
+from gradseam.backends import Kept
+from gradseam.errors import GradseamWarning
 from gradseam.family import Preset
 from gradseam.offload import cpu_test_mode
-from gradseam.planning import GradseamWarning
 from gradseam.tools import measure, workloads
-from gradseam.tools.named_strategies import rows
+from gradseam.tools.named_strategies import BY_LABEL, kept_kernel_variants, rows_of, select
 
 OWN_AC = "fsdp-ac"
+# gradseam's rows, from the named strategies, least aggressive first: each way of patching once, under
+# FSDP2's hooks: every backend and variant that checkpoints every block, at the default memory budget
+# (another budget is the compiler's matter, not FSDP2's), kept kernel outputs where their backend keeps
+# what it saves (one on the device, one in CPU memory)
+GRADSEAM_ROWS = [s for s in select(patches=True, strided=False, budget=None)
+                 if s.kept is Kept.NOWHERE or s in kept_kernel_variants()]
 # (label, gradseam config | None | OWN_AC)
 ROWS: list[tuple[str, Any]] = [
     ("FSDP2, no checkpointing", None),
     ("FSDP2 + its own AC (checkpoint per block)", OWN_AC),
-    *rows("torch", "torch-ffn", "unsloth", "unsloth-ffn", "attention offload", "torch-ffn + attention offload",
-          "unsloth-ffn + attention offload", "torch, interval 2", "torch + attention kept",
-          "unsloth + attention offload", "compile", "unsloth-compile"),
+    *rows_of(GRADSEAM_ROWS),
 ]
 # Rel. L2 error allowed per gradient in fp32: the unpatched FSDP2 run differs from one GPU by
 # ~1e-7 (reduction order); a wrong region (lost argument, wrong weights) is off by >1e-2.
@@ -175,8 +180,7 @@ def check(args: argparse.Namespace) -> int:
         ok = grads.keys() == ref_grads.keys() and worst < TOLERANCE and loss_err < TOLERANCE
         if isinstance(config, dict):
             ok = ok and len(handle.plan.regions) > 0
-            backend = config.get("gradient_checkpointing_backend", "torch")
-            if config.get("gradient_checkpointing_offload_attention") or backend.startswith("unsloth"):
+            if BY_LABEL[label].strategy.destinations:
                 ok = ok and moved > 0  # offload configs really moved activations
         failures += not ok
         notes = sorted({str(w.message).split(";")[0] for w in caught if issubclass(w.category, GradseamWarning)})

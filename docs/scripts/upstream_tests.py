@@ -52,7 +52,7 @@ class PatchOnBuild:
         import warnings
 
         from gradseam.registry import REGISTRY
-        from gradseam.tools.workloads import model_class
+        from gradseam.tools.checks import model_class
 
         warnings.filterwarnings("ignore", message="gradseam")
         for family in REGISTRY.families():

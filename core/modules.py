@@ -1,0 +1,45 @@
+"""Finding things in a module tree: a dotted path, the block inside a wrapper, a model's device.
+
+Small and free of policy, so that every layer above (planning, the kinds' refusals, the run layer,
+the handle, the tools) asks these questions one way. Imports nothing of gradseam.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+
+def resolve(root: Any, path: str) -> Any:
+    """The object at dotted ``path`` under ``root`` (``"transformer_blocks"``, ``"attn.to_q"``), or None."""
+    obj: Any = root
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def is_optimized(module: nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile``'s wrapper (``OptimizedModule``), without importing dynamo."""
+    return type(module).__name__ == "OptimizedModule" and type(module).__module__.startswith("torch._dynamo")
+
+
+def unwrap(module: nn.Module) -> nn.Module:
+    """The block inside torch's activation-checkpoint wrapper(s) or ``torch.compile``'s ``OptimizedModule``
+    (``blocks[i] = torch.compile(blocks[i])``), or the module itself."""
+    while True:
+        inner = getattr(module, "_checkpoint_wrapped_module", None)
+        if not isinstance(inner, nn.Module):
+            inner = module._modules.get("_orig_mod") if is_optimized(module) else None
+        if not isinstance(inner, nn.Module):
+            return module
+        module = inner
+
+
+def device_type(module: nn.Module) -> str:
+    """The device type of a module's first parameter ("cuda", "cpu"); "cpu" for a module without any."""
+    for p in module.parameters():
+        return p.device.type
+    return "cpu"
