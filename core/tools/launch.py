@@ -39,7 +39,7 @@ loads with a diffusers loader comes out patched. Why it works the way it does:
   into a crash of the launcher's.
 
 ``report`` writes a JSON file at exit (one per rank under a launcher): the config, the exit
-status, and each patched model as :mod:`gradseam.launch_report` describes it.
+status, and each patched model as :mod:`gradseam.tools.launch_report` describes it.
 """
 
 from __future__ import annotations
