@@ -45,11 +45,6 @@ class Destination(Enum):
     DEVICE = "device"
     HOST = "host"
 
-    @property
-    def memory(self) -> str:
-        """Its words in messages: "CPU memory" for the host."""
-        return {"host": "CPU memory"}.get(self.value, "the model's device memory")
-
 
 class Kept(str, Enum):
     """Where a whole-block region keeps attention kernel outputs instead of recomputing them."""

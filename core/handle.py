@@ -105,6 +105,7 @@ class PatchHandle:
         self._hooks: list[Any] = []
         self._deferred: tuple[bool, tuple, dict] | None = None
         self._entries: list[tuple[str, int, nn.Module]] = []  # what sat in each block list when planned
+        self._blocks: tuple[nn.Module, ...] = ()  # the same modules, for the kinds' changed_since()
         self.engines: dict[Any, Any] = {}  # an OffloadEngine per store of the plan (offload configurations)
         self.deferred_device = False  # load-time patching: offload starts once the model is on a GPU
         self.active = False
@@ -145,6 +146,7 @@ class PatchHandle:
             (bl.path, i, m) for bl in self.family.block_lists
             if isinstance(lst := resolve(self.model, bl.path), nn.ModuleList) for i, m in enumerate(lst)
         ]
+        self._blocks = tuple(m for _, _, m in self._entries)
 
     def _uninstall_regions(self) -> None:
         if self._installed is not None:
@@ -169,8 +171,7 @@ class PatchHandle:
     def _changed_under_kinds(self) -> bool:
         """Whether a kind of the plan sees the model changed under it since patching (the user compiled a
         block under a compiled backend, say): planning again then refuses it by name."""
-        blocks = [m for _, _, m in self._entries]
-        return any(kind.changed_since(self.model, blocks) for kind in self.plan.kinds)
+        return any(kind.changed_since(self.model, self._blocks) for kind in self.plan.kinds)
 
     def _replan(self) -> None:
         """Plan again around replaced blocks and reinstall; a block now inside torch's checkpoint wrapper

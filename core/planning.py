@@ -26,7 +26,7 @@ from .errors import UnsupportedModelError, UnsupportedStrategyError, warn_once
 from .family import BlockClass, BlockList, Family
 from .kinds import ATTENTION_OFFLOAD, check_config
 from .modules import resolve, unwrap
-from .spec import LinkKind, Plan, RegionSpec, Shape, Store, Strategy, strategy_of
+from .spec import LinkKind, Plan, RegionSpec, Shape, StoreSpec, Strategy, strategy_of
 
 
 def _blocks(model: nn.Module, family: Family) -> list[tuple[BlockList, list[nn.Module]]]:
@@ -317,5 +317,5 @@ def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
         planner.add_list(block_list, blocks)
     planner.warn_skipped(model)
     destinations = dict.fromkeys(r.destination for r in planner.regions if r.moves)
-    stores = tuple(Store(d, config.pin_buckets) for d in destinations)
+    stores = tuple(StoreSpec(d, config.pin_buckets) for d in destinations)
     return Plan(family, config, strategy, tuple(planner.regions), tuple(planner.plain), stores)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 
 from torch import nn
 
@@ -131,8 +132,9 @@ class RegionSpec:
 
 
 @dataclass(frozen=True)
-class Store:
-    """A place the plan's regions offload to, and its size: the offload engine is made from it."""
+class StoreSpec:
+    """A place the plan's regions offload to, and its size: the handle makes the engine's store from it
+    (:mod:`gradseam.offload.stores`)."""
 
     destination: Destination
     max_buckets: int  # gradient_checkpointing_offload_pin_memory_max_buckets: the pinned pool's size classes
@@ -145,9 +147,9 @@ class Plan:
     strategy: Strategy
     regions: tuple[RegionSpec, ...] = ()
     plain: tuple[tuple[str, int, str], ...] = ()  # blocks left as they are
-    stores: tuple[Store, ...] = ()  # one per destination its regions move activations to
+    stores: tuple[StoreSpec, ...] = ()  # one per destination its regions move activations to
 
-    @property
+    @cached_property
     def kinds(self) -> tuple[RegionKind, ...]:
-        """The kinds of its regions, each once, in plan order."""
+        """The kinds of its regions, each once, in plan order (read before every forward: worked out once)."""
         return tuple(dict.fromkeys(r.kind for r in self.regions))

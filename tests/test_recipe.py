@@ -17,7 +17,7 @@ from gradseam.backends import Backend, Destination, Offload, Scope
 from gradseam.kinds import KINDS, check_config, staying_sibling
 from gradseam.offload import STORES, cpu_test_mode, host_store
 from gradseam.planning import plan
-from gradseam.spec import Store, strategy_of
+from gradseam.spec import StoreSpec, strategy_of
 from gradseam.testing import assert_same_step, check_strategy, run_step
 
 UNSLOTH = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth"}
@@ -64,7 +64,7 @@ def test_the_engine_copies_into_the_store_the_plan_names(monkeypatch):
     reference = run_step(copy.deepcopy(model), WAN)
     with cpu_test_mode():
         handle = gradseam.patch(model, {**UNSLOTH, "gradient_checkpointing_offload_pin_memory_max_buckets": 5})
-        assert handle.plan.stores == (Store(Destination.HOST, 5),)  # the key reaches the store through the plan
+        assert handle.plan.stores == (StoreSpec(Destination.HOST, 5),)  # the key reaches the store through the plan
         got = run_step(model, WAN)
     (store,) = made
     assert store.max_buckets == 5 and store.acquired > 0 and store.bytes == handle.engine.offloaded_bytes
@@ -81,7 +81,7 @@ def test_a_plan_that_moves_nothing_names_no_store():
     for cfg in ({"gradient_checkpointing": True}, {**UNSLOTH, "gradient_checkpointing_backend": "torch-ffn"}):
         assert plan(model, family, gradseam.CheckpointConfig.coerce(cfg)).stores == ()
     attention = plan(model, family, gradseam.CheckpointConfig.coerce({"gradient_checkpointing_offload_attention": True}))
-    assert attention.stores == (Store(Destination.HOST, 12),)
+    assert attention.stores == (StoreSpec(Destination.HOST, 12),)
 
 
 def test_a_store_pickles_as_a_fresh_one():

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..backends import Backend, Kept, Scope, by_ladder
 from ..config import CheckpointConfig
-from ..kinds import KINDS, RegionKind, backend_of
+from ..kinds import KINDS, RegionKind, backend_of, kind_of
 
 if TYPE_CHECKING:
     from ..spec import Strategy
@@ -59,7 +59,7 @@ class NamedStrategy:
 
     @property
     def kind(self) -> RegionKind | None:
-        return KINDS[self.backend.kind] if self.backend is not None else None
+        return kind_of(self.backend)
 
     @property
     def ladder(self) -> int:
