@@ -124,9 +124,15 @@ def test_gpu_compiled_backends_fp32(case):
             if handle is not None:
                 handle.remove()
     reference, kept, moved = steps.values()
+    # Each configuration ran the same step twice: what those two runs differ by is this GPU's own
+    # run-to-run spread (efficient attention's backward sums with atomics). Offloading changes no bit, so
+    # unsloth-compile matches compile exactly where the kernels are deterministic, and within four times
+    # that spread where they are not (a plain bitwise check failed once for Wan in the suite under -n 8,
+    # then passed three times alone).
+    spread = 4 * max(_spread(*runs) for runs in (reference, kept, moved))
     for a, b, c in zip(reference, kept, moved):
-        assert_same_step(a, b, atol=1e-5, what=f"{case.name} compile vs eager")
-        assert_same_step(b, c, what=f"{case.name} unsloth-compile vs compile")  # offload: bit for bit
+        assert_same_step(a, b, atol=max(1e-5, spread), what=f"{case.name} compile vs eager")
+        assert_same_step(b, c, atol=spread, what=f"{case.name} unsloth-compile vs compile")
 
 
 @pytest.mark.parametrize(("case", "config"), MATRIX, ids=[f"{c.name}-{config_id(k)}" for c, k in MATRIX])
