@@ -182,10 +182,11 @@ class PatchHandle:
         self._install_regions()
 
     def offload_pending(self) -> bool:
-        """True while an offload configuration cannot offload yet: the model is still on the CPU."""
-        from .offload import cpu_allowed
+        """True while an offload configuration cannot offload yet: the model is still on the CPU.
 
-        return bool(self.engines) and device_type(self.model) == "cpu" and not cpu_allowed()
+        Asked of the engines, not of the test switch at call time: an engine made in the CPU test mode
+        offloads a CPU model wherever it runs, and one made outside it never does."""
+        return device_type(self.model) == "cpu" and any(not engine.test_mode for engine in self.engines.values())
 
     def _offload_what(self) -> str:
         return " and ".join(self.plan.strategy.offloaded())

@@ -96,7 +96,8 @@ def test_other_errors_in_a_cell_are_recorded(monkeypatch):
 def test_payload_and_cpu_table_and_chart(results, tmp_path):
     rows = report.with_ratios(results)
     doc = json.loads(json.dumps(report.payload(rows, b.synthetic_title("cpu"), device="cpu", steps=1)))
-    assert set(doc) == {"title", "device", "memory", "family", "preset", "steps", "depth", "full_depth", "rows"}
+    assert set(doc) == {"title", "device", "memory", "family", "preset", "steps", "base", "lora", "weights_gib", "depth",
+                        "full_depth", "rows"}
     assert doc["device"] == "cpu" and doc["memory"] == report.MEMORY_CPU and "CPU" in doc["title"]
     assert all(set(r) == ROW_KEYS for r in doc["rows"])
     text = report.to_markdown(rows, cpu=True)
@@ -125,7 +126,6 @@ def _cpu_measure(blocks: int = 4, tokens: int = 64, dim: int = 128):
     torch.manual_seed(0)
     model = SyntheticStack(blocks, dim).requires_grad_(False)
     x = torch.randn(1, tokens, dim)
-    params = {id(p) for p in model.parameters()}
     forwards = [0]
     for block in model.blocks:
         for sub in (block.attn, block.ffn):
@@ -141,7 +141,7 @@ def _cpu_measure(blocks: int = 4, tokens: int = 64, dim: int = 128):
         try:
             forwards[0] = 0
             inp = x.detach().requires_grad_(True)
-            with count_saved_bytes(params) as saved:
+            with count_saved_bytes(model) as saved:
                 out = model(inp)
             out.square().mean().backward()
             return saved[0] / MiB, float(forwards[0])
@@ -215,13 +215,13 @@ def test_counting_saved_bytes_keeps_autograds_in_place_check():
     x = torch.randn(4, requires_grad=True)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         x.exp().add_(1).sum().backward()  # plain autograd
-    with count_saved_bytes(set()) as saved:
+    with count_saved_bytes() as saved:
         y = x.exp()
     assert saved[0] == 16
     y.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation.*saved at version 0 is at version 1"):
         y.sum().backward()
-    with count_saved_bytes(set()):
+    with count_saved_bytes():
         z = x.exp()
     z.sum().backward()  # untouched: backward runs
     assert torch.equal(x.grad, x.detach().exp())

@@ -57,6 +57,8 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from .state import is_wrapper, state_storages, storages
+
 
 class Store(Protocol):
     """Where the engine copies offloaded bytes: host buffers handed out and taken back.
@@ -222,7 +224,8 @@ class OffloadEngine:
         return streams
 
     def watch(self, model: nn.Module) -> None:
-        """Never offload this model's parameters or buffers (they stay on the GPU regardless)."""
+        """Never offload this model's parameters or buffers (they stay on the GPU regardless), nor the inner and
+        attached tensors of quantized weights (:mod:`gradseam.offload.state`)."""
         self._model = weakref.ref(model)
         self._key_refs, self._excluded_key, self._excluded = None, (), set()
 
@@ -244,16 +247,17 @@ class OffloadEngine:
         # address. Weak references, so the engine never keeps a dropped model's weights alive.
         if self._key_refs is not None:
             firsts = [r() for r in self._key_refs]
-            if all(t is not None for t in firsts) and tuple(map(_storage_ptr, firsts)) == self._excluded_key:
+            if all(t is not None for t in firsts) and _first_storages(firsts) == self._excluded_key:
                 return self._excluded
         tensors = [*model.parameters(), *model.buffers()]
-        self._excluded = {_storage_ptr(t) for t in tensors}
+        self._excluded = state_storages(tensors)
         self._key_refs = [weakref.ref(t) for t in tensors[:4]]
-        self._excluded_key = tuple(_storage_ptr(t) for t in tensors[:4])
+        self._excluded_key = _first_storages(tensors[:4])
         return self._excluded
 
     def _offloadable(self, t: torch.Tensor, state: set[int]) -> bool:
-        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or t.layout is not torch.strided:
+        if (isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or t.layout is not torch.strided
+                or is_wrapper(t)):
             return False
         if t.device.type != "cuda" and not (self.test_mode and t.device.type == "cpu"):
             return False
@@ -453,15 +457,9 @@ class OffloadEngine:
                 "loads": self.loads}
 
 
-def _storage_ptr(t: torch.Tensor) -> int:
-    """Where a parameter's bytes live; FSDP2's sharded parameters are DTensors, whose wrapper has
-    no storage of its own (the local shard has), and a resharded parameter may have none at all."""
-    if hasattr(t, "to_local"):
-        t = t.to_local()
-    try:
-        return t.untyped_storage().data_ptr()
-    except RuntimeError:
-        return 0
+def _first_storages(tensors: list[torch.Tensor]) -> tuple[int, ...]:
+    """Where the first few parameters' bytes live: when they moved, the model's state is listed again."""
+    return tuple(ptr for t in tensors for ptr in storages(t))
 
 
 def _fresh_engine(store: Store, min_bytes: int, device_test_mode: bool, model: nn.Module | None) -> OffloadEngine:

@@ -91,8 +91,7 @@ def run_step(model: nn.Module, case: Case, *, seed: int = 1, count_bytes: bool =
     """
     model.zero_grad(set_to_none=True)
     inputs = case.inputs(torch.Generator().manual_seed(seed))
-    params = {id(p) for p in model.parameters()}
-    with count_saved_bytes(params) if count_bytes else nullcontext([0]) as saved:
+    with count_saved_bytes(model) if count_bytes else nullcontext([0]) as saved:
         outputs = as_tuple(case.output(model(**inputs)))
     loss = sum(o.float().square().mean() for o in outputs)
     loss.backward()  # type: ignore[union-attr]

@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..offload.state import plain_parts, state_storages
+
 GiB = 1 << 30
 MiB = 1 << 20
 
@@ -85,22 +87,25 @@ def grad_leaves(inputs: Any) -> list[torch.Tensor]:
 
 
 @contextmanager
-def count_saved_bytes(params: set[int]) -> Iterator[list[int]]:
-    """Bytes of distinct storages autograd keeps from forward to backward (parameters excluded).
+def count_saved_bytes(model: nn.Module | None = None) -> Iterator[list[int]]:
+    """Bytes of distinct storages autograd keeps from forward to backward, ``model``'s own state excluded.
 
     Around a non-reentrant checkpoint these hooks see only what the checkpoint keeps (its
     inputs), so the count is exactly what a strategy leaves in memory between the two passes.
+    The model's state is told apart by storage, as the offload engine tells it
+    (:mod:`gradseam.offload.state`): Linear layers save ``weight.t()`` (a view of the parameter's
+    bytes), and a compiled block with quantized weights saves their inner tensors, plain tensors
+    that are still the weights.
     """
+    state = state_storages([*model.parameters(), *model.buffers()]) if model is not None else set()
     seen: set[tuple[int, int]] = set()
     total = [0]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        # Linear layers save ``weight.t()``: a view that owns no memory beyond the parameter's.
-        base = t._base
-        if id(t) not in params and not isinstance(t, nn.Parameter) and not (base is not None and id(base) in params):
-            storage = t.untyped_storage()
+        for part in plain_parts(t):
+            storage = part.untyped_storage()
             key = (storage.data_ptr(), storage.nbytes())
-            if key not in seen and storage.nbytes() > 0:
+            if key[0] not in state and key not in seen and storage.nbytes() > 0:
                 seen.add(key)
                 total[0] += storage.nbytes()
         # Not ``t`` itself: a saved output holding itself would form a cycle through autograd's C++
@@ -148,7 +153,6 @@ def forward_backward(
     """
     loss_fn = loss_fn or default_loss
     leaves = grad_leaves(inputs)
-    params = {id(p) for p in model.parameters()} if count_saved else set()
     if phases is None:
         phases = not count_saved and any(t.is_cuda for t in tensors(dict(inputs)))
 
@@ -166,7 +170,7 @@ def forward_backward(
         if not count_saved:
             loss_fn(model(**inputs)).backward()
             return 0
-        with count_saved_bytes(params) as saved:
+        with count_saved_bytes(model) as saved:
             out = model(**inputs)
         loss_fn(out).backward()
         return saved[0]
