@@ -51,17 +51,20 @@ from __future__ import annotations
 
 import contextlib
 import types
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from ..backends import CATALOG
 from ..errors import UnsupportedStrategyError, warn_once
 from ..kinds import siblings
 from ..kinds.compiled import refuse_layerwise_casting
 from ..modules import device_type, resolve
+from ..offload.state import is_wrapper
 from .chains import ChainStats
 from .compiler import (
     allow_retained_graph,
@@ -109,6 +112,28 @@ def _block_forward(function: Callable[..., Any], module: Any, args: tuple, kwarg
     return function(module, *args, **kwargs)
 
 
+def _block_forward_own_outputs(function: Callable[..., Any], module: Any, args: tuple, kwargs: dict) -> Any:
+    """The block's forward, each tensor it returns cloned, so no two alias one another or an input.
+
+    For blocks holding tensor-subclass weights (torchao's Float8Tensor and Int8Tensor, optimum-quanto's
+    WeightQBytesTensor): AOTAutograd refuses any output aliasing in a graph with tensor-subclass inputs
+    ("two graph outputs that alias one another"), and Flux's single-stream block returns its text and
+    image tokens as two slices of one tensor, so neither ``torch.compile(block)`` nor
+    :func:`_block_forward` compiles it. Every output is cloned, because which ones alias cannot be read
+    inside the trace (``_is_view`` is not traced); a clone is the identity both ways, so values and
+    gradients are the same bits, and inductor writes a clone of a pointwise result straight into its own
+    buffer. Only for such blocks: elsewhere the clones would be a change for nothing, and where a graph
+    break ends the block (diffusers' group offloading hooks) the clones would land in a graph of their own,
+    hiding the block's parameters from :mod:`gradseam.run.unused`.
+    """
+    return tree_map_only(torch.Tensor, torch.clone, function(module, *args, **kwargs))
+
+
+def holds_subclass_weights(block: nn.Module) -> bool:
+    """Whether a parameter or buffer of ``block`` is a wrapper tensor subclass (a quantized weight)."""
+    return any(is_wrapper(t) for t in (*block.parameters(), *block.buffers()))
+
+
 def _fresh(function: types.FunctionType) -> types.FunctionType:
     """A copy of ``function`` with a code object of its own (so a cache of its own)."""
     return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__)
@@ -126,7 +151,9 @@ class CompiledBlocks:
         self.engine = engine
         self.backend = backend  # the catalog name, for messages
         self.unused = UnusedOutputs()  # an output the loss leaves unused: None gradients, as in eager
-        self._compiled: dict[tuple[str, bool], Callable[..., Any]] = {}
+        self._compiled: dict[tuple[str, bool, bool], Callable[..., Any]] = {}
+        # per block: whether it holds tensor-subclass weights, read again at each new input shape (a compile)
+        self._subclass_weights: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
         self._eager: dict[int, tuple[nn.Module, Any, Callable[..., Any]]] = {}  # id(sub) -> (sub, inner, wrapper)
         self._shapes: set[tuple] = set()  # the input shapes seen with gradients, up to the recompile limit
         self._past_limit = False
@@ -179,12 +206,14 @@ class CompiledBlocks:
             )
         return True
 
-    def compiled(self, device: str, outside: bool = False) -> Callable[..., Any]:
+    def compiled(self, device: str, outside: bool = False, own_outputs: bool = False) -> Callable[..., Any]:
         """The compiled block function for ``device``; ``outside``: the one whose blocks run their attention
-        eagerly (its own code object, so graphs with and without the break never evict each other)."""
-        found = self._compiled.get((device, outside))
+        eagerly; ``own_outputs``: the one that clones what the block returns (blocks with quantized weights,
+        :func:`_block_forward_own_outputs`). Each its own code object, so their graphs never evict each other."""
+        found = self._compiled.get((device, outside, own_outputs))
         if found is None:
-            found = self._compiled[device, outside] = compile_block_function(_fresh(_block_forward), device)
+            body = _block_forward_own_outputs if own_outputs else _block_forward
+            found = self._compiled[device, outside, own_outputs] = compile_block_function(_fresh(body), device)
         return found
 
     def functions(self) -> list[Callable[..., Any]]:
@@ -233,13 +262,16 @@ class CompiledBlocks:
         new_shape = not self._past_limit and self._note_shapes(args, kwargs)
         if new_shape:  # before a compile: layerwise casting enabled after patching is refused as at patch time
             refuse_layerwise_casting(original.module, self.backend)
+        own_outputs = self._subclass_weights.get(original.module)
+        if own_outputs is None or new_shape:
+            own_outputs = self._subclass_weights[original.module] = holds_subclass_weights(original.module)
         previous = original.previous
         function, module = (_call_previous, previous) if previous is not None else (original.function, original.module)
         device = device_type(original.module)
         subs = _attention_modules(original.module, attention) if attention and broadcast_mask(args, kwargs) else []
         if subs:
             stats.notes[ATTENTION_OUTSIDE] += 1
-        compiled = self.compiled(device, outside=bool(subs))
+        compiled = self.compiled(device, outside=bool(subs), own_outputs=own_outputs)
         try:
             with compiling(self.budget), self._attention_eager(subs) if subs else contextlib.nullcontext():
                 if self.engine is None:
