@@ -58,6 +58,8 @@ SLOW_TESTS = {  # by function name, in any file (every parametrization)
     "test_bench_workload_truncates_steps_and_patches_exactly", "test_workload_builds_truncates_and_steps",
     "test_compiled_blocks_match_compiled_unpatched",  # test_stack.py: compiles
     "test_patching_a_model_loads_no_tool",  # a subprocess
+    "test_the_saved_bytes_count_leaves_quantized_weights_out",  # compiles
+    "test_compiled_blocks_leave_hidreams_eval_routed_gates_without_a_gradient_as_eager",  # compiles
     "test_bench_family_sweep_writes_full_depth_rows",  # a bench --family sweep, end to end
 }
 SLOW_FIXTURES = {  # (file, fixture): tests using the fixture are slow
@@ -69,7 +71,7 @@ SLOW_FIXTURES = {  # (file, fixture): tests using the fixture are slow
 MATRIX_FILES = {
     "test_conformance.py", "test_lifecycle.py", "test_faults.py", "test_peft.py", "test_numerics.py",
     "test_offload.py", "test_stack.py", "test_hostile.py", "test_loading.py", "test_image_families.py",
-    "test_video_families.py", "test_exactness.py", "test_patch_api.py",
+    "test_video_families.py", "test_exactness.py", "test_patch_api.py", "test_quantized.py",
 }
 
 

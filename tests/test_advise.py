@@ -343,3 +343,27 @@ def test_advise_and_bench_name_a_configuration_alike():
     bench = {key(config): label for label, config in rows if config is not None} | {key({}): "none"}
     for label, config in LADDER:  # every rung of the ladder is also a bench row
         assert bench.get(key(config)) in (label, "ref: " + label), (label, bench.get(key(config)))
+
+
+def test_workload_on_a_quantized_base_trains_only_its_lora():
+    """``build(base=, lora=)`` (bench's --base/--lora): the blocks' Linear weights quantized in place and
+    stored smaller, a LoRA on the attention projections the only trainable parameters, and a step
+    reaches them; the label says both."""
+    pytest.importorskip("torchao")
+    pytest.importorskip("peft")
+    from gradseam.tools.bases import weight_bytes
+    from gradseam.tools.checks import find_family
+    from gradseam.tools.measure import forward_backward
+    from gradseam.tools.workloads import blocks, build
+
+    family = _tiny(find_family("flux"), *TINY["flux"])
+    plain = build(family, "tiny", device="cpu", dtype=torch.float32)
+    workload = build(family, "tiny", device="cpu", dtype=torch.float32, base="torchao-int8", lora=4)
+    kept = blocks(workload.model, family)
+    assert type(kept[0].attn.to_q.base_layer.weight).__name__ == "Int8Tensor"
+    assert sum(map(weight_bytes, kept)) < sum(map(weight_bytes, blocks(plain.model, family)))
+    trainable = {n for n, p in workload.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert workload.label(16).endswith("torchao-int8, LoRA r=4)")
+    forward_backward(workload.model, workload.inputs())()
+    assert all(p.grad is not None for n, p in workload.model.named_parameters() if n in trainable)

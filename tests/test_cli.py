@@ -129,6 +129,37 @@ def test_bench_skip_row_runs_every_other_row(monkeypatch):
     assert seen["rows"] == [n for n, _ in real_rows() if n not in ("ref: save_on_cpu", "torch")]
 
 
+def test_bench_base_and_lora_reach_the_workload(monkeypatch, tmp_path):
+    """--base and --lora go to bench.real (the quantized base and the LoRA rank); a base bench does not
+    know is refused naming every one it does, and both need --family."""
+    from gradseam.tools import bench, cli
+    from gradseam.tools.bases import BASES
+    from gradseam.tools.depth import DepthPlan
+    from gradseam.tools.results import RealRun, Result
+
+    seen = {}
+
+    def fake_real(family, preset, **kwargs):
+        seen.update(kwargs)
+        kwargs["on_build"](RealRun(DepthPlan({"blocks": 4}), (1, 2), 4, weights_gib=11.123))
+        kwargs["on_row"](Result("flux dev (16 seq, bnb-nf4, LoRA r=16)", 16, "none", 1.0, 2.0, depth=1))
+        raise gradseam.GradseamError("stop here")
+
+    monkeypatch.setattr(cli, "_need_cuda", lambda *args: None)
+    monkeypatch.setattr(bench, "real", fake_real)
+    path = tmp_path / "b.json"
+    assert "stop here" in _invoke("bench", "--family", "flux", "--base", "bnb-nf4", "--lora", "16",
+                                  "--json", str(path)).output
+    assert seen["base"] == "bnb-nf4" and seen["lora"] == 16
+    doc = json.loads(path.read_text())  # the partial file a row writes says what was measured on
+    assert (doc["base"], doc["lora"], doc["weights_gib"]) == ("bnb-nf4", 16, 11.12)
+    result = _invoke("bench", "--family", "flux", "--base", "int4")
+    assert result.exit_code == 2 and "'int4'" in result.output and all(name in result.output for name in BASES)
+    assert "need --family" in _invoke("bench", "--base", "bnb-nf4").output
+    result = _invoke("bench", "--family", "flux", "--lora", "0")
+    assert result.exit_code == 2 and "LoRA rank >= 1, got 0" in result.output
+
+
 def test_bench_option_errors():
     result = _invoke("bench", "--depths", "2,4")
     assert result.exit_code == 2 and "need --family" in result.output
@@ -157,7 +188,8 @@ def test_bench_synthetic_on_cpu_writes_json_and_png(tmp_path):
 
     result, doc, path = _bench_json(tmp_path)
     # the documented schema (gradseam.tools.bench's module docstring)
-    assert set(doc) == {"title", "device", "memory", "family", "preset", "steps", "depth", "full_depth", "rows"}
+    assert set(doc) == {"title", "device", "memory", "family", "preset", "steps", "base", "lora", "weights_gib",
+                        "depth", "full_depth", "rows"}
     assert doc["device"] == "cpu" and "CPU" in doc["title"] and doc["memory"] == MEMORY_CPU
     assert doc["family"] is None and doc["steps"] == 1
     assert all(set(r) == ROW_KEYS for r in doc["rows"])

@@ -22,6 +22,8 @@ The package is the kit's public surface (everything in ``__all__``); its modules
 * :mod:`~gradseam.testing.checks`: the checks (``check_strategy``, ``check_no_grad``, ...);
 * :mod:`~gradseam.testing.matrices`: the configuration matrices, full and reduced, and their test ids;
 * :mod:`~gradseam.testing.facts`: the one place the kit reads the backend catalog and the strategy;
+* :mod:`~gradseam.testing.quantized`: a case with its blocks quantized (LoRA on a quantized base), checked
+  against its unpatched twin (``check_quantized``; optional: ``pip install 'gradseam[quant]'``);
 * :mod:`~gradseam.testing.suite` and :mod:`~gradseam.testing.plugin`: the pytest suite a plugin
   subclasses, and the kit as a pytest plugin.
 
@@ -53,15 +55,17 @@ from .plugin import (
     pytest_configure,
     pytest_terminal_summary,
 )
+from .quantized import QUANTIZED_BASES, check_quantized, quantized_case
 from .regions import assert_regions_ran, assert_regions_whole, record_regions
 from .steps import Case, Inputs, Step, assert_same_step, randn, run_step
 from .suite import ConformanceSuite
 
 __all__ = [
-    "COMPILED_MARK", "COMPILED_TOLERANCE", "MARKERS", "Case", "ConformanceSuite", "Inputs", "KernelMap", "KernelSite",
-    "ParityReport", "RegionView", "Step", "assert_attention_side_covers_kernels", "assert_regions_ran",
-    "assert_regions_whole", "assert_same_step", "assert_seams_hold_no_attention", "check_bench_workload",
-    "check_declared_sides", "check_no_grad", "check_strategy", "config_id", "count_kernels", "count_saved_bytes",
-    "cpu_configs", "locate_kernels", "offload_configs", "pick", "pytest_collection_modifyitems", "pytest_configure",
-    "pytest_terminal_summary", "randn", "record_regions", "reduced_configs", "reduced_offload_configs", "run_step",
+    "COMPILED_MARK", "COMPILED_TOLERANCE", "MARKERS", "QUANTIZED_BASES", "Case", "ConformanceSuite", "Inputs",
+    "KernelMap", "KernelSite", "ParityReport", "RegionView", "Step", "assert_attention_side_covers_kernels",
+    "assert_regions_ran", "assert_regions_whole", "assert_same_step", "assert_seams_hold_no_attention",
+    "check_bench_workload", "check_declared_sides", "check_no_grad", "check_quantized", "check_strategy", "config_id",
+    "count_kernels", "count_saved_bytes", "cpu_configs", "locate_kernels", "offload_configs", "pick",
+    "pytest_collection_modifyitems", "pytest_configure", "pytest_terminal_summary", "quantized_case", "randn",
+    "record_regions", "reduced_configs", "reduced_offload_configs", "run_step",
 ]

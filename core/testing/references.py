@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..offload.state import state_parts
 from .kernels import KernelMap, locate_kernels
 from .steps import Case, Step, run_step
 
@@ -155,10 +156,15 @@ def _feed(h: Any, value: Any) -> None:
     """Add ``value`` to the digest: tensors by dtype, shape, ``requires_grad`` and bytes, containers item by
     item, anything else by its type and ``repr`` (a ``repr`` that names an address only misses the cache)."""
     if isinstance(value, torch.Tensor):
-        t = value.detach()
-        h.update(f"<T {t.dtype} {tuple(t.shape)} {value.requires_grad} {t.device.type}>".encode())
-        if t.device.type != "meta" and t.numel():
-            h.update(t.reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        h.update(f"<T {type(value).__qualname__} {value.dtype} {tuple(value.shape)} {value.requires_grad} "
+                 f"{value.device.type}>".encode())
+        # through the plain tensors that hold the bytes: a quantized weight's inner tensors (a wrapper
+        # subclass cannot be viewed as bytes) and the block scales hung on it (gradseam.offload.state)
+        for part in state_parts([value]):
+            t = part.detach()
+            h.update(f"<{t.dtype} {tuple(t.shape)}>".encode())
+            if t.device.type != "meta" and t.numel():
+                h.update(t.reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
     elif isinstance(value, Mapping):
         h.update(f"<{type(value).__qualname__}".encode())
         for k in sorted(value, key=repr):

@@ -11,15 +11,16 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any, ClassVar
 
 from ..config import CheckpointConfig
 from ..tools.named_strategies import BACKEND, OFFLOAD_ATTENTION, ON
 from .checks import check_declared_sides, check_no_grad, check_strategy
-from .facts import backends, compiles
+from .facts import backends, compiles, moves_to_host, strategy_for
 from .matrices import config_id, cpu_configs, offload_configs, reduced_configs, reduced_offload_configs
 from .plugin import use_as_pytest_plugin
+from .quantized import QUANTIZED_BASES, UnpatchedFailure, check_quantized, unavailable
 from .steps import Case
 
 
@@ -67,6 +68,11 @@ class ConformanceSuite:
     False`` if the case's inputs make chunks fall back on purpose, or ``atol`` to compare with a
     tolerance instead of bit for bit (never needed on the CPU so far).
 
+    ``test_quantized_base`` runs the model with its blocks quantized (LoRA-style training on a quantized,
+    frozen base: :mod:`gradseam.testing.quantized`) for each base of ``quantized_bases`` whose library is
+    installed (``pip install 'gradseam[quant]'``; skipped, saying so, otherwise); set it to ``()`` to leave
+    those rows out, or to other names of :data:`gradseam.tools.bases.BASES`.
+
     Nothing else to set up: collecting a suite registers the kit as a pytest plugin, which declares
     the ``compiled`` marker of the compiled-backend rows and leaves those rows out unless ``-m`` selects
     them (``-m compiled``).
@@ -79,6 +85,9 @@ class ConformanceSuite:
     reduced_offload: ClassVar[bool | None] = None  # None: as ``reduced``
     whole_regions: ClassVar[bool] = True
     atol: ClassVar[float] = 0.0
+    # None: QUANTIZED_BASES for a suite that runs its full matrices, none for a reduced one (an input variant:
+    # the quantized rows check the model's weights, which a variant of the inputs does not change)
+    quantized_bases: ClassVar[tuple[str, ...] | None] = None
 
     @classmethod
     def family(cls) -> Any:
@@ -109,6 +118,35 @@ class ConformanceSuite:
         matrix = reduced_offload_configs if reduced else offload_configs
         return matrix(ffn=family.has_ffn, interval=family.supports_interval, attention=family.has_attention)
 
+    @classmethod
+    def quantized_configs(cls) -> list[tuple[str, dict[str, Any]]]:
+        """The rows of ``test_quantized_base``, as (base, config), drawn from the suite's own rows (so a suite
+        that chose its rows gets no other mechanism with a quantized base): whole blocks checkpointed (the
+        first row of ``test_strategy`` that moves nothing), offloaded (the first of ``test_offload``), and
+        compiled (the suite's compiled row that offloads, else its other one; marked ``compiled``). The
+        first base of ``quantized_bases`` runs all three; each further base the offloaded row alone, the one
+        that must tell the base's weights from activations in every family (checkpointing alone reads the
+        weights as the unpatched model does, and a compiled row costs seconds to minutes per family)."""
+        bases = cls.quantized_bases
+        if bases is None:
+            bases = () if cls.reduced or cls.reduced_offload else QUANTIZED_BASES
+        if not bases:
+            return []
+        from ..tools.bases import BASES
+
+        unknown = [b for b in bases if b not in BASES]
+        if unknown:
+            raise ValueError(f"{cls.__name__}.quantized_bases names unknown bases {unknown}; the bases are: "
+                             f"{', '.join(BASES)}")
+        eager = [c for c in cls.strategy_configs() if not compiles(c) and not moves_to_host(strategy_for(c))][:1]
+        offload = [c for c in cls.offload_configs() if not compiles(c)][:1]
+        compiled = sorted((c for c in cls.strategy_configs() + cls.offload_configs() if compiles(c)),
+                          key=lambda c: not moves_to_host(strategy_for(c)))[:1]
+        rows = []
+        for i, base in enumerate(bases):
+            rows += [(base, copy.deepcopy(c)) for c in (eager + offload + compiled if i == 0 else offload)]
+        return rows
+
     def pytest_generate_tests(self, metafunc: Any) -> None:
         use_as_pytest_plugin(metafunc.config)  # the kit's marker, before any test is marked with it
         kind = getattr(metafunc.function, "conformance_configs", None)
@@ -116,6 +154,16 @@ class ConformanceSuite:
             return
         import pytest
 
+        if kind == "quantized":
+            rows = self.quantized_configs()
+            params = [pytest.param(base, c, marks=[pytest.mark.compiled] if compiles(c) else [],
+                                   id=f"{base}-{config_id(c)}") for base, c in rows]
+            if not params:  # one skipped row saying why, rather than pytest's "empty parameter set"
+                params = [pytest.param(None, None, id="off", marks=pytest.mark.skip(
+                    reason="no quantized bases: quantized_bases is empty, as it is by default for a reduced suite "
+                           "(an input variant); set it to run the quantized rows"))]
+            metafunc.parametrize(("base", "config"), params)
+            return
         configs = self.strategy_configs() if kind == "strategy" else self.offload_configs()
         params = [pytest.param(copy.deepcopy(c), marks=[pytest.mark.compiled] if compiles(c) else [])
                   for c in configs]
@@ -157,6 +205,26 @@ class ConformanceSuite:
 
         with cpu_test_mode(), _matrix_warnings():
             check_strategy(self.case, config, atol=self.atol, whole=self.whole_regions)
+
+    @_over("quantized")
+    def test_quantized_base(self, base: str, config: dict[str, Any]) -> None:
+        """The same with the blocks' Linear layers quantized (frozen) and the rest of the model training, against
+        the unpatched quantized twin (:func:`~gradseam.testing.quantized.check_quantized`): quantized weights and
+        their inner and side tensors are never offloaded nor counted as kept, and compiled blocks compile with
+        them. Skipped when the base's library is missing, or when the quantized model fails unpatched."""
+        import pytest
+
+        from ..offload import cpu_test_mode
+
+        why = unavailable(base)
+        if why:
+            pytest.skip(why)
+        mode = cpu_test_mode() if moves_to_host(strategy_for(config)) else nullcontext()
+        try:
+            with mode, _matrix_warnings():
+                check_quantized(self.case, base, config, atol=self.atol, whole=self.whole_regions)
+        except UnpatchedFailure as exc:
+            pytest.skip(str(exc))
 
     def test_no_grad(self) -> None:
         """Sampling under ``torch.no_grad()`` is untouched by a patch."""

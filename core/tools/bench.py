@@ -360,6 +360,8 @@ def real(
     device: str = "cuda",
     dtype: torch.dtype | None = None,
     on_build: Callable[[RealRun], None] | None = None,
+    base: str | None = None,
+    lora: int | None = None,
 ) -> RealRun:
     """Every row on a family preset's real-size model (random weights, built on ``device``).
 
@@ -367,8 +369,10 @@ def real(
     :mod:`gradseam.tools.depth`), and with ``full=True`` also at the full depth. Rows whose
     pinned host memory, predicted from the fit, would exceed what the machine can pin are ruled
     out at the full depth rather than tried; ``full_rows`` limits the rows measured at the full
-    depth (compiling a full model per row is slow), the others are predicted there.
+    depth (compiling a full model per row is slow), the others are predicted there. ``base`` and
+    ``lora``: a quantized base and a LoRA trained on it (:func:`gradseam.tools.workloads.build`).
     """
+    from .bases import weight_bytes
     from .host import available_gib
     from .workloads import blocks as list_blocks
     from .workloads import build, sequence_length
@@ -376,11 +380,13 @@ def real(
     chosen = real_rows(rows)
     at_full = real_rows(full_rows) if full_rows is not None else chosen
     dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
-    workload = build(family, preset, device=device, dtype=dtype, depth=None if full else "fit", depths=depths)
+    workload = build(family, preset, device=device, dtype=dtype, depth=None if full else "fit", depths=depths,
+                     base=base, lora=lora)
     plan = workload.plan
     fit_depths = workload.fit_depths or (depths if isinstance(depths, tuple) else parse_depths(depths, plan.full))
     target = full_depth or plan.full
-    run = RealRun(plan, fit_depths, target, host_available_gib=available_gib())
+    run = RealRun(plan, fit_depths, target, host_available_gib=available_gib(),
+                  weights_gib=weight_bytes(workload.model) / GiB + workload.dropped_gib)
     if on_build is not None:
         on_build(run)
     measured_depths = [*fit_depths, *([plan.full] if full and plan.full not in fit_depths else [])]
@@ -388,7 +394,7 @@ def real(
     for count in tokens or [None]:
         inputs = workload.inputs(count)
         seq = sequence_length(workload.model, workload.family, inputs)
-        label = f"{workload.family.name} {workload.preset_name} ({seq} seq)"
+        label = f"{workload.family.name} {workload.preset_name} ({seq} seq{workload.weights_note})"
         if not cpu:
             torch.cuda.synchronize()
             run.static_gib = torch.cuda.memory_allocated() / GiB

@@ -7,6 +7,9 @@ The JSON written by ``gradseam bench`` (see :func:`payload`)::
       "device": "cuda" | "cpu",
       "memory": str,           # what peak_gib measures (MEMORY_GPU or MEMORY_CPU)
       "family": str | null, "preset": str | null, "steps": int,
+      "base": str | null,      # real models: the quantized base (gradseam.tools.bases), null for bf16 weights
+      "lora": int | null,      # real models: the rank of the LoRA trained, null for frozen weights
+      "weights_gib": float | null,  # real models: the full model's weights as stored
       "depth": null | {        # real models only
         "full": int,           # the depth the full_depth rows speak for (units, see gradseam.tools.depth)
         "blocks": str,         # what that depth is in blocks, e.g. "19 + 38 blocks"
@@ -165,13 +168,14 @@ def depth_info(run: RealRun, measured_full: bool) -> dict[str, Any]:
 def payload(
     rows: list[dict[str, Any]], title: str, *, device: str = "cuda", family: str | None = None,
     preset: str | None = None, steps: int = 5, depth: dict[str, Any] | None = None,
-    full_depth: list[dict[str, Any]] | None = None,
+    full_depth: list[dict[str, Any]] | None = None, base: str | None = None, lora: int | None = None,
+    weights_gib: float | None = None,
 ) -> dict[str, Any]:
     """The JSON document ``gradseam bench`` writes (schema in this module's docstring)."""
     return {
         "title": title, "device": device, "memory": MEMORY_CPU if device == "cpu" else MEMORY_GPU,
-        "family": family, "preset": preset, "steps": steps, "depth": depth, "full_depth": full_depth,
-        "rows": rows,
+        "family": family, "preset": preset, "steps": steps, "base": base, "lora": lora, "weights_gib": weights_gib,
+        "depth": depth, "full_depth": full_depth, "rows": rows,
     }
 
 

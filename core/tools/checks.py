@@ -105,7 +105,8 @@ def device_name(device: str | None, option: str = "--device") -> None:
 def bench_options(*, family: str | None, preset: str | None, depths: str | None, full: bool, depth: int | None,
                   full_rows: Sequence[str] | None, tokens: Sequence[int] | None, rows: Sequence[str] | None,
                   skip_rows: Sequence[str] | None, synthetic: bool, blocks: int | None, dim: int | None,
-                  device: str | None, steps: int | None, threads: int | None) -> None:
+                  device: str | None, steps: int | None, threads: int | None, base: str | None = None,
+                  lora: int | None = None) -> None:
     """``gradseam bench``'s options as values: the counts, the options that exclude or need each other,
     the device's name (what needs the family registry, the rows or torch is checked by the command)."""
     at_least("--steps", steps, "a number of timed steps")
@@ -116,8 +117,15 @@ def bench_options(*, family: str | None, preset: str | None, depths: str | None,
     at_least("--depth", depth, "a depth in units of depth")
     if synthetic and family:
         raise OptionError("--synthetic and --family exclude each other.")
-    if family is None and (preset or depths or full or depth or rows or full_rows or skip_rows):
-        raise OptionError("--preset, --depths, --full, --full-row, --depth, --row and --skip-row need --family.")
+    at_least("--lora", lora, "a LoRA rank")
+    if family is None and (preset or depths or full or depth or rows or full_rows or skip_rows or base or lora):
+        raise OptionError("--preset, --depths, --full, --full-row, --depth, --row, --skip-row, --base and --lora "
+                          "need --family.")
+    if base is not None:
+        from .bases import BASES
+
+        if base not in BASES:
+            raise OptionError(f"unknown base {base!r}; the quantized bases are: {', '.join(BASES)}.", "--base")
     if rows and skip_rows:
         raise OptionError("--row and --skip-row exclude each other: name the rows to run, or the rows to leave out.")
     if full_rows and not full:

@@ -391,9 +391,10 @@ class _Sweep:
 
 def _sweep_family(sweep: _Sweep, family: str, preset: str, *, depths: str | None, full: bool, depth: int | None,
                   full_rows: list[str] | None, tokens: list[int] | None, rows: list[str] | None,
-                  skip_rows: list[str] | None, steps: int) -> RealRun:
+                  skip_rows: list[str] | None, steps: int, base: str | None = None,
+                  lora: int | None = None) -> RealRun:
     """The rows chosen (--row, every row but --skip-row's, or all) on the family's real-size model
-    (bench.real); a failure stops the command."""
+    (bench.real), on a quantized ``base`` and with a LoRA where asked; a failure stops the command."""
     from . import bench as b
 
     rows = list(rows) if rows else None
@@ -403,6 +404,7 @@ def _sweep_family(sweep: _Sweep, family: str, preset: str, *, depths: str | None
     per_tokens = len(tokens or [None])
 
     def on_build(built: RealRun) -> None:
+        sweep.meta["weights_gib"] = round(built.weights_gib, 2)
         per_depth = len(b.real_rows(rows)) * per_tokens
         last = len(b.real_rows(full_rows)) * per_tokens if full_rows else per_depth
         sweep.expect(per_depth * len(built.fit_depths) + (last if full else 0))
@@ -410,7 +412,7 @@ def _sweep_family(sweep: _Sweep, family: str, preset: str, *, depths: str | None
     try:
         return b.real(family, preset, depths=depths, full=full, full_depth=depth, full_rows=full_rows,
                       tokens=list(tokens) if tokens else None, rows=rows, steps=steps, on_row=sweep.on_row,
-                      on_build=on_build)
+                      on_build=on_build, base=base, lora=lora)
     except b.DeviceLostError as exc:
         fail(str(exc), code=1)
     except (gradseam.GradseamError, ValueError) as exc:
@@ -487,6 +489,8 @@ def bench(
     png_path: Annotated[Path | None, typer.Option("--png", metavar="FILE", help="chart path (default: the JSON path with .png)")] = None,
     steps: Annotated[int | None, typer.Option(metavar="N", help="timed steps per strategy, median reported (default 5 on GPU, 2 on CPU)")] = None,
     threads: Annotated[int | None, typer.Option(metavar="N", help="synthetic stack on the CPU: torch threads (default: torch's, one per core; 1 gives steadier times on small or busy machines)")] = None,
+    base: Annotated[str | None, typer.Option(metavar="NAME", help="with --family: quantize the blocks' weights as this base (torchao-fp8, torchao-int8, quanto-qfloat8, quanto-qint8, bnb-nf4, bnb-fp4, bnb-int8; needs pip install 'gradseam[quant]')")] = None,
+    lora: Annotated[int | None, typer.Option(metavar="R", help="with --family: train a LoRA of rank R on the attention projections (needs peft) instead of frozen weights")] = None,
 ) -> None:
     """Benchmark every strategy: memory, host memory and step time, side by side with the references.
 
@@ -500,7 +504,7 @@ def bench(
     with refused():
         checks.bench_options(family=family, preset=preset, depths=depths, full=full, depth=depth,
                              full_rows=full_rows, tokens=tokens, rows=rows, skip_rows=skip_rows, synthetic=synthetic,
-                             blocks=blocks, dim=dim, device=device, steps=steps, threads=threads)
+                             blocks=blocks, dim=dim, device=device, steps=steps, threads=threads, base=base, lora=lora)
     fam, preset = _family(family, preset) if family is not None else (None, preset)
     _check_depths(depths)
     with refused():
@@ -526,7 +530,7 @@ def bench(
     if steps is None:
         steps = b.CPU_STEPS if cpu else 5
     title = f"gradseam bench: {fam.name} {preset}" if fam is not None else b.synthetic_title(dev)
-    meta = {"device": dev, "family": family, "preset": preset, "steps": steps}
+    meta = {"device": dev, "family": family, "preset": preset, "steps": steps, "base": base, "lora": lora}
     out = console()
     run = None
     if fam is not None:
@@ -535,7 +539,8 @@ def bench(
         sweep = _Sweep(progress, log, json_path, title, meta)
         if fam is not None:
             run = _sweep_family(sweep, fam.name, preset, depths=depths, full=full, depth=depth,
-                                full_rows=full_rows, tokens=tokens, rows=rows, skip_rows=skip_rows, steps=steps)
+                                full_rows=full_rows, tokens=tokens, rows=rows, skip_rows=skip_rows, steps=steps,
+                                base=base, lora=lora)
             results = run.results
         else:
             results = _sweep_synthetic(sweep, cpu=cpu, blocks=blocks, tokens=tokens, dim=dim, steps=steps,

@@ -37,4 +37,5 @@ class RealRun:
     full_depth: int  # the depth predictions are made for (the preset's, or the one asked for)
     results: list[Result] = field(default_factory=list)
     static_gib: float = 0.0  # weights + inputs at the deepest depth built
+    weights_gib: float = 0.0  # the full model's weights as stored (a quantized base's, not their bf16 size)
     host_available_gib: float | None = None

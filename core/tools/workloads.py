@@ -23,6 +23,7 @@ from torch import nn
 from ..errors import GradseamError
 from ..family import Family, Preset
 from ..modules import resolve
+from .bases import add_lora, quantize, weight_bytes
 from .checks import find_family, find_preset, model_class, parse_depths
 from .depth import DepthPlan, cut, plan_for
 
@@ -56,7 +57,9 @@ class Workload:
     plan: DepthPlan = field(default_factory=lambda: DepthPlan({}))  # of the preset's full model
     depth: int | None = None  # the depth kept (None: every block, or ``layers``)
     fit_depths: tuple[int, int] | None = None  # with ``depths=``: the two depths to fit from
-    dropped_gib: float = 0.0  # weights of the blocks truncation dropped, in ``dtype`` (static memory at full depth)
+    dropped_gib: float = 0.0  # weights of the blocks truncation dropped, as stored (static memory at full depth)
+    base: str | None = None  # a quantized base (gradseam.tools.bases), or None for ``dtype`` weights
+    lora: int | None = None  # the rank of the LoRA trained on it, or None (frozen weights, latents' gradients)
 
     def inputs(self, tokens: int | None = None) -> dict[str, Any]:
         if self.preset.make_inputs is None:
@@ -73,9 +76,14 @@ class Workload:
             return "all blocks"
         return "layers truncated: " + ", ".join(f"{p} {k}/{n}" for p, (k, n) in self.truncated.items())
 
+    @property
+    def weights_note(self) -> str:
+        """How the weights are stored and trained, for labels: '' for frozen ``dtype`` weights."""
+        return "".join((f", {self.base}" if self.base else "", f", LoRA r={self.lora}" if self.lora else ""))
+
     def label(self, tokens: int) -> str:
         cut = f", {self.layers_note}" if self.truncated else ""
-        return f"{self.family.name} {self.preset_name} ({tokens} seq{cut})"
+        return f"{self.family.name} {self.preset_name} ({tokens} seq{cut}{self.weights_note})"
 
 
 def build(
@@ -88,11 +96,15 @@ def build(
     device: str | torch.device = "cuda",
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
+    base: str | None = None,
+    lora: int | None = None,
 ) -> Workload:
     """The preset's model with random weights directly on ``device``, truncated, in ``dtype``, frozen.
 
     ``depth``: keep that many units of depth; ``"fit"`` keeps the deeper of the two fit depths
     (``depths``, as ``"2,4"`` or a pair; default two small ones), recorded in ``fit_depths``.
+    ``base``: quantize the blocks' Linear layers as that base (:data:`gradseam.tools.bases.BASES`);
+    ``lora``: train a LoRA of that rank on the attention projections (:func:`gradseam.tools.bases.add_lora`).
     """
     if layers is not None and depth is not None:
         raise ValueError("layers= and depth= exclude each other: layers keeps the first K of every list, "
@@ -129,12 +141,20 @@ def build(
         truncated = truncate_to(model, plan, depth)
     else:
         truncated = truncate(model, fam, layers) if layers else {}
-    dropped_gib = (before - sum(p.numel() for p in model.parameters())) * dtype.itemsize / (1 << 30)
+    dropped = before - sum(p.numel() for p in model.parameters())
     model = keep_float32(model.to(dtype)).requires_grad_(False)
+    stored = dtype.itemsize  # bytes per parameter as stored, for the dropped blocks' weights
+    if base is not None:
+        kept = blocks(model, fam)
+        numel = sum(p.numel() for b in kept for p in b.parameters())
+        quantize(kept, base, dtype)
+        stored = sum(weight_bytes(b) for b in kept) / max(numel, 1)
+    if lora is not None:
+        add_lora(model, lora, dtype)
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the dropped blocks and the fp32 copies
     return Workload(fam, preset_name, the_preset, model, truncated, device, dtype, plan, depth, fit_depths,
-                    dropped_gib)
+                    dropped * stored / (1 << 30), base, lora)
 
 
 def truncate_to(model: nn.Module, plan: DepthPlan, depth: int) -> dict[str, tuple[int, int]]:
