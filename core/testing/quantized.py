@@ -47,14 +47,12 @@ class UnpatchedFailure(Exception):
 
 
 def unavailable(base: str) -> str | None:
-    """Why ``base`` cannot run here (its library is not installed, or it quantizes on CUDA only), or None."""
+    """Why ``base`` cannot run here (its library is not installed), or None."""
     found = BASES.get(base)
     if found is None:
         raise KeyError(f"unknown quantized base {base!r}; the bases are: {', '.join(BASES)}")
     if not found.available():
         return f"quantized base {base!r} needs {found.library.split('.')[-1]}, which is not installed: {INSTALL}"
-    if found.gpu_only and not torch.cuda.is_available():
-        return f"quantized base {base!r} ({found.words}) quantizes on a CUDA GPU only"
     return None
 
 

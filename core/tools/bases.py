@@ -31,7 +31,6 @@ class Base:
     library: str  # the import name of the library that makes it
     words: str  # what it is, for tables and errors
     apply: Callable[[list[nn.Module], torch.dtype], None]
-    gpu_only: bool = False  # the library quantizes on CUDA only
 
     def available(self) -> bool:
         return importlib.util.find_spec(self.library) is not None
@@ -67,35 +66,47 @@ def _quanto(weights: str) -> Callable[[list[nn.Module], torch.dtype], None]:
     return apply
 
 
+def _swap_linears(modules: list[nn.Module], make: Callable[[nn.Linear], nn.Module]) -> None:
+    """Replace every plain Linear under ``modules`` by ``make(layer)``, quantized on the layer's device.
+
+    bitsandbytes quantizes a weight when it moves to a device, so the new layer is moved there; its
+    ``Params4bit`` does nothing for a move to the CPU it is already on, so there it is asked directly."""
+    for parent, name, layer in _linears(modules):
+        device = layer.weight.device
+        new = make(layer)
+        if layer.bias is not None:
+            new.bias = nn.Parameter(layer.bias.data, requires_grad=False)
+        weight = new.weight
+        if device.type == "cpu" and hasattr(weight, "_quantize") and not getattr(weight, "bnb_quantized", True):
+            new.weight = weight._quantize(device)
+        setattr(parent, name, new.to(device))
+
+
 def _bnb_4bit(quant_type: str) -> Callable[[list[nn.Module], torch.dtype], None]:
     def apply(modules: list[nn.Module], dtype: torch.dtype) -> None:
         import bitsandbytes as bnb
 
-        for parent, name, layer in _linears(modules):
-            device = layer.weight.device
+        def make(layer: nn.Linear) -> nn.Module:
             new = bnb.nn.Linear4bit(layer.in_features, layer.out_features, bias=layer.bias is not None,
                                     compute_dtype=dtype, quant_type=quant_type, device="meta")
-            new.weight = bnb.nn.Params4bit(layer.weight.data.to("cpu" if device.type == "meta" else device),
-                                           requires_grad=False, quant_type=quant_type)
-            if layer.bias is not None:
-                new.bias = nn.Parameter(layer.bias.data, requires_grad=False)
-            # Params4bit quantizes when it moves to a device; on the CPU it is there already, so ask.
-            new.weight = new.weight._quantize(device) if device.type == "cpu" else new.weight.to(device)
-            setattr(parent, name, new)
+            new.weight = bnb.nn.Params4bit(layer.weight.data, requires_grad=False, quant_type=quant_type)
+            return new
+
+        _swap_linears(modules, make)
     return apply
 
 
 def _bnb_8bit(modules: list[nn.Module], dtype: torch.dtype) -> None:
     import bitsandbytes as bnb
 
-    for parent, name, layer in _linears(modules):
-        device = layer.weight.device
+    def make(layer: nn.Linear) -> nn.Module:
         new = bnb.nn.Linear8bitLt(layer.in_features, layer.out_features, bias=layer.bias is not None,
                                   has_fp16_weights=False, device="meta")
+        # Int8Params quantizes as it moves to a device (the CPU included): start from the host copy
         new.weight = bnb.nn.Int8Params(layer.weight.data.to("cpu"), requires_grad=False, has_fp16_weights=False)
-        if layer.bias is not None:
-            new.bias = nn.Parameter(layer.bias.data, requires_grad=False)
-        setattr(parent, name, new.to(device))  # Int8Params quantizes as it moves (to the CPU too)
+        return new
+
+    _swap_linears(modules, make)
 
 
 BASES: dict[str, Base] = {b.name: b for b in (
