@@ -429,3 +429,35 @@ def test_a_quantized_row_without_its_library_is_skipped_naming_the_extra(monkeyp
     with pytest.raises(pytest.skip.Exception, match=r"needs gradseam_no_such_library, which is not installed: "
                                                     r"pip install 'gradseam\[quant\]'"):
         Plain().test_quantized_base("bnb-nf4", UNSLOTH)
+
+
+def test_the_torchao_bases_leave_inductors_tuning_as_it_was():
+    """torchao's quantize_ turns coordinate-descent tuning on for the whole process by default, which made the
+    H200's first compiled step take minutes; the bases quantize without touching it."""
+    need("torchao-int8")
+    from torch._inductor import config as inductor_config
+
+    with inductor_config.patch(coordinate_descent_tuning=False):
+        for name in ("torchao-fp8", "torchao-int8"):
+            BASES[name].apply([torch.nn.Sequential(torch.nn.Linear(64, 64))], torch.float32)
+            assert inductor_config.coordinate_descent_tuning is False, name
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"], ids=["gpu-blocks", "cpu-blocks"])
+def test_compiled_blocks_name_run_time_tuning_once_before_a_cuda_compile(device, monkeypatch):
+    import warnings
+
+    from torch._inductor import config as inductor_config
+
+    from gradseam import errors
+    from gradseam.run.compiler import TUNING_AT_RUN_TIME, warn_tuning_at_run_time
+
+    monkeypatch.setattr(errors, "warned", set())
+    for tuning in (False, True):
+        with inductor_config.patch(coordinate_descent_tuning=tuning), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            warn_tuning_at_run_time(device)
+            warn_tuning_at_run_time(device)
+        said = [str(w.message) for w in caught].count(TUNING_AT_RUN_TIME)
+        assert said == (1 if tuning and device == "cuda" else 0), (tuning, said)
+    assert "set_inductor_config=False" in TUNING_AT_RUN_TIME

@@ -72,6 +72,7 @@ from .compiler import (
     compiling,
     drop_compiled,
     frames_compiled_apart,
+    warn_tuning_at_run_time,
 )
 from .scopes import refuse_transforms
 from .unused import UnusedOutputs
@@ -262,6 +263,7 @@ class CompiledBlocks:
         new_shape = not self._past_limit and self._note_shapes(args, kwargs)
         if new_shape:  # before a compile: layerwise casting enabled after patching is refused as at patch time
             refuse_layerwise_casting(original.module, self.backend)
+            warn_tuning_at_run_time(device_type(original.module))
         own_outputs = self._subclass_weights.get(original.module)
         if own_outputs is None or new_shape:
             own_outputs = self._subclass_weights[original.module] = holds_subclass_weights(original.module)

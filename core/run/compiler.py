@@ -35,6 +35,13 @@ setting that changes what a compiled block computes or keeps has one home. Why e
 * **Hooks are guarded** (``skip_nnmodule_hook_guards`` off): blocks of one class share one compiled
   function, and without the guard a graph traced for a block without hooks served a block whose
   submodule has a forward hook (a REPA-style feature capture), which then never fired.
+* **Run-time kernel tuning is named, not overridden.** With inductor's coordinate-descent tuning on,
+  every kernel of a compiled block is tuned at its first run, compiling each candidate configuration:
+  on the H200 a Flux dev block pair at 4k tokens with torchao fp8 weights had not finished its first
+  step after 110 s (docs/benchmarks.md). torchao's ``quantize_`` turns the setting on for the whole
+  process unless its config says ``set_inductor_config=False``, so a user who never asked for it pays
+  minutes per compile. It is the user's process-wide choice, so gradseam leaves it as it is and says
+  so once (:func:`warn_tuning_at_run_time`), naming the cause and the two ways to turn it off.
 * **The budget is patched in around each call** (it is a global the partitioner reads whenever it
   partitions a graph: the first call and every recompile), so nothing else ever sees it.
 """
@@ -47,6 +54,8 @@ from typing import Any
 
 import torch
 from torch import fx
+
+from ..errors import warn_once
 
 
 def is_random(node: fx.Node) -> bool:
@@ -137,6 +146,26 @@ def compile_block_function(function: Callable[..., Any], device: str) -> Callabl
     else:
         options["joint_custom_pre_pass"] = _inductor_pre_pass()
     return torch.compile(function, backend="inductor", options=options)
+
+
+TUNING_AT_RUN_TIME = (
+    "gradseam: torch._inductor.config.coordinate_descent_tuning is on, so every kernel of the compiled blocks "
+    "is tuned at its first run, one compile per candidate: a real model's first step can take many minutes "
+    "(Flux dev with torchao fp8 weights on an H200: over 110 s for one block pair). torchao's quantize_ turns "
+    "it on for the whole process unless its config says set_inductor_config=False (e.g. "
+    "Float8WeightOnlyConfig(set_inductor_config=False), also through diffusers' TorchAoConfig). Quantize that "
+    "way, or set torch._inductor.config.coordinate_descent_tuning = False before training; gradseam leaves "
+    "the setting as it is."
+)
+
+
+def warn_tuning_at_run_time(device: str) -> None:
+    """Warn once when the blocks about to compile for ``device`` will be tuned at run time (see the module
+    docstring): inductor's coordinate-descent tuning is a CUDA-side cost, the CPU backend generates no code."""
+    from torch._inductor import config as inductor_config
+
+    if device == "cuda" and inductor_config.coordinate_descent_tuning:
+        warn_once(TUNING_AT_RUN_TIME)
 
 
 @contextlib.contextmanager

@@ -51,8 +51,12 @@ def _torchao(config_name: str) -> Callable[[list[nn.Module], torch.dtype], None]
     def apply(modules: list[nn.Module], dtype: torch.dtype) -> None:
         import torchao.quantization as tq
 
+        # set_inductor_config=False: by default quantize_ turns inductor's coordinate-descent tuning on for
+        # the whole process, which makes a compiled training step's first run take minutes on CUDA
+        # (gradseam.run.compiler.TUNING_AT_RUN_TIME); the weights are the same either way
+        config = getattr(tq, config_name)(set_inductor_config=False)
         for module in modules:
-            tq.quantize_(module, getattr(tq, config_name)())
+            tq.quantize_(module, config)
     return apply
 
 
