@@ -400,15 +400,21 @@ def test_in_place_edit_of_a_saved_tensor_raises_as_autograd_would():
         out.sum().backward()
 
 
-def test_a_compiler_failure_is_an_error_naming_the_block_and_the_eager_backends(monkeypatch):
-    """What HiDream hit on the H200 (inductor refused a graph): not a trace from deep in the compiler."""
+@pytest.mark.parametrize("error", ["backend-compiler-failed", "inductor-error"])
+def test_a_compiler_failure_is_an_error_naming_the_block_and_the_eager_backends(error, monkeypatch):
+    """What HiDream hit on the H200 (inductor refused a graph; dynamo wraps it), and torchao's int8 weights
+    under the budget (inductor's own error, raised as is): not a trace from deep in the compiler."""
     from torch._dynamo.exc import BackendCompilerFailed
+    from torch._inductor.exc import InductorError
 
     from gradseam.run.compiled import CompiledBlocks
 
-    def failing(self, device, outside=False, own_outputs=False):
+    def failing(self, device, **variant):
         def call(*args, **kwargs):
-            raise BackendCompilerFailed("inductor", RuntimeError("Found a custom (non-ATen) operator"), None)
+            inner = RuntimeError("Found a custom (non-ATen) operator")
+            if error == "inductor-error":
+                raise InductorError(inner, None)
+            raise BackendCompilerFailed("inductor", inner, None)
 
         return call
 

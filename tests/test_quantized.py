@@ -377,6 +377,59 @@ def test_the_compiled_backends_refuse_layerwise_casting_at_patch_time(case, conf
 
 
 
+
+def _marlin_stand_in() -> type:
+    """A parameter class named and placed as optimum-quanto's Marlin fp8 weight (quanto makes the real one
+    only on a CUDA GPU, with a kernel it builds there)."""
+    return type("MarlinF8QBytesTensor", (torch.nn.Parameter,), {"__module__": "optimum.quanto.tensor.weights.marlin"})
+
+
+@pytest.mark.parametrize("when", ["at-patch-time", "before-the-first-compile"])
+def test_the_compiled_backends_refuse_quanto_marlin_weights(when):
+    """quanto packs qfloat8 weights as Marlin tensors on a GPU, whose kernel dynamo cannot trace: refused at
+    patch time, and before a compile when the packing happens after patching (the model moved to the GPU)."""
+    model = FLUX.fresh()
+    block = model.transformer_blocks[0]
+
+    def pack() -> None:
+        block.ff.net[2].weight = _marlin_stand_in()(block.ff.net[2].weight.detach())
+
+    if when == "at-patch-time":
+        pack()
+        with pytest.raises(UnsupportedStrategyError) as refused:
+            gradseam.patch(model, UNSLOTH_COMPILE)
+        assert gradseam.handle_of(model) is None
+    else:
+        with cpu_test_mode(), gradseam.patch(model, UNSLOTH_COMPILE):
+            pack()
+            with pytest.raises(UnsupportedStrategyError) as refused:
+                run_step(model, FLUX)
+    message = str(refused.value)
+    assert "'unsloth-compile'" in message and "Marlin" in message and "ff.net.2.weight" in message, message
+    assert "'unsloth' with gradient_checkpointing_offload_attention" in message and "torchao" in message  # the fixes
+
+
+@pytest.mark.parametrize(("base", "int8"), [("torchao-int8", True), ("quanto-qint8", True), ("torchao-fp8", False)])
+def test_blocks_with_int8_weights_compile_without_inductors_pattern_matcher(base, int8, monkeypatch):
+    """torchao's int8 weights failed to lower in inductor's pattern rewrites on the H200 (Flux dev, budget
+    below 1): their blocks get a compiled function without them, other quantized blocks keep them."""
+    need(base)
+    from gradseam.run import compiled as compiled_module
+
+    asked = []
+    real = compiled_module.compile_block_function
+
+    def recording(function, device, *, pattern_matcher=True):
+        asked.append(pattern_matcher)
+        return real(function, device, pattern_matcher=pattern_matcher)
+
+    monkeypatch.setattr(compiled_module, "compile_block_function", recording)
+    case = quantized_case(WAN, base)
+    model = case.fresh()
+    with gradseam.patch(model, COMPILE):
+        run_step(model, case)
+    assert asked == [not int8], asked
+
 # -- the kit's optional row: ConformanceSuite.test_quantized_base ----------------------------------------
 
 def test_the_kits_quantized_rows_follow_the_suite():

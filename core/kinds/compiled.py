@@ -4,7 +4,9 @@ what it keeps optionally offloaded. The run layer's half is :mod:`gradseam.run.c
 
 This kind owns the memory budget key (refused with any other kind), refuses the keys the compiler
 makes moot (interval chunks, kept attention), and refuses models the user compiled or put under
-diffusers' layerwise casting, at patch time and again if that happens after patching.
+diffusers' layerwise casting, at patch time and again if that happens after patching, and weights whose
+kernels the compiler cannot trace (optimum-quanto's Marlin fp8 tensors) at patch time and again before
+each compile (quanto packs them when the model moves to a GPU).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class CompiledBlock(RegionKind):
 
     def refuse_model(self, backend: Backend, model: nn.Module, family: Family) -> None:
         refuse_user_compiled(model, family, backend.name)
-        refuse_layerwise_casting(model, backend.name)
+        refuse_uncompilable_weights(model, backend.name)
 
     def changed_since(self, model: nn.Module, blocks: Sequence[nn.Module]) -> bool:
         """The user compiled a block or the model (``block.compile()``, ``compile_repeated_blocks``,
@@ -151,4 +153,29 @@ def refuse_layerwise_casting(model: nn.Module, backend: str) -> None:
             "the mixed dtypes. Use an eager backend ('unsloth' with gradient_checkpointing_offload_attention, "
             "or 'torch'), which run layerwise casting exactly, or store the weights in the compute dtype "
             "(model.to(torch.bfloat16)) instead of layerwise casting."
+        )
+
+
+def marlin_weights(module: nn.Module) -> list[str]:
+    """The parameters of ``module`` that are optimum-quanto Marlin tensors (``MarlinF8QBytesTensor``: quanto
+    packs qfloat8 weights that way on a CUDA GPU of compute capability 8 or more, for its own kernel)."""
+    return [name for name, p in module.named_parameters()
+            if type(p).__name__.startswith("Marlin") and type(p).__module__.startswith("optimum.quanto")]
+
+
+def refuse_uncompilable_weights(module: nn.Module, backend: str) -> None:
+    """Weights a compiled block cannot run with, refused before anything runs: diffusers' layerwise casting
+    (:func:`refuse_layerwise_casting`) and optimum-quanto's Marlin fp8 weights, whose kernel has no
+    fake-tensor implementation, so dynamo fails on the first linear it traces ("RuntimeError when making
+    fake tensor call", seen on the H200 with Flux dev)."""
+    refuse_layerwise_casting(module, backend)
+    marlin = marlin_weights(module)
+    if marlin:
+        raise UnsupportedStrategyError(
+            f"backend {backend!r} cannot compile {type(module).__name__}: {len(marlin)} of its weights (e.g. "
+            f"{marlin[0]!r}) are optimum-quanto Marlin fp8 tensors (quanto's qfloat8 on a CUDA GPU), whose kernel "
+            "torch.compile cannot trace. Use an eager backend: 'unsloth' with "
+            "gradient_checkpointing_offload_attention (the least memory) or 'torch'; or quantize with torchao "
+            "(Float8WeightOnlyConfig(set_inductor_config=False)), whose fp8 weights compile "
+            "(docs/strategies.md, Quantized bases)."
         )

@@ -62,9 +62,9 @@ from torch.utils._pytree import tree_map_only
 from ..backends import CATALOG
 from ..errors import UnsupportedStrategyError, warn_once
 from ..kinds import siblings
-from ..kinds.compiled import refuse_layerwise_casting
+from ..kinds.compiled import refuse_uncompilable_weights
 from ..modules import device_type, resolve
-from ..offload.state import is_wrapper
+from ..offload.state import is_wrapper, plain_parts
 from .chains import ChainStats
 from .compiler import (
     allow_retained_graph,
@@ -130,9 +130,12 @@ def _block_forward_own_outputs(function: Callable[..., Any], module: Any, args: 
     return tree_map_only(torch.Tensor, torch.clone, function(module, *args, **kwargs))
 
 
-def holds_subclass_weights(block: nn.Module) -> bool:
-    """Whether a parameter or buffer of ``block`` is a wrapper tensor subclass (a quantized weight)."""
-    return any(is_wrapper(t) for t in (*block.parameters(), *block.buffers()))
+def subclass_weights(block: nn.Module) -> tuple[bool, bool]:
+    """Whether a parameter or buffer of ``block`` is a wrapper tensor subclass (a quantized weight), and
+    whether one of those holds int8 data (torchao's Int8Tensor, quanto's qint8): the compiled function's
+    two variants for quantized blocks (:meth:`CompiledBlocks.compiled`)."""
+    wrappers = [t for t in (*block.parameters(), *block.buffers()) if is_wrapper(t)]
+    return bool(wrappers), any(part.dtype == torch.int8 for t in wrappers for part in plain_parts(t))
 
 
 def _fresh(function: types.FunctionType) -> types.FunctionType:
@@ -152,9 +155,9 @@ class CompiledBlocks:
         self.engine = engine
         self.backend = backend  # the catalog name, for messages
         self.unused = UnusedOutputs()  # an output the loss leaves unused: None gradients, as in eager
-        self._compiled: dict[tuple[str, bool, bool], Callable[..., Any]] = {}
-        # per block: whether it holds tensor-subclass weights, read again at each new input shape (a compile)
-        self._subclass_weights: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+        self._compiled: dict[tuple[str, bool, bool, bool], Callable[..., Any]] = {}
+        # per block: subclass_weights(block), read again at each new input shape (a compile)
+        self._subclass_weights: weakref.WeakKeyDictionary[nn.Module, tuple[bool, bool]] = weakref.WeakKeyDictionary()
         self._eager: dict[int, tuple[nn.Module, Any, Callable[..., Any]]] = {}  # id(sub) -> (sub, inner, wrapper)
         self._shapes: set[tuple] = set()  # the input shapes seen with gradients, up to the recompile limit
         self._past_limit = False
@@ -207,14 +210,19 @@ class CompiledBlocks:
             )
         return True
 
-    def compiled(self, device: str, outside: bool = False, own_outputs: bool = False) -> Callable[..., Any]:
+    def compiled(self, device: str, outside: bool = False, own_outputs: bool = False,
+                 int8_weights: bool = False) -> Callable[..., Any]:
         """The compiled block function for ``device``; ``outside``: the one whose blocks run their attention
         eagerly; ``own_outputs``: the one that clones what the block returns (blocks with quantized weights,
-        :func:`_block_forward_own_outputs`). Each its own code object, so their graphs never evict each other."""
-        found = self._compiled.get((device, outside, own_outputs))
+        :func:`_block_forward_own_outputs`); ``int8_weights``: the one compiled without inductor's pattern
+        matcher (:func:`gradseam.run.compiler.compile_block_function` says why). Each its own code object, so
+        their graphs never evict each other."""
+        key = (device, outside, own_outputs, int8_weights)
+        found = self._compiled.get(key)
         if found is None:
             body = _block_forward_own_outputs if own_outputs else _block_forward
-            found = self._compiled[device, outside, own_outputs] = compile_block_function(_fresh(body), device)
+            found = self._compiled[key] = compile_block_function(_fresh(body), device,
+                                                                 pattern_matcher=not int8_weights)
         return found
 
     def functions(self) -> list[Callable[..., Any]]:
@@ -261,19 +269,19 @@ class CompiledBlocks:
         stats.member_calls[0] += 1
         stats.runs += 1
         new_shape = not self._past_limit and self._note_shapes(args, kwargs)
-        if new_shape:  # before a compile: layerwise casting enabled after patching is refused as at patch time
-            refuse_layerwise_casting(original.module, self.backend)
+        if new_shape:  # before a compile: weights cast or packed after patching are refused as at patch time
+            refuse_uncompilable_weights(original.module, self.backend)
             warn_tuning_at_run_time(device_type(original.module))
-        own_outputs = self._subclass_weights.get(original.module)
-        if own_outputs is None or new_shape:
-            own_outputs = self._subclass_weights[original.module] = holds_subclass_weights(original.module)
+        weights = self._subclass_weights.get(original.module)
+        if weights is None or new_shape:
+            weights = self._subclass_weights[original.module] = subclass_weights(original.module)
         previous = original.previous
         function, module = (_call_previous, previous) if previous is not None else (original.function, original.module)
         device = device_type(original.module)
         subs = _attention_modules(original.module, attention) if attention and broadcast_mask(args, kwargs) else []
         if subs:
             stats.notes[ATTENTION_OUTSIDE] += 1
-        compiled = self.compiled(device, outside=bool(subs), own_outputs=own_outputs)
+        compiled = self.compiled(device, outside=bool(subs), own_outputs=weights[0], int8_weights=weights[1])
         try:
             with compiling(self.budget), self._attention_eager(subs) if subs else contextlib.nullcontext():
                 if self.engine is None:
@@ -283,7 +291,7 @@ class CompiledBlocks:
                     with self.engine.group():
                         outputs = compiled(function, module, args, kwargs)
         except Exception as exc:
-            if type(exc).__name__ != "BackendCompilerFailed":
+            if type(exc).__name__ not in ("BackendCompilerFailed", "InductorError"):
                 raise
             raise self._compile_failed(original.module, exc) from exc
         if new_shape:

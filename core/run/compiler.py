@@ -134,13 +134,23 @@ def _cpu_backend() -> Callable[..., Any]:
                         keep_inference_input_mutations=True)
 
 
-def compile_block_function(function: Callable[..., Any], device: str) -> Callable[..., Any]:
-    """``function`` under ``torch.compile`` for blocks on ``device`` ("cuda": inductor; else aot_eager)."""
+def compile_block_function(function: Callable[..., Any], device: str, *, pattern_matcher: bool = True
+                           ) -> Callable[..., Any]:
+    """``function`` under ``torch.compile`` for blocks on ``device`` ("cuda": inductor; else aot_eager).
+
+    ``pattern_matcher=False``: inductor's graph pattern rewrites off, for blocks with int8 weights. With
+    torchao's Int8Tensor weights and a memory budget below 1, Flux dev's double-stream block failed to
+    lower on the H200 ("LoweringException: AssertionError" on a ``sum`` over an axis its input lacks);
+    at budget 1 or with the pattern matcher off it compiled and ran (docs/benchmarks.md), and plain
+    ``torch.compile`` of the same block ran too. The rewrites fuse and reorder ops: without them the kernels
+    differ (rounding, speed), not what the block computes."""
     if device != "cuda":
         return torch.compile(function, backend=_cpu_backend())
     from torch._inductor import config as inductor_config
 
     options: dict[str, Any] = {"fallback_random": True}
+    if not pattern_matcher:
+        options["pattern_matcher"] = False
     if hasattr(inductor_config, "custom_partitioner_fn"):
         options["custom_partitioner_fn"] = _inductor_partitioner()
     else:
