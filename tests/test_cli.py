@@ -306,13 +306,13 @@ def test_advise_help_names_gpu_and_hides_budget():
     assert "--budget" not in out and "budget" not in out.lower().replace("--", "")
 
 
-def test_advise_budget_is_a_deprecated_alias_of_gpu(monkeypatch):
-    """``--budget SIZE`` still works as ``--gpu SIZE``: it reaches the measurement as the GPU's size in GiB,
-    and a one-line warning names --gpu once the command line has been accepted (a refused one stays
-    one error line)."""
+@pytest.fixture
+def advise_stopped(monkeypatch) -> list[float]:
+    """``gradseam advise`` as if on a GPU, stopped ("stop here") where it would build the model; the GPU sizes
+    that reached the measurement."""
     from gradseam.tools import cli
 
-    seen = []
+    seen: list[float] = []
 
     def measure(out, fam, preset, gpu_gib, **kwargs):
         seen.append(gpu_gib)
@@ -321,6 +321,14 @@ def test_advise_budget_is_a_deprecated_alias_of_gpu(monkeypatch):
     monkeypatch.setattr(cli, "_need_cuda", lambda *args: None)
     monkeypatch.setattr(cli, "_model_class", lambda fam: None)
     monkeypatch.setattr(cli, "_measure_advice", measure)
+    return seen
+
+
+def test_advise_budget_is_a_deprecated_alias_of_gpu(advise_stopped):
+    """``--budget SIZE`` still works as ``--gpu SIZE``: it reaches the measurement as the GPU's size in GiB,
+    and a one-line warning names --gpu once the command line has been accepted (a refused one stays
+    one error line)."""
+    seen = advise_stopped
     for option in ("--gpu", "--budget"):
         result = _invoke("advise", "--family", "flux", option, "40960MiB")
         assert result.exit_code == 2 and seen.pop() == 40.0, result.output
@@ -337,6 +345,18 @@ def test_advise_budget_is_a_deprecated_alias_of_gpu(monkeypatch):
                              "'40XB'; write a number with a unit, e.g. '40GiB', '40 GB', '40960MiB', or a plain "
                              "number of GiB like 42.5.\n")
     assert not seen
+
+
+def test_advise_refuses_an_unknown_base_or_rank_before_building(advise_stopped):
+    """An unknown base is refused before anything is built, listing the bases (--base reaching the workload:
+    test_advise_measures_with_the_gpu_size_and_prints_the_advice)."""
+    from gradseam.tools.bases import BASES
+
+    seen = advise_stopped
+    result = _invoke("advise", "--family", "flux", "--gpu", "24GiB", "--base", "int4")
+    assert result.exit_code == 2 and not seen
+    assert "unknown base 'int4'" in result.stderr and all(name in result.stderr for name in BASES), result.stderr
+    assert "a LoRA rank" in _invoke("advise", "--family", "flux", "--gpu", "24GiB", "--lora", "0").stderr
 
 
 def test_python_m_gradseam_help():
@@ -609,6 +629,7 @@ def test_advise_measures_with_the_gpu_size_and_prints_the_advice(tmp_path, monke
     seen = {}
     workload = types.SimpleNamespace(
         model="model", dropped_gib=0.5, fit_depths=(2, 4), plan="plan", preset_name="dev-1024",
+        weights_note=", torchao-fp8, LoRA r=16",
         family=types.SimpleNamespace(name="flux"), inputs=lambda tokens: {"tokens": tokens})
 
     def build(fam, preset, **kwargs):
@@ -636,13 +657,14 @@ def test_advise_measures_with_the_gpu_size_and_prints_the_advice(tmp_path, monke
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 2 << 30)
     path = tmp_path / "out" / "advice.json"
     result = _invoke("advise", "--family", "flux", "--gpu", "40GiB", "--tokens", "64", "--depth", "3",
-                     "--json", str(path))
+                     "--json", str(path), "--base", "torchao-fp8", "--lora", "16")
     assert result.exit_code == 0, result.output
-    assert seen["build"] == ("flux", "dev-1024", {"depth": "fit", "depths": None, "device": "cuda"})
+    assert seen["build"] == ("flux", "dev-1024", {"depth": "fit", "depths": None, "device": "cuda",
+                                                  "base": "torchao-fp8", "lora": 16})
     assert seen["advise"] == ("model", {"tokens": 64}, 40.0, {"static_gib": 2.5, "depths": (2, 4), "depth": 3,
                                                               "plan": "plan"})
     out = result.stdout
-    assert "flux dev-1024: planned for 57 blocks" in out and "strategies within 40.00 GiB (static 24.00 GiB" in out
+    assert "flux dev-1024, torchao-fp8, LoRA r=16: planned for 57 blocks" in out and "strategies within 40.00 GiB (static 24.00 GiB" in out
     assert "recommended (torch)" in out and '"gradient_checkpointing": true' in out
     assert json.loads(path.read_text()) == {"chosen": "torch"}
     advice.chosen = None

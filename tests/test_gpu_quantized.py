@@ -22,7 +22,7 @@ from gradseam.tools.workloads import blocks
 
 pytestmark = pytest.mark.cuda
 
-GPU_BASES = ["torchao-fp8", "torchao-int8", "quanto-qfloat8", "bnb-nf4", "bnb-int8"]
+GPU_BASES = ["torchao-fp8", "torchao-int8", "torchao-float8-training", "quanto-qfloat8", "bnb-nf4", "bnb-int8"]
 CONFIGS = [
     {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch"},
     {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth",

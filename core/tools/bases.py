@@ -60,6 +60,17 @@ def _torchao(config_name: str) -> Callable[[list[nn.Module], torch.dtype], None]
     return apply
 
 
+def _torchao_float8_training(modules: list[nn.Module], dtype: torch.dtype) -> None:
+    """torchao's float8 training recipe (``convert_to_float8_training``, diffusers' ``--do_fp8_training``): the
+    weights stay in ``dtype``, every matmul of the Linear layers (forward and both backward ones) runs in
+    fp8 with scales taken from each tensor as it comes (dynamic scaling), so a frozen base trains as fast
+    as fp8 matmuls allow, at the bf16 base's weight memory."""
+    from torchao.float8 import convert_to_float8_training
+
+    for module in modules:
+        convert_to_float8_training(module)
+
+
 def _quanto(weights: str) -> Callable[[list[nn.Module], torch.dtype], None]:
     def apply(modules: list[nn.Module], dtype: torch.dtype) -> None:
         import optimum.quanto as quanto
@@ -116,6 +127,8 @@ def _bnb_8bit(modules: list[nn.Module], dtype: torch.dtype) -> None:
 BASES: dict[str, Base] = {b.name: b for b in (
     Base("torchao-fp8", "torchao", "torchao fp8 weight-only (Float8WeightOnlyConfig)", _torchao("Float8WeightOnlyConfig")),
     Base("torchao-int8", "torchao", "torchao int8 weight-only (Int8WeightOnlyConfig)", _torchao("Int8WeightOnlyConfig")),
+    Base("torchao-float8-training", "torchao", "torchao float8 training (convert_to_float8_training)",
+         _torchao_float8_training),
     Base("quanto-qfloat8", "optimum.quanto", "optimum-quanto qfloat8 weights", _quanto("qfloat8")),
     Base("quanto-qint8", "optimum.quanto", "optimum-quanto qint8 weights", _quanto("qint8")),
     Base("bnb-nf4", "bitsandbytes", "bitsandbytes NF4 (Linear4bit)", _bnb_4bit("nf4")),

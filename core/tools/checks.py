@@ -117,15 +117,10 @@ def bench_options(*, family: str | None, preset: str | None, depths: str | None,
     at_least("--depth", depth, "a depth in units of depth")
     if synthetic and family:
         raise OptionError("--synthetic and --family exclude each other.")
-    at_least("--lora", lora, "a LoRA rank")
     if family is None and (preset or depths or full or depth or rows or full_rows or skip_rows or base or lora):
         raise OptionError("--preset, --depths, --full, --full-row, --depth, --row, --skip-row, --base and --lora "
                           "need --family.")
-    if base is not None:
-        from .bases import BASES
-
-        if base not in BASES:
-            raise OptionError(f"unknown base {base!r}; the quantized bases are: {', '.join(BASES)}.", "--base")
+    weights_options(base, lora)
     if rows and skip_rows:
         raise OptionError("--row and --skip-row exclude each other: name the rows to run, or the rows to leave out.")
     if full_rows and not full:
@@ -162,9 +157,22 @@ def depths_form(depths: str | None) -> int | None:
     return low
 
 
-def advise_options(*, gpu: str | None, budget: str | None, depth: int | None, tokens: int | None) -> tuple[float, str]:
+def weights_options(base: str | None, lora: int | None) -> None:
+    """``--base`` names a quantized base of :data:`gradseam.tools.bases.BASES` (an unknown one: the error lists
+    them); ``--lora`` is a rank."""
+    at_least("--lora", lora, "a LoRA rank")
+    if base is not None:
+        from .bases import BASES
+
+        if base not in BASES:
+            raise OptionError(f"unknown base {base!r}; the quantized bases are: {', '.join(BASES)}.", "--base")
+
+
+def advise_options(*, gpu: str | None, budget: str | None, depth: int | None, tokens: int | None,
+                   base: str | None = None, lora: int | None = None) -> tuple[float, str]:
     """``gradseam advise``'s options as values: the GPU memory size in GiB, and the option that gave it
-    (``--gpu``, or ``--budget``, its deprecated old name); the counts."""
+    (``--gpu``, or ``--budget``, its deprecated old name); the counts, the base and the LoRA rank."""
+    weights_options(base, lora)
     if gpu is not None and budget is not None:
         raise OptionError("--budget is the deprecated old name of --gpu; give --gpu only.")
     option, size = ("--gpu", gpu) if budget is None else ("--budget", budget)

@@ -470,6 +470,11 @@ def _print_bench(out: Console, sweep: _Sweep, results: list[Result], run: RealRu
         out.print("matplotlib is not installed, so no chart was written (pip install 'gradseam[bench]').", markup=False)
 
 
+# the weights a real-size model is measured with: bench's and advise's options
+BaseOption = Annotated[str | None, typer.Option(metavar="NAME", help="quantize the blocks' weights as this base, e.g. torchao-fp8 or bnb-nf4 (gradseam.tools.bases; an unknown name lists them all; needs pip install 'gradseam[quant]')")]
+LoraOption = Annotated[int | None, typer.Option(metavar="R", help="train a LoRA of rank R on the attention projections (needs peft) instead of frozen weights")]
+
+
 @command()
 def bench(
     family: Annotated[str | None, typer.Option(metavar="NAME", help="benchmark this family's real-size preset model (random weights; needs CUDA)")] = None,
@@ -489,8 +494,8 @@ def bench(
     png_path: Annotated[Path | None, typer.Option("--png", metavar="FILE", help="chart path (default: the JSON path with .png)")] = None,
     steps: Annotated[int | None, typer.Option(metavar="N", help="timed steps per strategy, median reported (default 5 on GPU, 2 on CPU)")] = None,
     threads: Annotated[int | None, typer.Option(metavar="N", help="synthetic stack on the CPU: torch threads (default: torch's, one per core; 1 gives steadier times on small or busy machines)")] = None,
-    base: Annotated[str | None, typer.Option(metavar="NAME", help="with --family: quantize the blocks' weights as this base (torchao-fp8, torchao-int8, quanto-qfloat8, quanto-qint8, bnb-nf4, bnb-fp4, bnb-int8; needs pip install 'gradseam[quant]')")] = None,
-    lora: Annotated[int | None, typer.Option(metavar="R", help="with --family: train a LoRA of rank R on the attention projections (needs peft) instead of frozen weights")] = None,
+    base: BaseOption = None,
+    lora: LoraOption = None,
 ) -> None:
     """Benchmark every strategy: memory, host memory and step time, side by side with the references.
 
@@ -561,6 +566,8 @@ def advise(
     depth: Annotated[int | None, typer.Option(metavar="N", help="plan for this depth instead of the preset's real one (units of depth)")] = None,
     tokens: Annotated[int | None, typer.Option(metavar="N", help="image/video tokens (default: the preset's)")] = None,
     json_path: Annotated[Path | None, typer.Option("--json", metavar="FILE", help="also write every measurement here (its directory is created)")] = None,
+    base: BaseOption = None,
+    lora: LoraOption = None,
 ) -> None:
     """Measure the strategy ladder at two depths and recommend the fastest config that fits at the real depth.
 
@@ -570,7 +577,8 @@ def advise(
     machine can pin.
     """
     with refused():
-        gpu_gib, option = checks.advise_options(gpu=gpu, budget=budget, depth=depth, tokens=tokens)
+        gpu_gib, option = checks.advise_options(gpu=gpu, budget=budget, depth=depth, tokens=tokens, base=base,
+                                                lora=lora)
     fam, preset = _family(family, preset)
     _check_depths(depths)
     if json_path is not None:
@@ -581,14 +589,16 @@ def advise(
     if option == "--budget":  # once the command line is accepted: a refused one stays one error line
         warn("--budget is deprecated; use --gpu SIZE (the GPU memory available to the run).")
     out = console()
-    workload, result, code = _measure_advice(out, fam, preset, gpu_gib, depths=depths, depth=depth, tokens=tokens)
+    workload, result, code = _measure_advice(out, fam, preset, gpu_gib, depths=depths, depth=depth, tokens=tokens,
+                                             base=base, lora=lora)
     _print_advice(out, workload, result, gpu_gib, json_path)
     if result.chosen is None:
         raise typer.Exit(code)
 
 
 def _measure_advice(out: Console, fam: Family, preset: str, gpu_gib: float, *, depths: str | None,
-                    depth: int | None, tokens: int | None) -> tuple[Workload, Advice, int]:
+                    depth: int | None, tokens: int | None, base: str | None = None,
+                    lora: int | None = None) -> tuple[Workload, Advice, int]:
     """Build the model and walk the ladder; the advice and the exit code (1: nothing fits)."""
     import torch
 
@@ -599,7 +609,7 @@ def _measure_advice(out: Console, fam: Family, preset: str, gpu_gib: float, *, d
     _quiet_diffusers()
     try:
         with out.status("building the model"):
-            workload = build(fam, preset, depth="fit", depths=depths, device="cuda")
+            workload = build(fam, preset, depth="fit", depths=depths, device="cuda", base=base, lora=lora)
             inputs = workload.inputs(tokens)
             torch.cuda.synchronize()
             static = torch.cuda.memory_allocated() / (1 << 30) + workload.dropped_gib
@@ -615,7 +625,8 @@ def _measure_advice(out: Console, fam: Family, preset: str, gpu_gib: float, *, d
 
 def _print_advice(out: Console, workload: Workload, result: Advice, gpu_gib: float, json_path: Path | None) -> None:
     """Every candidate's figures, the JSON file, and the recommended config (or why nothing fits)."""
-    out.print(f"{workload.family.name} {workload.preset_name}: planned for {result.depth_note}", markup=False)
+    out.print(f"{workload.family.name} {workload.preset_name}{workload.weights_note}: planned for {result.depth_note}",
+              markup=False)
     pinnable = f", pinnable host memory {result.pinnable_gib:.1f} GiB" if result.pinnable_gib is not None else ""
     table = Table(title=f"strategies within {gpu_gib:.2f} GiB (static {result.static_gib:.2f} GiB at full depth{pinnable})")
     for column in ("", "candidate", "act. peak GiB", "GiB per unit", "pinned GiB", "step ms", "verdict"):
