@@ -93,6 +93,30 @@ def _parse_budget(key: str, value: Any, nullable: bool = True) -> float | None:
     return float(value)
 
 
+def _parse_streamed(key: str, value: Any, nullable: bool = True) -> int | str | None:
+    """How many blocks stream their weights: an integer N >= 1, or ``"all"`` (any case, spaces around);
+    0 and null stream nothing and are stored as None (``blocks_to_swap: 0`` is how other trainers write
+    "none"). Strings of digits pass (CLI, YAML); an N above the model's block count is the planner's to refuse."""
+    allowed = 'a number of blocks >= 0, "all" or null' if nullable else 'a number of blocks >= 0 or "all"'
+    if value is None:
+        if nullable:
+            return None
+        raise ValueError(f"{_where(key)}: expected {allowed}, got None.")
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() == "all":
+            return "all"
+        if text.lstrip("-").isdigit():
+            # as _parse_int: "²", "--2" and strings over int()'s digit limit stay a str, reported below
+            with contextlib.suppress(ValueError):
+                value = int(text)
+    if isinstance(value, bool) or not isinstance(value, int):  # bool is an int subclass; True is not 1 block
+        raise ValueError(f"{_where(key)}: expected {allowed}, got {value!r} ({type(value).__name__}).")
+    if value < 0:
+        raise ValueError(f"{_where(key)}: must be >= 0 or \"all\", got {value} (0 or null streams nothing).")
+    return value or None
+
+
 def _parse_backend(key: str, value: Any, nullable: bool = False) -> str:
     if not isinstance(value, str):
         raise ValueError(f"{_where(key)}: expected one of {list(BACKENDS)}, got {value!r} ({type(value).__name__}).")
@@ -109,6 +133,7 @@ def _parse_backend(key: str, value: Any, nullable: bool = False) -> str:
 GROUP_CHECKPOINTING = "Checkpointing"
 GROUP_ATTENTION = "Attention"
 GROUP_COMPILED = "Compiled backends"
+GROUP_WEIGHTS = "Weight streaming"
 NEEDS_CHECKPOINTING_WORDS = "{needs_checkpointing}"  # in a doc cell: the keys that need checkpointing, listed
 
 
@@ -347,7 +372,7 @@ class CheckpointConfig:
         doc_type="bool",
         doc_default=f"left out: `true` when the {NEEDS_CHECKPOINTING_WORDS} key is given, else `false`",
         doc="turns checkpointing on; set to `false`, the keys below except the two offload keys do nothing "
-            "([warnings](#warnings)), and a memory budget is refused"))
+            "([warnings](#warnings)), and a memory budget or weight streaming is refused"))
     gradient_checkpointing_backend: str | None = _key(None, KeySpec(  # None: left out, read as DEFAULT_BACKEND
         flag="--backend", value=str, metavar="NAME", parse=_parse_backend, group=GROUP_CHECKPOINTING,
         needs_checkpointing=True,  # counts when given at all, "torch" included
@@ -394,6 +419,16 @@ class CheckpointConfig:
              f"(default {DEFAULT_MEMORY_BUDGET})",
         doc_type="number, 0 < B ≤ 1, or null", doc_default=f"null ({DEFAULT_MEMORY_BUDGET})",
         doc="the compiled backends only: the compiler's activation memory budget for each compiled block"))
+    gradient_checkpointing_stream_weights: int | str | None = _key(None, KeySpec(
+        flag="--stream-weights", value=str, metavar="N|all", parse=_parse_streamed, group=GROUP_WEIGHTS,
+        nullable=True, needs_checkpointing=True,  # streamed blocks are released after forward, reloaded to recompute
+        help="keep the frozen weights of the first N blocks (or all) in host memory, copied to the GPU as each "
+             "block runs",
+        doc_type='int ≥ 0, `"all"` or null', doc_default="null (nothing streams; so does `0`)",
+        doc="moves the frozen base weights of the first N blocks (forward order; `\"all\"`: every block) to host "
+            "memory and copies them to the GPU as each block runs; LoRA and other trainable parameters stay on "
+            "the GPU. musubi-tuner's `blocks_to_swap` counts blocks the same way (which blocks it picks may "
+            "differ) ([weight streaming](strategies.md#weights-that-do-not-fit-streaming-them-from-host-memory))"))
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalise through object.__setattr__ so the stored values are the parsed ones.
@@ -471,6 +506,11 @@ class CheckpointConfig:
         """The compiled backends' activation memory budget (the default when the key is null)."""
         budget = self.gradient_checkpointing_memory_budget
         return DEFAULT_MEMORY_BUDGET if budget is None else budget
+
+    @property
+    def stream_weights(self) -> int | str | None:
+        """How many blocks stream their frozen weights: None (none), an int >= 1, or ``"all"``."""
+        return self.gradient_checkpointing_stream_weights
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -586,6 +626,9 @@ class CheckpointConfig:
             parts.append("attention kept")
         if self.enabled and self.gradient_checkpointing_memory_budget is not None:
             parts.append(f"memory budget {self.memory_budget:g}")
+        streamed = self.gradient_checkpointing_stream_weights
+        if streamed is not None:
+            parts.append(f"weights of {streamed} block{'' if streamed == 1 else 's'} streamed")
         return ", ".join(parts)
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from .errors import warn_once
+from .errors import UnsupportedStrategyError, warn_once
 from .kinds import staying_sibling
 from .modules import device_type, resolve
 from .planning import plan
@@ -107,6 +107,7 @@ class PatchHandle:
         self._entries: list[tuple[str, int, nn.Module]] = []  # what sat in each block list when planned
         self._blocks: tuple[nn.Module, ...] = ()  # the same modules, for the kinds' changed_since()
         self.engines: dict[Any, Any] = {}  # an OffloadEngine per store of the plan (offload configurations)
+        self.weights: Any = None  # the WeightStream of the plan's streamed blocks (gradseam.offload.weights), or None
         self.deferred_device = False  # load-time patching: offload starts once the model is on a GPU
         self.active = False
         self.replaced_by: PatchHandle | None = None  # the later patch() of the same model that replaced this one
@@ -134,6 +135,7 @@ class PatchHandle:
                 engine = self.engines[store.destination] = engine_for(store.destination.value, store.max_buckets)
                 engine.watch(model)
         self._install_regions()
+        self._stream_weights()
         hooks = _ModelHooks(self)
         self._hooks = [model.register_forward_pre_hook(hooks), model.register_forward_hook(hooks.after, always_call=True)]
         self.active = True
@@ -147,6 +149,34 @@ class PatchHandle:
             if isinstance(lst := resolve(self.model, bl.path), nn.ModuleList) for i, m in enumerate(lst)
         ]
         self._blocks = tuple(m for _, _, m in self._entries)
+
+    def _stream_weights(self) -> None:
+        """Move the frozen weights of the plan's streamed blocks to host memory and hook their loads. A tensor
+        also held outside those blocks, or by two of them (tied weights), stays where it is."""
+        if not self.plan.streamed:
+            return
+        from .offload import cpu_allowed
+        from .offload.weights import WeightStream
+
+        name = type(self.model).__name__
+        blocks = [resolve(self.model, path)[index] for path, index in self.plan.streamed]
+        labels = [f"{name}.{path}[{index}]" for path, index in self.plan.streamed]
+        inside = {id(m) for block in blocks for m in block.modules()}
+        holders: dict[int, int] = {}
+        for block in blocks:
+            for t in {id(t) for m in block.modules() for t in (*m._parameters.values(), *m._buffers.values())}:
+                holders[t] = holders.get(t, 0) + 1
+        shared = {t for t, n in holders.items() if n > 1} | {
+            id(t) for m in self.model.modules() if id(m) not in inside
+            for t in (*m._parameters.values(), *m._buffers.values()) if t is not None}
+        self.weights = WeightStream(blocks, labels, shared=shared, error=UnsupportedStrategyError,
+                                    test_mode=cpu_allowed())
+        self.weights.install(self.model)
+
+    def _unstream_weights(self) -> None:
+        if self.weights is not None:
+            self.weights.remove()
+            self.weights = None
 
     def _uninstall_regions(self) -> None:
         if self._installed is not None:
@@ -177,9 +207,11 @@ class PatchHandle:
         """Plan again around replaced blocks and reinstall; a block now inside torch's checkpoint wrapper
         is left to it (planning warns once), exactly as when the wrapper came before gradseam."""
         new_plan = plan(self.model, self.family, self.config)
+        self._unstream_weights()
         self._uninstall_regions()
         self.plan = new_plan
         self._install_regions()
+        self._stream_weights()
 
     def offload_pending(self) -> bool:
         """True while an offload configuration cannot offload yet: the model is still on the CPU.
@@ -221,6 +253,7 @@ class PatchHandle:
                     "(gradseam.handle_of(model).remove())."
                 )
             return
+        self._unstream_weights()
         self._uninstall_regions()
         for name in ("enable_gradient_checkpointing", "disable_gradient_checkpointing"):
             if isinstance(self.model.__dict__.get(name), _GuardedEnable):
@@ -250,6 +283,12 @@ class PatchHandle:
     def summary(self) -> Summary:
         summary = Summary.of(self.plan, self.regions(), pending=self.offload_pending(),
                              model_name=type(self.model).__name__, device=device_type(self.model))
+        if self.weights is not None:
+            w = self.weights
+            summary.notes.append(
+                f"weights of {len(w.blocks)} block(s) stream from host memory: {w.host_bytes / 2**30:.2f} GiB "
+                f"({'pinned' if w.pinned_bytes == w.host_bytes else 'pageable' if not w.pinned_bytes else 'partly pinned'})"
+                f", copied to the GPU as each block runs; {w.loads} block loads so far")
         if not self.active and self.replaced_by is not None:
             summary.notes.append(f"replaced by a later gradseam.patch() of this model ({self.replaced_by!r}): "
                                  "this patch no longer runs; the model's summary is that handle's")

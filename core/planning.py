@@ -18,6 +18,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import torch
 from torch import nn
 
 from .backends import Destination, Kept, Offload, Scope
@@ -192,6 +193,73 @@ def _warn_longer_than_lists(model: nn.Module, config: CheckpointConfig, strategy
         )
 
 
+STREAM_KEY = "gradient_checkpointing_stream_weights"
+
+
+def _streamed(model: nn.Module, config: CheckpointConfig, strategy: Strategy,
+              lists: list[tuple[BlockList, list[nn.Module]]]) -> tuple[tuple[str, int], ...]:
+    """The blocks whose frozen weights stream from host memory (:mod:`gradseam.offload.weights`): the first
+    N in forward order across the block lists, or all; each refusal names what to do instead."""
+    wanted = config.stream_weights
+    if not wanted:
+        return ()
+    if strategy.backend is None:
+        raise UnsupportedStrategyError(
+            f"{STREAM_KEY}={wanted!r} needs checkpointing: without it autograd keeps every block's weights for "
+            "backward, so streaming them frees nothing. Turn gradient_checkpointing on (any backend)."
+        )
+    if config.gradient_checkpointing_interval and config.interval > 1:
+        raise UnsupportedStrategyError(
+            f"{STREAM_KEY} with gradient_checkpointing_interval={config.interval}: a chunk runs its later blocks "
+            "ahead, before their weights are loaded, so streamed blocks are checkpointed one per region. Remove "
+            "the interval (gradient_checkpointing_segment_stride still selects which blocks are checkpointed)."
+        )
+    from .offload import cpu_allowed
+
+    if not torch.cuda.is_available() and not cpu_allowed():
+        raise UnsupportedStrategyError(
+            f"{STREAM_KEY}={wanted!r} keeps block weights in host memory and copies them to a CUDA GPU as each "
+            "block runs, and no CUDA GPU is available here. Leave the key out on this machine (on the CPU the "
+            "weights are in host memory already)."
+        )
+    entries = [(bl.path, i, block) for bl, blocks in lists for i, block in enumerate(blocks)]
+    count = len(entries) if wanted == "all" else int(wanted)
+    if count > len(entries):
+        raise UnsupportedStrategyError(
+            f"{STREAM_KEY}={count}, but {type(model).__name__} has {len(entries)} blocks "
+            f"({', '.join(f'{bl.path}: {len(b)}' for bl, b in lists)}). Stream at most {len(entries)}, or \"all\"."
+        )
+    chosen = entries[:count]
+    for path, index, block in chosen:
+        _refuse_unstreamable(model, f"{path}[{index}]", block)
+    return tuple((path, index) for path, index, _ in chosen)
+
+
+def _refuse_unstreamable(model: nn.Module, where: str, block: nn.Module) -> None:
+    """A block whose weights all train (a full fine-tune) has nothing to stream; quantized weights keep their
+    bytes in inner tensors or on the parameter, which a copy of ``.data`` would not move."""
+    from .offload.state import is_wrapper
+    from .offload.weights import streamable
+
+    name = type(model).__name__
+    for path, _, _, t in streamable(block):
+        if is_wrapper(t) or type(t) not in (nn.Parameter, torch.Tensor):
+            raise UnsupportedStrategyError(
+                f"{name}.{where}.{path} is a {type(t).__name__} (a quantized weight), and weight streaming moves "
+                "plain tensors only so far. Stream fewer blocks, or train this base without streaming (a "
+                "quantized base is small: docs/strategies.md, Quantized bases)."
+            )
+    if not any(True for _ in streamable(block)):
+        trainable = next((n for n, p in block.named_parameters() if p.requires_grad), None)
+        if trainable is not None:
+            raise UnsupportedStrategyError(
+                f"{name}.{where} has no frozen weight to stream: its parameters train ({where}.{trainable} has "
+                "requires_grad=True), and streamed weights are never copied back. Stream the weights of a frozen "
+                "base (a LoRA trains beside them, on the GPU), or for a full fine-tune use an offload backend "
+                "('unsloth-compile', or 'unsloth' with gradient_checkpointing_offload_attention)."
+            )
+
+
 class _Planner:
     """Walks the block lists once, turning each selected block into regions of the strategy's kind."""
 
@@ -318,4 +386,5 @@ def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
     planner.warn_skipped(model)
     destinations = dict.fromkeys(r.destination for r in planner.regions if r.moves)
     stores = tuple(StoreSpec(d, config.pin_buckets) for d in destinations)
-    return Plan(family, config, strategy, tuple(planner.regions), tuple(planner.plain), stores)
+    streamed = _streamed(model, config, strategy, lists)
+    return Plan(family, config, strategy, tuple(planner.regions), tuple(planner.plain), stores, streamed)

@@ -148,6 +148,7 @@ class Plan:
     regions: tuple[RegionSpec, ...] = ()
     plain: tuple[tuple[str, int, str], ...] = ()  # blocks left as they are
     stores: tuple[StoreSpec, ...] = ()  # one per destination its regions move activations to
+    streamed: tuple[tuple[str, int], ...] = ()  # (block list, index) of the blocks whose frozen weights stream
 
     @cached_property
     def kinds(self) -> tuple[RegionKind, ...]:

@@ -21,6 +21,7 @@ KEYS = (
     "gradient_checkpointing_offload_pin_memory_max_buckets",
     "gradient_checkpointing_keep_attention",
     "gradient_checkpointing_memory_budget",
+    "gradient_checkpointing_stream_weights",
 )
 
 # One non-default value for every key, as a trainer would write it.
@@ -33,6 +34,7 @@ FULL = {
     "gradient_checkpointing_offload_pin_memory_max_buckets": 3,
     "gradient_checkpointing_keep_attention": True,
     "gradient_checkpointing_memory_budget": 0.3,
+    "gradient_checkpointing_stream_weights": "all",
 }
 
 
@@ -148,7 +150,8 @@ def test_config_is_frozen():
 
 
 def test_describe():
-    assert CheckpointConfig(**FULL).describe() == "unsloth-ffn, interval 2, stride 5, attention offload, memory budget 0.3"
+    assert CheckpointConfig(**FULL).describe() == ("unsloth-ffn, interval 2, stride 5, attention offload, memory budget 0.3, "
+                                                   "weights of all blocks streamed")
     assert CheckpointConfig(gradient_checkpointing=True).describe() == "torch"
 
 

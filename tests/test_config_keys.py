@@ -21,6 +21,7 @@ from gradseam.config import (
     GROUP_ATTENTION,
     GROUP_CHECKPOINTING,
     GROUP_COMPILED,
+    GROUP_WEIGHTS,
     KEY_SPECS,
     LEFT_OUT,
     NEEDS_CHECKPOINTING,
@@ -45,6 +46,7 @@ SET = {
     "gradient_checkpointing_offload_pin_memory_max_buckets": "3",
     "gradient_checkpointing_keep_attention": True,
     "gradient_checkpointing_memory_budget": "0.3",
+    "gradient_checkpointing_stream_weights": "all",
 }
 
 
@@ -68,7 +70,7 @@ def test_every_field_carries_its_spec():
     for f in fields:
         spec = key_spec(f.name)
         assert isinstance(spec, KeySpec) and spec is KEY_SPECS[f.name]
-        assert spec.group in (GROUP_CHECKPOINTING, GROUP_ATTENTION, GROUP_COMPILED), f.name
+        assert spec.group in (GROUP_CHECKPOINTING, GROUP_ATTENTION, GROUP_COMPILED, GROUP_WEIGHTS), f.name
         assert spec.help and "\n" not in spec.help and spec.doc and spec.doc_type and spec.doc_default, f.name
         # the value type is the field's, besides null; a bool is a switch and takes no metavar
         assert spec.value.__name__ in str(f.type), (f.name, f.type)
@@ -92,7 +94,7 @@ def test_needs_checkpointing_is_what_turns_checkpointing_on():
     assert turns_on == set(NEEDS_CHECKPOINTING)
     assert NEEDS_CHECKPOINTING == ("gradient_checkpointing_backend", "gradient_checkpointing_interval",
                                    "gradient_checkpointing_segment_stride", "gradient_checkpointing_keep_attention",
-                                   "gradient_checkpointing_memory_budget")
+                                   "gradient_checkpointing_memory_budget", "gradient_checkpointing_stream_weights")
     # set at their defaults, only the backend counts (given at all); the others need a value that acts
     assert CheckpointConfig.from_dict({"gradient_checkpointing_keep_attention": False}).enabled is False
     assert CheckpointConfig.from_dict({"gradient_checkpointing_interval": None}).enabled is False
@@ -163,7 +165,8 @@ def test_run_help_lists_every_option_with_its_help_under_its_group():
     sections: dict[str, str] = {}
     for match in re.finditer(r"^(\w[\w ]*):\n((?:  .*\n|\n(?=  ))*)", out, re.MULTILINE):
         sections[match.group(1)] = match.group(2)
-    assert list(sections)[:5] == ["Arguments", GROUP_CHECKPOINTING, GROUP_ATTENTION, GROUP_COMPILED, "Options"]
+    assert list(sections)[:6] == ["Arguments", GROUP_CHECKPOINTING, GROUP_ATTENTION, GROUP_COMPILED, GROUP_WEIGHTS,
+                                  "Options"]
     flat = {name: " ".join(text.split()) for name, text in sections.items()}
     for key, spec in KEY_SPECS.items():
         shown = spec.flag + (f" / {spec.negative_flag}" if spec.negative_flag else f" {spec.metavar}")

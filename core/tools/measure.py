@@ -92,17 +92,21 @@ def count_saved_bytes(model: nn.Module | None = None) -> Iterator[list[int]]:
 
     Around a non-reentrant checkpoint these hooks see only what the checkpoint keeps (its
     inputs), so the count is exactly what a strategy leaves in memory between the two passes.
-    The model's state is told apart by storage, as the offload engine tells it
+    The model's state is told apart by storage and by type, as the offload engine tells it
     (:mod:`gradseam.offload.state`): Linear layers save ``weight.t()`` (a view of the parameter's
-    bytes), and a compiled block with quantized weights saves their inner tensors, plain tensors
-    that are still the weights.
+    bytes), a compiled block with quantized weights saves their inner tensors, plain tensors
+    that are still the weights, and a parameter whose bytes moved since the count began (a streamed
+    weight loaded for its block) is still a parameter.
     """
     state = state_storages([*model.parameters(), *model.buffers()]) if model is not None else set()
     seen: set[tuple[int, int]] = set()
     total = [0]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        for part in plain_parts(t):
+        # a parameter, or a view of one, is the model's state whatever its bytes are now (as the engine has
+        # it): a streamed weight's loaded copy (gradseam.offload.weights), FSDP2's unsharded parameter
+        weight = isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter)
+        for part in () if weight else plain_parts(t):
             storage = part.untyped_storage()
             key = (storage.data_ptr(), storage.nbytes())
             if key[0] not in state and key not in seen and storage.nbytes() > 0:

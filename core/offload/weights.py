@@ -1,0 +1,326 @@
+"""Frozen weights that live in host memory and come to the GPU block by block, while their block runs.
+
+A model whose weights do not fit the card trains when the frozen base weights of some blocks stay in
+host memory and are copied to the GPU only for the block's forward, its recompute and its backward
+(issue 40). This module is the mechanism; which blocks stream, and what is refused, is decided above
+it (:mod:`gradseam.planning`, :mod:`gradseam.handle`). Why it is built this way:
+
+* **The parameter stays the same object; its ``.data`` moves.** Optimizers, PEFT's ``base_layer``,
+  ``state_dict()`` keys and the user's own references all hold the ``nn.Parameter``; swapping what it
+  points at keeps every one of them valid. Between model calls every streamed tensor points at its
+  host copy, so ``state_dict()`` and ``load_state_dict()`` read and write the real values.
+* **Hooks where FSDP2 has them**, so it composes with gradseam's regions as FSDP2 does (the chains
+  already run a block with forward pre-hooks as its own region): a forward pre-hook loads the block,
+  a forward hook releases it and hangs a hook on each output that needs a gradient; that hook loads
+  the block again when its gradient arrives, before any of the block's backward runs (the checkpoint
+  recompute runs inside that backward, so it finds the weights there), and releases every streamed
+  block after it in forward order, whose backward is then done. A callback at the end of backward
+  releases the last one. A forward run inside backward (torch's own checkpoint calling the block
+  again) releases nothing.
+* **Only frozen tensors stream.** They are copied host-to-device only, never back: nothing writes to
+  them. A trainable parameter (a LoRA) stays where it is; one that starts training after patching is
+  refused at its block's next load, naming it (the caller supplies the error type).
+* **Copies on the compute stream, for now.** A copy ordered on the stream that then reads the weights
+  is exact by construction; overlapping the next block's copy with this block's compute on a side
+  stream is the next step of issue 40 (it needs the H200 to measure and to test).
+* **The host copies are pinned when CUDA allows it** (``cudaHostRegister`` on one buffer per block,
+  as the activation pool does, :mod:`gradseam.offload.pinned`); if pinning fails the copies are
+  pageable, with one warning, never a crash.
+* **``model.to(...)`` leaves them in host memory.** Moving the patched model to the GPU (the way to
+  train a model too large for it: build on the CPU, patch, move) must not bring the streamed
+  weights along: each module holding one skips them in ``_apply`` and records the device they are
+  to be used on. A dtype change would need new host copies: refused, naming the tensor.
+* **The CPU test mode** lets a CPU model stand in: the "device" copy is a fresh CPU tensor, so the
+  suite checks the loads, the releases and the exactness without a GPU.
+"""
+
+from __future__ import annotations
+
+import mmap
+import types
+import warnings
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .pinned import pageable, register_pinned, unregister_pinned
+
+ALIGN = 64  # bytes: each tensor's host copy starts on a multiple, as the allocator's own blocks do
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=3)
+
+
+@dataclass
+class _Tensor:
+    """One streamed parameter or buffer: the object every reference holds, and its host copy."""
+
+    name: str  # its path in the block, for messages
+    tensor: torch.Tensor
+    host: torch.Tensor
+    home: torch.device  # where it was when streaming began, for remove()
+
+
+@dataclass
+class _Block:
+    module: nn.Module
+    label: str
+    tensors: list[_Tensor]
+    buffer: torch.Tensor | None  # the block's host memory (one buffer, every host copy a view of it)
+    pinned: bool
+    nbytes: int
+    loaded: bool = False
+
+
+def streamable(block: nn.Module) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
+    """(path, owner, attribute, tensor) of every frozen parameter and every buffer of ``block``, each once."""
+    seen: set[int] = set()
+    for path, owner in block.named_modules():
+        for kind in ("_parameters", "_buffers"):
+            for name, t in getattr(owner, kind).items():
+                if t is None or id(t) in seen or (kind == "_parameters" and t.requires_grad):
+                    continue
+                seen.add(id(t))
+                yield (f"{path}.{name}" if path else name), owner, name, t
+
+
+class WeightStream:
+    """The frozen weights of ``blocks`` (in forward order) kept in host memory and loaded per block.
+
+    ``shared``: tensors also held outside the blocks (tied weights); they stay where they are.
+    ``error(message)``: the exception raised for a streamed parameter that trains.
+    ``test_mode``: a CPU model stands in for a GPU one (the loads are copies into fresh CPU tensors).
+    """
+
+    def __init__(self, blocks: Sequence[nn.Module], labels: Sequence[str], *, shared: set[int],
+                 error: Callable[[str], Exception], test_mode: bool = False) -> None:
+        self.test_mode = test_mode
+        self.error = error
+        self.blocks: list[_Block] = []
+        self.device: torch.device | None = None  # where loads go: set from the model's resident tensors
+        self.loads = 0
+        self.loaded_bytes = 0
+        self._index: dict[int, int] = {}
+        self._hooks: list[Any] = []
+        self._applies: list[nn.Module] = []
+        self._end_queued = False
+        for module, label in zip(blocks, labels):
+            self._index[id(module)] = len(self.blocks)
+            self.blocks.append(self._to_host(module, label, shared))
+
+    # -- host copies ---------------------------------------------------------------------------------
+
+    def _to_host(self, module: nn.Module, label: str, shared: set[int]) -> _Block:
+        found = [(path, t) for path, _, _, t in streamable(module) if id(t) not in shared]
+        sizes = [-(-t.nbytes // ALIGN) * ALIGN for _, t in found]
+        total = sum(sizes)
+        buffer, pinned = (self._allocate(total) if total else (None, False))
+        tensors, offset = [], 0
+        for (path, t), size in zip(found, sizes):
+            assert buffer is not None
+            host = buffer[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
+            host.copy_(t.data)
+            tensors.append(_Tensor(path, t, host, t.device))
+            offset += size
+        for entry in tensors:
+            entry.tensor.data = entry.host  # the device storage goes when nothing else holds it
+        return _Block(module, label, tensors, buffer, pinned, total)
+
+    def _allocate(self, nbytes: int) -> tuple[torch.Tensor, bool]:
+        if self.test_mode or not torch.cuda.is_available():
+            return pageable(nbytes), False
+        try:
+            return register_pinned(nbytes), True
+        except RuntimeError as exc:
+            _warn_once(f"gradseam: could not pin {nbytes / 2**30:.2f} GiB of host memory for streamed weights "
+                       f"({exc}); they stay in pageable memory, so each copy to the GPU is slower. Free host memory "
+                       "or stream fewer blocks.")
+            return pageable(-(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE), False
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(b.nbytes for b in self.blocks)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(b.nbytes for b in self.blocks if b.pinned)
+
+    # -- loads and releases ----------------------------------------------------------------------------
+
+    def _target(self) -> torch.device | None:
+        """Where a load copies to; None when the model runs on the CPU for real (nothing to stream to)."""
+        if self.test_mode:
+            return torch.device("cpu")
+        if self.device is None or self.device.type == "cpu":
+            return None
+        return self.device
+
+    def load(self, index: int) -> None:
+        block = self.blocks[index]
+        if block.loaded:
+            return
+        for entry in block.tensors:
+            if isinstance(entry.tensor, nn.Parameter) and entry.tensor.requires_grad:
+                raise self.error(
+                    f"{block.label}.{entry.name} trains now (requires_grad=True), but its weights stream from host "
+                    "memory, and streamed weights are never copied back. Freeze it, or patch again after choosing "
+                    "what trains (a streamed block's trainable parameters stay on the GPU)."
+                )
+        target = self._target()
+        if target is None:
+            return
+        streamed = {id(e.tensor) for e in block.tensors}
+        for name, p in block.module.named_parameters():
+            if id(p) not in streamed and p.device != target and not self.test_mode:
+                raise self.error(
+                    f"{block.label}.{name} is on {p.device}, and the block computes on {target}: a parameter added "
+                    "to a streamed block after its weights went to host memory (a LoRA added after patching) is "
+                    "made where they are. Call model.to(...) once more after adding it; the streamed weights stay "
+                    "in host memory."
+                )
+        for entry in block.tensors:
+            if self.test_mode:
+                copy = entry.host.clone()
+            else:
+                copy = torch.empty_like(entry.host, device=target)
+                copy.copy_(entry.host, non_blocking=True)  # stream-ordered: the block's kernels come after it
+            entry.tensor.data = copy
+        block.loaded = True
+        self.loads += 1
+        self.loaded_bytes += block.nbytes
+
+    def release(self, index: int) -> None:
+        block = self.blocks[index]
+        if not block.loaded:
+            return
+        for entry in block.tensors:
+            entry.tensor.data = entry.host
+        block.loaded = False
+
+    def release_all(self) -> None:
+        self._end_queued = False
+        for index in range(len(self.blocks)):
+            self.release(index)
+
+    # -- hooks -------------------------------------------------------------------------------------------
+
+    def install(self, model: nn.Module) -> None:
+        """Hook every streamed block, and keep its streamed tensors in host memory through ``model.to()``."""
+        self.device = _resident_device(model, self)
+        for block in self.blocks:
+            index = self._index[id(block.module)]
+            self._hooks.append(block.module.register_forward_pre_hook(self._pre(index)))
+            self._hooks.append(block.module.register_forward_hook(self._post(index), always_call=True))
+        owners: dict[int, tuple[nn.Module, list[_Tensor]]] = {}
+        for block in self.blocks:
+            for _, owner, _, t in streamable(block.module):
+                entry = next((e for e in block.tensors if e.tensor is t), None)
+                if entry is not None:
+                    owners.setdefault(id(owner), (owner, []))[1].append(entry)
+        for owner, entries in owners.values():
+            owner._apply = types.MethodType(_apply_keeping_host(owner._apply, entries, weakref.ref(self)), owner)
+            self._applies.append(owner)
+
+    def _pre(self, index: int) -> Callable[..., None]:
+        def pre(module: nn.Module, args: tuple) -> None:
+            self.load(index)
+        return pre
+
+    def _post(self, index: int) -> Callable[..., None]:
+        def post(module: nn.Module, args: tuple, output: Any) -> None:
+            if torch._C._current_graph_task_id() != -1:
+                return  # a forward run inside backward (a recompute): its backward comes next, keep the weights
+            if torch.is_grad_enabled():
+                for t in _tensors(output):
+                    if t.requires_grad:
+                        t.register_hook(self._before_backward(index))
+            self.release(index)
+        return post
+
+    def _before_backward(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            self.load(index)
+            for later in range(index + 1, len(self.blocks)):
+                self.release(later)  # their backward has run: this block's output gradient came from it
+            if not self._end_queued:
+                self._end_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self.release_all)
+        return hook
+
+    def remove(self) -> None:
+        """Put every streamed tensor back on the device the model's other tensors are on now (where they were,
+        if the model never moved), and free the host memory."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        for owner in self._applies:
+            owner.__dict__.pop("_apply", None)
+        self._applies.clear()
+        for block in self.blocks:
+            self.release(self._index[id(block.module)])
+            for entry in block.tensors:
+                home = entry.home if self.test_mode or self.device is None else self.device
+                entry.tensor.data = entry.host.to(home, copy=True)
+            if block.pinned and block.buffer is not None:
+                if torch.cuda.is_initialized():
+                    torch.cuda.synchronize()  # no copy out of the buffer is still in flight
+                unregister_pinned(block.buffer)
+            block.buffer = None
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_leaves
+
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _resident_device(model: nn.Module, stream: WeightStream) -> torch.device:
+    """The device of the model's first tensor that does not stream: where its blocks compute."""
+    streamed = {id(e.tensor) for b in stream.blocks for e in b.tensors}
+    for t in (*model.parameters(), *model.buffers()):
+        if id(t) not in streamed:
+            return t.device
+    return next(iter(model.parameters())).device
+
+
+def _apply_keeping_host(apply: Callable[..., Any], entries: list[_Tensor],
+                        stream: weakref.ref[WeightStream]) -> Callable[..., Any]:
+    """``module._apply`` that leaves ``entries`` in host memory: they are taken out of the module for the
+    call (and put back in their places, so the order of ``state_dict()`` keys stays), and the device
+    ``fn`` moves tensors to becomes the stream's device. ``fn`` changing their dtype is refused first."""
+    def _apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        owner = stream()
+        for entry in entries:
+            probe = fn(torch.empty(0, dtype=entry.host.dtype))
+            if probe.dtype != entry.host.dtype:
+                raise TypeError(
+                    f"gradseam: {type(self).__name__}.{entry.name.rsplit('.', 1)[-1]} streams from host memory in "
+                    f"{entry.host.dtype}; changing it to {probe.dtype} after patching is not supported. Change the "
+                    "model's dtype before patching."
+                )
+            if owner is not None:
+                owner.device = probe.device  # where the model's other tensors go: the loads follow
+        held = {}
+        for kind in ("_parameters", "_buffers"):
+            table = getattr(self, kind)
+            order = list(table)
+            taken = {k: table.pop(k) for k in order if any(table.get(k) is e.tensor for e in entries)}
+            held[kind] = (order, taken)
+        try:
+            return apply(fn, recurse)
+        finally:
+            for kind, (order, taken) in held.items():
+                table = getattr(self, kind)
+                rebuilt = {k: taken[k] if k in taken else table[k] for k in order}
+                table.clear()
+                table.update(rebuilt)
+    return _apply

@@ -1,0 +1,59 @@
+"""Weight streaming on a CUDA GPU (run with ``pytest -m cuda``): a model built on the CPU, patched, then moved
+to the GPU keeps its streamed weights in pinned host memory, so the GPU holds only the rest; a LoRA step
+matches the resident model within the GPU's own run-to-run spread; ``remove()`` brings the weights to the
+GPU. The streams and the copy-compute overlap come in the next part of issue 40."""
+
+from __future__ import annotations
+
+import pytest
+from cases import WAN
+from test_gpu import _deterministic, _on_cuda, _spread  # noqa: F401  (the fixture applies here too)
+from test_weight_streaming import LORA, ON, STREAM
+
+import gradseam
+from gradseam.testing import assert_same_step, run_step
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.mark.parametrize("backend", ["torch", "unsloth", "unsloth-compile"])
+def test_gpu_streamed_weights_stay_in_pinned_host_memory_and_train_exactly(backend):
+    pytest.importorskip("peft")
+    gpu = _on_cuda(LORA[WAN.name])
+    reference = gpu.fresh()
+    want = run_step(reference, gpu, count_bytes=False)
+    spread = _spread(want, run_step(reference, gpu, count_bytes=False))
+    del reference
+    model = LORA[WAN.name].fresh()  # on the CPU: patched before it moves, as a model too large for the card
+    handle = gradseam.patch(model, {**ON, "gradient_checkpointing_backend": backend, STREAM: "all"})
+    try:
+        streamed = [e for b in handle.weights.blocks for e in b.tensors]
+        model.to("cuda")
+        assert all(e.tensor.device.type == "cpu" and e.host.is_pinned() for e in streamed)
+        assert handle.weights.pinned_bytes == handle.weights.host_bytes > 0
+        for _ in range(2):
+            got = run_step(model, gpu, count_bytes=False)
+            assert_same_step(want, got, atol=max(1e-5, 4 * spread), what=f"streamed {backend}")
+        assert all(e.tensor.device.type == "cpu" for e in streamed), "released after the step"
+    finally:
+        handle.remove()
+    assert all(e.tensor.device.type == "cuda" for e in streamed), "remove() puts them where the model is"
+
+
+def test_gpu_a_lora_added_after_patching_is_named_until_the_model_moves_again():
+    """PEFT makes a LoRA where its base layer's weight is: in host memory, for a streamed block. The block's
+    next load names it and the fix; after ``model.to("cuda")`` the LoRA is on the GPU and the step runs."""
+    pytest.importorskip("peft")
+    from test_weight_streaming import _lora
+
+    from gradseam.errors import UnsupportedStrategyError
+
+    gpu = _on_cuda(LORA[WAN.name])
+    model = WAN.fresh().requires_grad_(False)
+    with gradseam.patch(model, {**ON, STREAM: 1}):
+        model.to("cuda")
+        _lora(model)  # after patching: the streamed block's LoRA lands in host memory
+        with pytest.raises(UnsupportedStrategyError, match=r"lora_A.*is on cpu.*Call model.to\(...\) once more"):
+            run_step(model, gpu, count_bytes=False)
+        model.to("cuda")
+        run_step(model, gpu, count_bytes=False)

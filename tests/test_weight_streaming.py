@@ -1,0 +1,213 @@
+"""Weight streaming (issue 40, first part), on the CPU through the engine's test mode: the frozen weights of the
+chosen blocks live in host memory between calls and are copied in for each block's forward, recompute and
+backward (:mod:`gradseam.offload.weights`).
+
+A LoRA over streamed blocks trains exactly as over resident ones with every backend; every use of a streamed
+weight happens while its block is loaded (checked by poisoning a released weight); the host copies are what
+``state_dict()`` and ``model.to()`` see; ``remove()`` puts the weights back; each refusal names its fix.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from cases import FLUX, WAN
+
+import gradseam
+from gradseam.errors import UnsupportedStrategyError
+from gradseam.offload import cpu_test_mode
+from gradseam.offload import weights as weights_module
+from gradseam.testing import Case, assert_same_step, check_strategy, config_id, run_step
+
+STREAM = "gradient_checkpointing_stream_weights"
+ON = {"gradient_checkpointing": True}
+ROWS = [
+    {**ON, "gradient_checkpointing_backend": "torch"},
+    {**ON, "gradient_checkpointing_backend": "torch-ffn"},
+    {**ON, "gradient_checkpointing_backend": "unsloth"},
+    {**ON, "gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_offload_attention": True},
+    {**ON, "gradient_checkpointing_backend": "torch", "gradient_checkpointing_keep_attention": True},
+    {**ON, "gradient_checkpointing_backend": "torch", "gradient_checkpointing_segment_stride": 2},
+    {**ON, "gradient_checkpointing_backend": "compile"},
+    {**ON, "gradient_checkpointing_backend": "unsloth-compile"},
+]
+
+
+def _lora(model: torch.nn.Module) -> torch.nn.Module:
+    """A frozen base with a peft LoRA on the attention projections (non-zero B: it changes the outputs)."""
+    import peft
+
+    model.requires_grad_(False)
+    model.add_adapter(peft.LoraConfig(r=2, lora_alpha=2, target_modules=["to_q", "to_v"], init_lora_weights=False))
+    return model
+
+
+def lora_case(case: Case) -> Case:
+    return Case(f"{case.name}+lora", lambda: _lora(case.build()), case.inputs, case.output, case.seed)
+
+
+LORA = {case.name: lora_case(case) for case in (FLUX, WAN)}
+
+
+def _streamed(model: torch.nn.Module, handle) -> list[torch.nn.Parameter]:
+    return [e.tensor for block in handle.weights.blocks for e in block.tensors]
+
+
+@pytest.mark.parametrize("stream", ["all", 1])
+@pytest.mark.parametrize("config", ROWS, ids=config_id)
+@pytest.mark.parametrize("case", [FLUX, WAN], ids=lambda c: c.name)
+def test_a_lora_over_streamed_weights_trains_exactly_as_over_resident_ones(case, config, stream):
+    pytest.importorskip("peft")
+    with cpu_test_mode():
+        check_strategy(LORA[case.name], {**config, STREAM: stream})
+
+
+@pytest.mark.parametrize("config", [ROWS[0], ROWS[2], ROWS[7]], ids=config_id)
+def test_every_use_of_a_streamed_weight_happens_while_its_block_is_loaded(config, monkeypatch):
+    """A released weight is poisoned (NaN) instead of pointing at its host copy: a forward, recompute or backward
+    that used a weight outside its block's load would give NaN gradients, not the unpatched model's."""
+    pytest.importorskip("peft")
+    case = LORA[WAN.name]
+    want = run_step(case.fresh(), case)
+    real_release = weights_module.WeightStream.release
+
+    def poisoning(self, index):
+        block = self.blocks[index]
+        was_loaded = block.loaded
+        real_release(self, index)
+        if was_loaded:
+            for entry in block.tensors:
+                entry.tensor.data = torch.full_like(entry.host, math.nan)
+
+    monkeypatch.setattr(weights_module.WeightStream, "release", poisoning)
+    model = case.fresh()
+    with cpu_test_mode(), gradseam.patch(model, {**config, STREAM: "all"}) as handle:
+        got = run_step(model, case, count_bytes=False)
+        assert handle.weights.loads == 2 * len(handle.weights.blocks), "one load for forward, one for backward"
+    assert_same_step(want, got, atol=1e-5 if "compile" in config_id(config) else 0.0, what=config_id(config))
+
+
+@pytest.mark.parametrize(("config", "freed"), [
+    (ROWS[0], True), (ROWS[2], True), (ROWS[6], True), (ROWS[7], True),
+    (ROWS[1], False), (ROWS[5], False),
+], ids=lambda v: config_id(v) if isinstance(v, dict) else str(v))
+def test_which_backends_free_each_blocks_weights_after_its_forward(config, freed, monkeypatch):
+    """What streaming saves: after the forward, is any block's loaded copy still held (by autograd, for
+    backward)? Whole-block regions recompute everything and compiled blocks save the parameters themselves
+    (reloaded for backward): nothing is held. ``torch-ffn`` keeps attention's outputs, so autograd holds its
+    weights' copies; a stride leaves blocks unrecomputed, which hold theirs (docs/strategies.md)."""
+    pytest.importorskip("peft")
+    copies = []
+    real_load = weights_module.WeightStream.load
+
+    def recording(self, index):
+        fresh = not self.blocks[index].loaded
+        real_load(self, index)
+        if fresh:
+            copies.extend(e.tensor.untyped_storage()._weak_ref() for e in self.blocks[index].tensors)
+
+    monkeypatch.setattr(weights_module.WeightStream, "load", recording)
+    case = LORA[WAN.name]
+    model = case.fresh()
+    with cpu_test_mode(), gradseam.patch(model, {**config, STREAM: "all"}):
+        out = case.output(model(**case.inputs(torch.Generator().manual_seed(1))))
+        held = sum(not torch.UntypedStorage._expired(ref) for ref in copies)
+        del out
+    assert copies and (held == 0) == freed, f"{held} of {len(copies)} loaded copies held after the forward"
+
+
+def test_streamed_weights_are_host_copies_between_calls_and_fresh_copies_inside_their_block():
+    pytest.importorskip("peft")
+    case = LORA[WAN.name]
+    model = case.fresh()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    resident = model.blocks[2].ffn.net[2].weight
+    resident_ptr = resident.data_ptr()
+    seen = []
+    with cpu_test_mode(), gradseam.patch(model, {**ON, STREAM: 2}) as handle:
+        block = model.blocks[0]
+        weight = block.ffn.net[2].weight
+        host = next(e.host for b in handle.weights.blocks for e in b.tensors if e.tensor is weight)
+        assert weight.data_ptr() == host.data_ptr(), "between calls a streamed weight is its host copy"
+        hook = block.register_forward_pre_hook(lambda m, a: seen.append(weight.data_ptr()))  # after the load
+        run_step(model, case, count_bytes=False)
+        hook.remove()
+        assert seen and all(p != host.data_ptr() for p in seen), "inside its block a streamed weight is a copy"
+        assert weight.data_ptr() == host.data_ptr() and not any(b.loaded for b in handle.weights.blocks)
+        assert resident.data_ptr() == resident_ptr, "a block past the streamed ones keeps its weights"
+        assert all(not p.requires_grad for p in _streamed(model, handle)), "only frozen tensors stream"
+        assert not any("lora" in e.name for b in handle.weights.blocks for e in b.tensors), "the LoRA stays"
+        state = model.state_dict()
+        assert list(state) == list(before) and all(torch.equal(state[k], before[k]) for k in before)
+        model.to(torch.device("cpu"))  # moving the model leaves the streamed weights where they are
+        assert weight.data_ptr() == host.data_ptr()
+        summary = str(handle.summary())
+        assert "weights of 2 block(s) stream from host memory" in summary and "4 block loads so far" in summary
+    assert weight.data_ptr() != host.data_ptr() and "_apply" not in block.ffn.net[2].__dict__
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_dtype_change_of_streamed_weights_after_patching_is_refused_by_name():
+    pytest.importorskip("peft")
+    model = LORA[WAN.name].fresh()
+    dtype = r"streams from host memory in torch.float32; changing it to torch.float64"
+    with cpu_test_mode(), gradseam.patch(model, {**ON, STREAM: 1}), pytest.raises(TypeError, match=dtype):
+        model.to(torch.float64)
+
+
+@pytest.mark.parametrize(("config", "words"), [
+    ({"gradient_checkpointing": False, STREAM: 1}, "needs checkpointing"),
+    ({**ON, "gradient_checkpointing_interval": 2, STREAM: 1}, "Remove the interval"),
+    ({**ON, STREAM: 99}, "Stream at most 5"),
+], ids=["no-checkpointing", "interval", "too-many"])
+def test_what_cannot_stream_is_refused_naming_the_fix(config, words):
+    pytest.importorskip("peft")
+    model = LORA[WAN.name].fresh()
+    with cpu_test_mode(), pytest.raises(UnsupportedStrategyError, match=words):
+        gradseam.patch(model, config)
+    assert gradseam.handle_of(model) is None
+
+
+def test_a_full_fine_tune_has_nothing_to_stream():
+    model = WAN.fresh()  # every parameter trains
+    with cpu_test_mode(), pytest.raises(UnsupportedStrategyError) as refused:
+        gradseam.patch(model, {**ON, STREAM: "all"})
+    message = str(refused.value)
+    assert "blocks[0] has no frozen weight to stream" in message and "requires_grad=True" in message
+    assert "unsloth-compile" in message  # what to do instead
+
+
+def test_a_streamed_weight_that_starts_training_is_refused_at_its_next_load():
+    pytest.importorskip("peft")
+    case = LORA[WAN.name]
+    model = case.fresh()
+    with cpu_test_mode(), gradseam.patch(model, {**ON, STREAM: 1}):
+        model.blocks[0].ffn.net[2].weight.requires_grad_(True)
+        with pytest.raises(UnsupportedStrategyError, match=r"blocks\[0\]\.ffn\.net\.2\.weight trains now"):
+            run_step(model, case)
+
+
+def test_quantized_weights_are_refused_by_type():
+    from gradseam.testing.quantized import quantized_case, unavailable
+
+    if unavailable("torchao-int8"):
+        pytest.skip(unavailable("torchao-int8"))
+    model = quantized_case(WAN, "torchao-int8", train=_lora).fresh()
+    with cpu_test_mode(), pytest.raises(UnsupportedStrategyError, match=r"is a Int8Tensor \(a quantized weight\)"):
+        gradseam.patch(model, {**ON, STREAM: 1})
+
+
+def test_without_cuda_streaming_is_refused_outside_the_test_mode():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA GPU: tests/test_gpu_streaming.py streams there")
+    model = LORA[WAN.name].fresh() if _has_peft() else WAN.fresh().requires_grad_(False)
+    with pytest.raises(UnsupportedStrategyError, match="no CUDA GPU is available here"):
+        gradseam.patch(model, {**ON, STREAM: 1})
+
+
+def _has_peft() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("peft") is not None
