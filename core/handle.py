@@ -283,7 +283,11 @@ class PatchHandle:
     def summary(self) -> Summary:
         summary = Summary.of(self.plan, self.regions(), pending=self.offload_pending(),
                              model_name=type(self.model).__name__, device=device_type(self.model))
-        if self.weights is not None:
+        if self.weights is not None and not self.weights.selected:
+            summary.notes.append(
+                f"weights of {len(self.weights.blocks)} block(s) will stream from host memory once the base is "
+                "frozen: at the model's first move to a GPU or its first forward")
+        elif self.weights is not None:
             w = self.weights
             summary.notes.append(
                 f"weights of {len(w.blocks)} block(s) stream from host memory: {w.host_bytes / 2**30:.2f} GiB "

@@ -236,27 +236,17 @@ def _streamed(model: nn.Module, config: CheckpointConfig, strategy: Strategy,
 
 
 def _refuse_unstreamable(model: nn.Module, where: str, block: nn.Module) -> None:
-    """A block whose weights all train (a full fine-tune) has nothing to stream; quantized weights keep their
-    bytes in inner tensors or on the parameter, which a copy of ``.data`` would not move."""
+    """Quantized weights keep their bytes in inner tensors or on the parameter, which a copy of ``.data``
+    would not move. (A block whose weights all train is refused once streaming starts: a model patched as
+    it loads is frozen only afterwards, :meth:`gradseam.offload.weights.WeightStream.select`.)"""
     from .offload.state import is_wrapper
-    from .offload.weights import streamable
 
-    name = type(model).__name__
-    for path, _, _, t in streamable(block):
+    for path, t in [*block.named_parameters(), *block.named_buffers()]:
         if is_wrapper(t) or type(t) not in (nn.Parameter, torch.Tensor):
             raise UnsupportedStrategyError(
-                f"{name}.{where}.{path} is a {type(t).__name__} (a quantized weight), and weight streaming moves "
-                "plain tensors only so far. Stream fewer blocks, or train this base without streaming (a "
-                "quantized base is small: docs/strategies.md, Quantized bases)."
-            )
-    if not any(True for _ in streamable(block)):
-        trainable = next((n for n, p in block.named_parameters() if p.requires_grad), None)
-        if trainable is not None:
-            raise UnsupportedStrategyError(
-                f"{name}.{where} has no frozen weight to stream: its parameters train ({where}.{trainable} has "
-                "requires_grad=True), and streamed weights are never copied back. Stream the weights of a frozen "
-                "base (a LoRA trains beside them, on the GPU), or for a full fine-tune use an offload backend "
-                "('unsloth-compile', or 'unsloth' with gradient_checkpointing_offload_attention)."
+                f"{type(model).__name__}.{where}.{path} is a {type(t).__name__} (a quantized weight), and weight "
+                "streaming moves plain tensors only so far. Stream fewer blocks, or train this base without "
+                "streaming (a quantized base is small: docs/strategies.md, Quantized bases)."
             )
 
 

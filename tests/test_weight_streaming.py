@@ -170,13 +170,33 @@ def test_what_cannot_stream_is_refused_naming_the_fix(config, words):
     assert gradseam.handle_of(model) is None
 
 
-def test_a_full_fine_tune_has_nothing_to_stream():
-    model = WAN.fresh()  # every parameter trains
-    with cpu_test_mode(), pytest.raises(UnsupportedStrategyError) as refused:
-        gradseam.patch(model, {**ON, STREAM: "all"})
+def test_a_full_fine_tune_has_nothing_to_stream_when_streaming_starts():
+    model = WAN.fresh()  # every parameter trains: as if patched while loading, before the base is frozen
+    with cpu_test_mode(), gradseam.patch(model, {**ON, STREAM: "all"}) as handle:
+        assert not handle.weights.selected and "once the base is frozen" in str(handle.summary())
+        with pytest.raises(UnsupportedStrategyError) as refused:
+            run_step(model, WAN)
     message = str(refused.value)
     assert "blocks[0] has no frozen weight to stream" in message and "requires_grad=True" in message
     assert "unsloth-compile" in message  # what to do instead
+
+
+def test_a_model_patched_as_it_loads_streams_once_its_base_is_frozen():
+    """Load-time patching (``gradseam.patching``, ``gradseam run``): the model arrives with every parameter
+    trainable; the trainer freezes it and adds a LoRA afterwards. Streaming starts at the first forward, with
+    what is frozen then, and the step is the resident model's."""
+    pytest.importorskip("peft")
+    case = LORA[WAN.name]
+    want = run_step(case.fresh(), case)
+    torch.manual_seed(case.seed)
+    model = WAN.build()
+    with cpu_test_mode(), gradseam.patch(model, {**ON, STREAM: "all"}) as handle:
+        assert not handle.weights.selected
+        _lora(model)
+        got = run_step(model, case, count_bytes=False)
+        assert handle.weights.selected and handle.weights.host_bytes > 0
+        assert not any("lora" in e.name for b in handle.weights.blocks for e in b.tensors)
+    assert_same_step(want, got)
 
 
 def test_a_streamed_weight_that_starts_training_is_refused_at_its_next_load():

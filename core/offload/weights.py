@@ -105,22 +105,47 @@ class WeightStream:
                  error: Callable[[str], Exception], test_mode: bool = False) -> None:
         self.test_mode = test_mode
         self.error = error
-        self.blocks: list[_Block] = []
+        self.blocks = [_Block(module, label, [], None, False, 0) for module, label in zip(blocks, labels)]
         self.device: torch.device | None = None  # where loads go: set from the model's resident tensors
+        self.selected = False  # whether the frozen tensors were chosen and moved to host memory (select())
         self.loads = 0
         self.loaded_bytes = 0
-        self._index: dict[int, int] = {}
+        self._shared = shared
+        self._index = {id(block.module): i for i, block in enumerate(self.blocks)}
+        self._owned: dict[int, list[_Tensor]] = {}  # per module: the streamed tensors it holds
         self._hooks: list[Any] = []
         self._applies: list[nn.Module] = []
         self._end_queued = False
-        for module, label in zip(blocks, labels):
-            self._index[id(module)] = len(self.blocks)
-            self.blocks.append(self._to_host(module, label, shared))
 
     # -- host copies ---------------------------------------------------------------------------------
 
-    def _to_host(self, module: nn.Module, label: str, shared: set[int]) -> _Block:
-        found = [(path, t) for path, _, _, t in streamable(module) if id(t) not in shared]
+    def select(self) -> None:
+        """Choose what streams, the frozen tensors of each block as they are now, and move them to host memory.
+
+        Done once, as soon as the base is frozen: at patch time when it already is; else (a model patched
+        as it loads, every parameter still trainable) at the model's first move to a GPU or its first
+        forward, whichever comes first. A block with nothing frozen then is a full fine-tune: refused."""
+        if self.selected:
+            return
+        for block in self.blocks:
+            if not any(True for _ in streamable(block.module)):
+                trainable = next((n for n, p in block.module.named_parameters() if p.requires_grad), None)
+                raise self.error(
+                    f"{block.label} has no frozen weight to stream: its parameters train ({block.label}.{trainable} "
+                    "has requires_grad=True), and streamed weights are never copied back. Freeze the base before "
+                    "the model moves to the GPU or runs (a LoRA trains beside the streamed weights, on the GPU), or "
+                    "for a full fine-tune use an offload backend ('unsloth-compile', or 'unsloth' with "
+                    "gradient_checkpointing_offload_attention) without streaming."
+                )
+        self.selected = True
+        for block in self.blocks:
+            self._to_host(block)
+            for entry in block.tensors:
+                owner = block.module.get_submodule(entry.name.rpartition(".")[0])
+                self._owned.setdefault(id(owner), []).append(entry)
+
+    def _to_host(self, block: _Block) -> None:
+        found = [(path, t) for path, _, _, t in streamable(block.module) if id(t) not in self._shared]
         sizes = [-(-t.nbytes // ALIGN) * ALIGN for _, t in found]
         total = sum(sizes)
         buffer, pinned = (self._allocate(total) if total else (None, False))
@@ -133,7 +158,7 @@ class WeightStream:
             offset += size
         for entry in tensors:
             entry.tensor.data = entry.host  # the device storage goes when nothing else holds it
-        return _Block(module, label, tensors, buffer, pinned, total)
+        block.tensors, block.buffer, block.pinned, block.nbytes = tensors, buffer, pinned, total
 
     def _allocate(self, nbytes: int) -> tuple[torch.Tensor, bool]:
         if self.test_mode or not torch.cuda.is_available():
@@ -165,6 +190,7 @@ class WeightStream:
         return self.device
 
     def load(self, index: int) -> None:
+        self.select()
         block = self.blocks[index]
         if block.loaded:
             return
@@ -214,21 +240,18 @@ class WeightStream:
     # -- hooks -------------------------------------------------------------------------------------------
 
     def install(self, model: nn.Module) -> None:
-        """Hook every streamed block, and keep its streamed tensors in host memory through ``model.to()``."""
-        self.device = _resident_device(model, self)
-        for block in self.blocks:
-            index = self._index[id(block.module)]
+        """Hook every streamed block, keep its streamed tensors in host memory through ``model.to()``, and
+        select them now if the base is frozen already (:meth:`select`)."""
+        self.device = _resident_device(model)
+        for index, block in enumerate(self.blocks):
             self._hooks.append(block.module.register_forward_pre_hook(self._pre(index)))
             self._hooks.append(block.module.register_forward_hook(self._post(index), always_call=True))
-        owners: dict[int, tuple[nn.Module, list[_Tensor]]] = {}
-        for block in self.blocks:
-            for _, owner, _, t in streamable(block.module):
-                entry = next((e for e in block.tensors if e.tensor is t), None)
-                if entry is not None:
-                    owners.setdefault(id(owner), (owner, []))[1].append(entry)
-        for owner, entries in owners.values():
-            owner._apply = types.MethodType(_apply_keeping_host(owner._apply, entries, weakref.ref(self)), owner)
-            self._applies.append(owner)
+            for module in block.module.modules():
+                if "_apply" not in module.__dict__:  # a module in two streamed blocks is wrapped once
+                    module._apply = types.MethodType(_apply_keeping_host(module._apply, weakref.ref(self)), module)
+                    self._applies.append(module)
+        if any(True for block in self.blocks for _ in streamable(block.module)):
+            self.select()
 
     def _pre(self, index: int) -> Callable[..., None]:
         def pre(module: nn.Module, args: tuple) -> None:
@@ -283,22 +306,21 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def _resident_device(model: nn.Module, stream: WeightStream) -> torch.device:
-    """The device of the model's first tensor that does not stream: where its blocks compute."""
-    streamed = {id(e.tensor) for b in stream.blocks for e in b.tensors}
-    for t in (*model.parameters(), *model.buffers()):
-        if id(t) not in streamed:
-            return t.device
-    return next(iter(model.parameters())).device
+def _resident_device(model: nn.Module) -> torch.device:
+    """Where the model's blocks compute, before anything streams: the device of its first tensor."""
+    return next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
 
 
-def _apply_keeping_host(apply: Callable[..., Any], entries: list[_Tensor],
-                        stream: weakref.ref[WeightStream]) -> Callable[..., Any]:
-    """``module._apply`` that leaves ``entries`` in host memory: they are taken out of the module for the
-    call (and put back in their places, so the order of ``state_dict()`` keys stays), and the device
-    ``fn`` moves tensors to becomes the stream's device. ``fn`` changing their dtype is refused first."""
+def _apply_keeping_host(apply: Callable[..., Any], stream: weakref.ref[WeightStream]) -> Callable[..., Any]:
+    """``module._apply`` that leaves the module's streamed tensors in host memory: they are taken out of the
+    module for the call (and put back in their places, so the order of ``state_dict()`` keys stays), and the
+    device ``fn`` moves tensors to becomes the stream's device. A first move to a GPU selects what streams
+    (:meth:`WeightStream.select`) before anything moves; ``fn`` changing a streamed dtype is refused first."""
     def _apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
         owner = stream()
+        if owner is not None and not owner.selected and fn(torch.empty(0)).device.type != "cpu":
+            owner.select()
+        entries = owner._owned.get(id(self), []) if owner is not None else []
         for entry in entries:
             probe = fn(torch.empty(0, dtype=entry.host.dtype))
             if probe.dtype != entry.host.dtype:
