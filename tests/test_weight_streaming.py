@@ -10,6 +10,7 @@ weight happens while its block is loaded (checked by poisoning a released weight
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -231,3 +232,18 @@ def _has_peft() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("peft") is not None
+
+
+def test_streamed_weights_past_half_the_host_memory_warn_once(monkeypatch):
+    pytest.importorskip("peft")
+    monkeypatch.setattr(weights_module, "host_memory_bytes", lambda: 64 << 10)  # a 64 KiB "machine"
+    monkeypatch.setattr(weights_module, "_warned", set())
+    model = LORA[WAN.name].fresh()
+    with pytest.warns(UserWarning, match=r"more than 50% of this machine's 0.0 GiB") as caught, cpu_test_mode(), \
+            gradseam.patch(model, {**ON, STREAM: "all"}):
+        pass
+    assert sum("streamed weights take" in str(w.message) for w in caught) == 1
+    monkeypatch.setattr(weights_module, "host_memory_bytes", lambda: 1 << 40)
+    monkeypatch.setattr(weights_module, "_warned", set())
+    with cpu_test_mode(), gradseam.patch(LORA[WAN.name].fresh(), {**ON, STREAM: "all"}), warnings.catch_warnings():
+        warnings.simplefilter("error")  # a machine with room: no warning

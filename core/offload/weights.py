@@ -37,6 +37,7 @@ it (:mod:`gradseam.planning`, :mod:`gradseam.handle`). Why it is built this way:
 from __future__ import annotations
 
 import mmap
+import os
 import types
 import warnings
 import weakref
@@ -50,6 +51,14 @@ from torch import nn
 from .pinned import pageable, register_pinned, unregister_pinned
 
 ALIGN = 64  # bytes: each tensor's host copy starts on a multiple, as the allocator's own blocks do
+# Host copies past this fraction of the machine's memory warn: pinned pages cannot be swapped out, and the
+# data loader, the optimizer's host state and the activation pool need room beside them.
+HOST_FRACTION = 0.5
+
+
+def host_memory_bytes() -> int:
+    """The machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 _warned: set[str] = set()
 
@@ -143,6 +152,13 @@ class WeightStream:
             for entry in block.tensors:
                 owner = block.module.get_submodule(entry.name.rpartition(".")[0])
                 self._owned.setdefault(id(owner), []).append(entry)
+        total = host_memory_bytes()
+        if self.host_bytes > HOST_FRACTION * total:
+            _warn_once(
+                f"gradseam: the streamed weights take {self.host_bytes / 2**30:.1f} GiB of host memory, more than "
+                f"{HOST_FRACTION:.0%} of this machine's {total / 2**30:.1f} GiB ({self.pinned_bytes / 2**30:.1f} GiB "
+                "of it pinned, which cannot be swapped out). The data loader and the optimizer need host memory "
+                "too: stream fewer blocks (gradient_checkpointing_stream_weights), or use a quantized base.")
 
     def _to_host(self, block: _Block) -> None:
         found = [(path, t) for path, _, _, t in streamable(block.module) if id(t) not in self._shared]
