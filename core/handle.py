@@ -151,8 +151,7 @@ class PatchHandle:
         self._blocks = tuple(m for _, _, m in self._entries)
 
     def _stream_weights(self) -> None:
-        """Move the frozen weights of the plan's streamed blocks to host memory and hook their loads. A tensor
-        also held outside those blocks, or by two of them (tied weights), stays where it is."""
+        """Hand the plan's streamed blocks to a WeightStream, which keeps their frozen weights in host memory."""
         if not self.plan.streamed:
             return
         from .offload import cpu_allowed
@@ -161,16 +160,7 @@ class PatchHandle:
         name = type(self.model).__name__
         blocks = [resolve(self.model, path)[index] for path, index in self.plan.streamed]
         labels = [f"{name}.{path}[{index}]" for path, index in self.plan.streamed]
-        inside = {id(m) for block in blocks for m in block.modules()}
-        holders: dict[int, int] = {}
-        for block in blocks:
-            for t in {id(t) for m in block.modules() for t in (*m._parameters.values(), *m._buffers.values())}:
-                holders[t] = holders.get(t, 0) + 1
-        shared = {t for t, n in holders.items() if n > 1} | {
-            id(t) for m in self.model.modules() if id(m) not in inside
-            for t in (*m._parameters.values(), *m._buffers.values()) if t is not None}
-        self.weights = WeightStream(blocks, labels, shared=shared, error=UnsupportedStrategyError,
-                                    test_mode=cpu_allowed())
+        self.weights = WeightStream(blocks, labels, error=UnsupportedStrategyError, test_mode=cpu_allowed())
         self.weights.install(self.model)
 
     def _unstream_weights(self) -> None:

@@ -247,3 +247,23 @@ def test_streamed_weights_past_half_the_host_memory_warn_once(monkeypatch):
     monkeypatch.setattr(weights_module, "_warned", set())
     with cpu_test_mode(), gradseam.patch(LORA[WAN.name].fresh(), {**ON, STREAM: "all"}), warnings.catch_warnings():
         warnings.simplefilter("error")  # a machine with room: no warning
+
+
+def test_a_weight_tied_between_two_streamed_blocks_stays_where_it_is():
+    """Moving one holder's ``.data`` would move a tied weight under the other block too: it does not stream."""
+    pytest.importorskip("peft")
+
+    def tied():
+        model = LORA[WAN.name].build()
+        model.blocks[1].ffn.net[2].weight = model.blocks[0].ffn.net[2].weight
+        return model
+
+    case = Case("wan+lora+tied", tied, WAN.inputs, WAN.output, WAN.seed)
+    model = case.fresh()
+    weight = model.blocks[0].ffn.net[2].weight
+    pointer = weight.data_ptr()
+    with cpu_test_mode(), gradseam.patch(model, {**ON, STREAM: "all"}) as handle:
+        assert handle.weights.selected and all(e.tensor is not weight for b in handle.weights.blocks for e in b.tensors)
+        assert weight.data_ptr() == pointer
+        got = run_step(model, case, count_bytes=False)
+    assert_same_step(run_step(case.fresh(), case), got)

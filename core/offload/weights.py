@@ -105,12 +105,11 @@ def streamable(block: nn.Module) -> Iterator[tuple[str, nn.Module, str, torch.Te
 class WeightStream:
     """The frozen weights of ``blocks`` (in forward order) kept in host memory and loaded per block.
 
-    ``shared``: tensors also held outside the blocks (tied weights); they stay where they are.
     ``error(message)``: the exception raised for a streamed parameter that trains.
     ``test_mode``: a CPU model stands in for a GPU one (the loads are copies into fresh CPU tensors).
     """
 
-    def __init__(self, blocks: Sequence[nn.Module], labels: Sequence[str], *, shared: set[int],
+    def __init__(self, blocks: Sequence[nn.Module], labels: Sequence[str], *,
                  error: Callable[[str], Exception], test_mode: bool = False) -> None:
         self.test_mode = test_mode
         self.error = error
@@ -118,9 +117,7 @@ class WeightStream:
         self.device: torch.device | None = None  # where loads go: set from the model's resident tensors
         self.selected = False  # whether the frozen tensors were chosen and moved to host memory (select())
         self.loads = 0
-        self.loaded_bytes = 0
-        self._shared = shared
-        self._index = {id(block.module): i for i, block in enumerate(self.blocks)}
+        self._shared: set[int] = set()  # tensors a streamed block shares (tied weights): they stay (install())
         self._owned: dict[int, list[_Tensor]] = {}  # per module: the streamed tensors it holds
         self._hooks: list[Any] = []
         self._applies: list[nn.Module] = []
@@ -238,7 +235,6 @@ class WeightStream:
             entry.tensor.data = copy
         block.loaded = True
         self.loads += 1
-        self.loaded_bytes += block.nbytes
 
     def release(self, index: int) -> None:
         block = self.blocks[index]
@@ -259,6 +255,7 @@ class WeightStream:
         """Hook every streamed block, keep its streamed tensors in host memory through ``model.to()``, and
         select them now if the base is frozen already (:meth:`select`)."""
         self.device = _resident_device(model)
+        self._shared = _shared_tensors(model, [block.module for block in self.blocks])
         for index, block in enumerate(self.blocks):
             self._hooks.append(block.module.register_forward_pre_hook(self._pre(index)))
             self._hooks.append(block.module.register_forward_hook(self._post(index), always_call=True))
@@ -304,8 +301,8 @@ class WeightStream:
         for owner in self._applies:
             owner.__dict__.pop("_apply", None)
         self._applies.clear()
-        for block in self.blocks:
-            self.release(self._index[id(block.module)])
+        for index, block in enumerate(self.blocks):
+            self.release(index)
             for entry in block.tensors:
                 home = entry.home if self.test_mode or self.device is None else self.device
                 entry.tensor.data = entry.host.to(home, copy=True)
@@ -320,6 +317,25 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     from torch.utils._pytree import tree_leaves
 
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _shared_tensors(model: nn.Module, blocks: list[nn.Module]) -> set[int]:
+    """Ids of the tensors a streamed block holds together with another block or with a module outside them
+    (tied weights): moving one holder's ``.data`` would move it under the others."""
+    def held(module: nn.Module) -> set[int]:
+        return {id(t) for m in module.modules() for t in (*m._parameters.values(), *m._buffers.values())
+                if t is not None}
+
+    inside = {id(m) for block in blocks for m in block.modules()}
+    outside = {id(t) for m in model.modules() if id(m) not in inside
+               for t in (*m._parameters.values(), *m._buffers.values()) if t is not None}
+    seen: set[int] = set()
+    twice: set[int] = set()
+    for block in blocks:
+        ids = held(block)
+        twice |= seen & ids
+        seen |= ids
+    return outside | twice
 
 
 def _resident_device(model: nn.Module) -> torch.device:
