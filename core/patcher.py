@@ -47,7 +47,9 @@ def _check_offload_device(model: nn.Module, config: CheckpointConfig, planned: P
     from .offload import cpu_allowed
 
     wants = planned.strategy.offloaded()
-    if wants and planned.stores and device_type(model) == "cpu" and not cpu_allowed():
+    # a model whose weights stream is patched on the CPU on purpose (its weights may not fit the GPU):
+    # the handle says offload is pending until model.to("cuda"), as for a model patched at load time
+    if wants and planned.stores and not planned.streamed and device_type(model) == "cpu" and not cpu_allowed():
         raise UnsupportedStrategyError(
             f"{' and '.join(wants)} {'moves' if len(wants) == 1 else 'move'} activations from GPU to CPU "
             f"memory and {'needs' if len(wants) == 1 else 'need'} a CUDA model, but "
