@@ -71,8 +71,8 @@ def _parse_count(key: str, value: Any, nullable: bool) -> int | None:
     return _parse_int(key, value, minimum=1, allow_none=nullable)
 
 
-def _parse_buckets(key: str, value: Any, nullable: bool) -> int | None:
-    """An integer >= 0 (0 is meaningful: no pinned memory)."""
+def _parse_zero_or_more(key: str, value: Any, nullable: bool) -> int | None:
+    """An integer >= 0 (0 is meaningful: no pinned memory, no prefetch)."""
     return _parse_int(key, value, minimum=0, allow_none=nullable)
 
 
@@ -134,6 +134,7 @@ GROUP_CHECKPOINTING = "Checkpointing"
 GROUP_ATTENTION = "Attention"
 GROUP_COMPILED = "Compiled backends"
 GROUP_WEIGHTS = "Weight streaming"
+DEFAULT_STREAM_PREFETCH = 1  # one block ahead hides the copy wherever a block computes longer than it copies
 NEEDS_CHECKPOINTING_WORDS = "{needs_checkpointing}"  # in a doc cell: the keys that need checkpointing, listed
 
 
@@ -399,7 +400,7 @@ class CheckpointConfig:
         doc="move what attention saves for backward to CPU memory (CUDA only); works with or without "
             "checkpointing"))
     gradient_checkpointing_offload_pin_memory_max_buckets: int = _key(DEFAULT_PIN_BUCKETS, KeySpec(
-        flag="--offload-pin-memory-max-buckets", value=int, metavar="N", parse=_parse_buckets,
+        flag="--offload-pin-memory-max-buckets", value=int, metavar="N", parse=_parse_zero_or_more,
         group=GROUP_ATTENTION,
         help=f"size classes of pinned host buffers the offload pool may keep; 0 = pageable memory only "
              f"(default {DEFAULT_PIN_BUCKETS})",
@@ -429,6 +430,14 @@ class CheckpointConfig:
             "memory and copies them to the GPU as each block runs; LoRA and other trainable parameters stay on "
             "the GPU. musubi-tuner's `blocks_to_swap` counts blocks the same way (which blocks it picks may "
             "differ) ([weight streaming](strategies.md#weights-that-do-not-fit-streaming-them-from-host-memory))"))
+    gradient_checkpointing_stream_prefetch: int = _key(DEFAULT_STREAM_PREFETCH, KeySpec(
+        flag="--stream-prefetch", value=int, metavar="N", parse=_parse_zero_or_more, group=GROUP_WEIGHTS,
+        help=f"streamed weights: how many blocks ahead of the running one are copied (default "
+             f"{DEFAULT_STREAM_PREFETCH}; 0 = each block's copy is waited for when it runs)",
+        doc_type="int ≥ 0", doc_default=f"`{DEFAULT_STREAM_PREFETCH}`",
+        doc="with streamed weights: how many blocks ahead of the running one are copied to the GPU on a side "
+            "stream while it computes (the GPU holds 1 + N streamed blocks' weights); 0 copies each block when "
+            "it runs and waits for it (no overlap: the reference the overlap is measured against)"))
 
     def __post_init__(self) -> None:
         # Frozen dataclass: normalise through object.__setattr__ so the stored values are the parsed ones.
@@ -628,7 +637,9 @@ class CheckpointConfig:
             parts.append(f"memory budget {self.memory_budget:g}")
         streamed = self.gradient_checkpointing_stream_weights
         if streamed is not None:
-            parts.append(f"weights of {streamed} block{'' if streamed == 1 else 's'} streamed")
+            ahead = self.gradient_checkpointing_stream_prefetch
+            parts.append(f"weights of {streamed} block{'' if streamed == 1 else 's'} streamed"
+                         + (f" (prefetch {ahead})" if ahead != DEFAULT_STREAM_PREFETCH else ""))
         return ", ".join(parts)
 
 

@@ -160,7 +160,8 @@ class PatchHandle:
         name = type(self.model).__name__
         blocks = [resolve(self.model, path)[index] for path, index in self.plan.streamed]
         labels = [f"{name}.{path}[{index}]" for path, index in self.plan.streamed]
-        self.weights = WeightStream(blocks, labels, error=UnsupportedStrategyError, test_mode=cpu_allowed())
+        self.weights = WeightStream(blocks, labels, error=UnsupportedStrategyError, test_mode=cpu_allowed(),
+                                    prefetch=self.plan.config.gradient_checkpointing_stream_prefetch)
         self.weights.install(self.model)
 
     def _unstream_weights(self) -> None:
@@ -279,10 +280,14 @@ class PatchHandle:
                 "frozen: at the model's first move to a GPU or its first forward")
         elif self.weights is not None:
             w = self.weights
+            activations = sum(engine.store.stats()["pinned_bytes"] for engine in self.engines.values())
+            ahead = f"{w.prefetch} block{'' if w.prefetch == 1 else 's'} ahead on a side stream" if w.prefetch else \
+                "each copy waited for (prefetch 0)"
             summary.notes.append(
                 f"weights of {len(w.blocks)} block(s) stream from host memory: {w.host_bytes / 2**30:.2f} GiB "
                 f"({'pinned' if w.pinned_bytes == w.host_bytes else 'pageable' if not w.pinned_bytes else 'partly pinned'})"
-                f", copied to the GPU as each block runs; {w.loads} block loads so far")
+                f", copied to the GPU {ahead}; {w.loads} block loads so far. Pinned host memory now: weights "
+                f"{w.pinned_bytes / 2**30:.2f} GiB, offloaded activations {activations / 2**30:.2f} GiB")
         if not self.active and self.replaced_by is not None:
             summary.notes.append(f"replaced by a later gradseam.patch() of this model ({self.replaced_by!r}): "
                                  "this patch no longer runs; the model's summary is that handle's")

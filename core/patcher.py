@@ -43,6 +43,28 @@ def _cpu_instead(planned: Plan) -> str:
     return " and ".join(steps)
 
 
+GROUP_OFFLOADING = "group_offloading"  # the name diffusers registers its group-offloading hooks under
+
+
+def _group_offloaded(model: nn.Module) -> bool:
+    """Whether diffusers' group offloading (``enable_group_offload`` / ``apply_group_offloading``) moves this
+    model's weights: it registers a hook of that name on the model and on each group it moves."""
+    return any(GROUP_OFFLOADING in getattr(getattr(m, "_diffusers_hook", None), "hooks", {}) for m in model.modules())
+
+
+def _check_group_offloading(model: nn.Module, planned: Plan) -> None:
+    """Group offloading keeps the weights in CPU memory between uses, so weight streaming would move the same
+    weights a second way: refused, naming it (the offload backends' conflict is :func:`_check_offload_device`'s)."""
+    if planned.streamed and _group_offloaded(model):
+        raise UnsupportedStrategyError(
+            f"{type(model).__name__} has diffusers' group offloading on, which already moves its weights between "
+            "CPU and GPU memory; gradient_checkpointing_stream_weights would move the same weights a second way. "
+            "Use one: load the model without group offloading and keep the key (it copies the frozen weights in per "
+            "block on a side stream, releases them in backward too, and keeps the LoRA on the GPU), or leave the "
+            "key out."
+        )
+
+
 def _check_offload_device(model: nn.Module, config: CheckpointConfig, planned: Plan) -> None:
     from .offload import cpu_allowed
 
@@ -50,6 +72,15 @@ def _check_offload_device(model: nn.Module, config: CheckpointConfig, planned: P
     # a model whose weights stream is patched on the CPU on purpose (its weights may not fit the GPU):
     # the handle says offload is pending until model.to("cuda"), as for a model patched at load time
     if wants and planned.stores and not planned.streamed and device_type(model) == "cpu" and not cpu_allowed():
+        if _group_offloaded(model):  # its weights are in CPU memory between uses, however it runs
+            raise UnsupportedStrategyError(
+                f"{' and '.join(wants)} {'moves' if len(wants) == 1 else 'move'} activations to CPU memory and "
+                f"{'needs' if len(wants) == 1 else 'need'} a model whose tensors are on the GPU, but "
+                f"{type(model).__name__} has diffusers' group offloading on, which keeps its weights in CPU memory "
+                "between uses. For weights that do not fit the GPU, load it without group offloading and set "
+                "gradient_checkpointing_stream_weights (gradseam's own streaming, which composes with every "
+                f"backend); or keep group offloading with {_cpu_instead(planned)}."
+            )
         raise UnsupportedStrategyError(
             f"{' and '.join(wants)} {'moves' if len(wants) == 1 else 'move'} activations from GPU to CPU "
             f"memory and {'needs' if len(wants) == 1 else 'need'} a CUDA model, but "
@@ -140,6 +171,8 @@ def patch_models(
     and the handle says offload is pending until the model is on a GPU.
     """
     plans = {name: plan(model, family_for(model), config) for name, model in models.items()}
+    for name, model in models.items():
+        _check_group_offloading(model, plans[name])
     if check_device:
         for name, model in models.items():
             _check_offload_device(model, config, plans[name])

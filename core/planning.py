@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .backends import Destination, Kept, Offload, Scope
-from .config import CheckpointConfig
+from .config import DEFAULT_STREAM_PREFETCH, CheckpointConfig
 from .errors import UnsupportedModelError, UnsupportedStrategyError, warn_once
 from .family import BlockClass, BlockList, Family
 from .kinds import ATTENTION_OFFLOAD, check_config
@@ -202,6 +202,10 @@ def _streamed(model: nn.Module, config: CheckpointConfig, strategy: Strategy,
     N in forward order across the block lists, or all; each refusal names what to do instead."""
     wanted = config.stream_weights
     if not wanted:
+        if config.gradient_checkpointing_stream_prefetch != DEFAULT_STREAM_PREFETCH:
+            warn_once(f"gradient_checkpointing_stream_prefetch={config.gradient_checkpointing_stream_prefetch} set, "
+                      f"but no weights stream ({STREAM_KEY} is {config.stream_weights!r}): it does nothing. Set "
+                      f"{STREAM_KEY} too, or leave the prefetch out.")
         return ()
     if strategy.backend is None:
         raise UnsupportedStrategyError(
@@ -242,12 +246,29 @@ def _refuse_unstreamable(model: nn.Module, where: str, block: nn.Module) -> None
     from .offload.state import is_wrapper
 
     for path, t in [*block.named_parameters(), *block.named_buffers()]:
+        if _sharded(t):
+            raise UnsupportedStrategyError(
+                f"{type(model).__name__}.{where}.{path} is sharded by FSDP2 (a DTensor): FSDP2 already gathers each "
+                "block's weights for its use and frees them after, so streaming would move the same weights a "
+                "second way. With FSDP2, keep the shards in host memory with its own offload "
+                "(fully_shard(..., offload_policy=CPUOffloadPolicy())) and leave gradient_checkpointing_stream_weights "
+                "out; gradseam's activation backends compose with FSDP2 as they are."
+            )
         if is_wrapper(t) or type(t) not in (nn.Parameter, torch.Tensor):
             raise UnsupportedStrategyError(
                 f"{type(model).__name__}.{where}.{path} is a {type(t).__name__} (a quantized weight), and weight "
                 "streaming moves plain tensors only so far. Stream fewer blocks, or train this base without "
                 "streaming (a quantized base is small: docs/strategies.md, Quantized bases)."
             )
+
+
+def _sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (FSDP2's sharded parameters), without importing torch.distributed."""
+    import sys
+
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None) if module is not None else None
+    return dtensor is not None and isinstance(t, dtensor)
 
 
 class _Planner:

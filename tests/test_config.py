@@ -22,6 +22,7 @@ KEYS = (
     "gradient_checkpointing_keep_attention",
     "gradient_checkpointing_memory_budget",
     "gradient_checkpointing_stream_weights",
+    "gradient_checkpointing_stream_prefetch",
 )
 
 # One non-default value for every key, as a trainer would write it.
@@ -35,6 +36,7 @@ FULL = {
     "gradient_checkpointing_keep_attention": True,
     "gradient_checkpointing_memory_budget": 0.3,
     "gradient_checkpointing_stream_weights": "all",
+    "gradient_checkpointing_stream_prefetch": 2,
 }
 
 
@@ -151,7 +153,7 @@ def test_config_is_frozen():
 
 def test_describe():
     assert CheckpointConfig(**FULL).describe() == ("unsloth-ffn, interval 2, stride 5, attention offload, memory budget 0.3, "
-                                                   "weights of all blocks streamed")
+                                                   "weights of all blocks streamed (prefetch 2)")
     assert CheckpointConfig(gradient_checkpointing=True).describe() == "torch"
 
 

@@ -61,6 +61,7 @@ GOOD = {
         st.none(), st.floats(min_value=1e-9, max_value=1.0), st.sampled_from(["0.1", " 0.5 ", 1])),
     "gradient_checkpointing_stream_weights": st.one_of(
         st.none(), st.integers(0, 10**20), st.sampled_from(["all", " ALL ", "8", "0"])),
+    "gradient_checkpointing_stream_prefetch": st.one_of(st.integers(0, 10**6), st.sampled_from(["0", " 2 "])),
 }
 
 unknown_keys = st.one_of(

@@ -47,6 +47,7 @@ SET = {
     "gradient_checkpointing_keep_attention": True,
     "gradient_checkpointing_memory_budget": "0.3",
     "gradient_checkpointing_stream_weights": "all",
+    "gradient_checkpointing_stream_prefetch": "2",
 }
 
 

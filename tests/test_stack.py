@@ -310,3 +310,16 @@ def test_compiled_blocks_match_compiled_unpatched(case, config, backend):
         assert handle.engine.copies > 0  # the offload hooks ran (eagerly, around the compiled code)
     handle.remove()
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("config", [UNSLOTH, UNSLOTH_FFN], ids=config_id)
+def test_an_offload_backend_on_a_group_offloaded_cpu_model_names_group_offloading(config):
+    """Outside the CPU test mode, a group-offloaded model keeps its weights in CPU memory between uses: the
+    refusal says so and names the two ways out (gradseam's weight streaming, or a backend that offloads
+    nothing), instead of asking to move a model that group offloading would move back."""
+    model = _base(WAN)
+    _group_offload("block_level")(model)
+    with pytest.raises(gradseam.UnsupportedStrategyError, match=(
+            r"diffusers' group offloading on, which keeps its weights in CPU memory between uses.*"
+            r"gradient_checkpointing_stream_weights.*backend 'torch(-ffn)?'")):
+        gradseam.patch(model, config)

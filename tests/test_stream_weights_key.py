@@ -150,3 +150,45 @@ def test_the_option_reaches_the_program_config(tmp_path, monkeypatch):
     result = _invoke("run", "--stream-weights", "some", "--", "prog.py")
     assert result.exit_code == 2
     assert "--stream-weights some: expected a number of blocks >= 0" in result.output + result.stderr
+
+
+# -- gradient_checkpointing_stream_prefetch ---------------------------------------------------------
+
+PREFETCH = "gradient_checkpointing_stream_prefetch"
+
+
+@pytest.mark.parametrize(("given", "stored"), [(0, 0), (2, 2), ("3", 3), (" 1 ", 1)])
+def test_the_prefetch_is_a_count_of_blocks(given, stored):
+    config = CheckpointConfig.from_dict({"gradient_checkpointing_stream_weights": "all", PREFETCH: given})
+    assert config.gradient_checkpointing_stream_prefetch == stored
+    assert ("prefetch" in config.describe()) == (stored != 1)
+
+
+@pytest.mark.parametrize("bad", [-1, "two", True, 1.5, None])
+def test_a_bad_prefetch_names_the_key(bad):
+    with pytest.raises(ValueError, match=PREFETCH):
+        CheckpointConfig.from_dict({"gradient_checkpointing_stream_weights": "all", PREFETCH: bad})
+
+
+def test_the_prefetch_alone_turns_nothing_on_and_warns_where_nothing_streams():
+    from cases import WAN
+
+    import gradseam
+
+    config = CheckpointConfig.from_dict({PREFETCH: 2})
+    assert not config.gradient_checkpointing, "a prefetch says how weights stream, not that checkpointing runs"
+    model = WAN.fresh()
+    with pytest.warns(UserWarning, match=rf"{PREFETCH}=2 set, but no weights stream.*does nothing"):
+        handle = gradseam.patch(model, {"gradient_checkpointing": True, PREFETCH: 2})
+    handle.remove()
+
+
+def test_the_prefetch_reaches_the_stream():
+    from cases import WAN
+
+    import gradseam
+    from gradseam.offload import cpu_test_mode
+
+    model = WAN.fresh().requires_grad_(False)
+    with cpu_test_mode(), gradseam.patch(model, {"gradient_checkpointing_stream_weights": 2, PREFETCH: 0}) as handle:
+        assert handle.weights.prefetch == 0

@@ -103,9 +103,9 @@ def test_which_backends_free_each_blocks_weights_after_its_forward(config, freed
     copies = []
     real_load = weights_module.WeightStream.load
 
-    def recording(self, index):
+    def recording(self, index, **how):
         fresh = not self.blocks[index].loaded
-        real_load(self, index)
+        real_load(self, index, **how)
         if fresh:
             copies.extend(e.tensor.untyped_storage()._weak_ref() for e in self.blocks[index].tensors)
 
@@ -146,6 +146,8 @@ def test_streamed_weights_are_host_copies_between_calls_and_fresh_copies_inside_
         assert weight.data_ptr() == host.data_ptr()
         summary = str(handle.summary())
         assert "weights of 2 block(s) stream from host memory" in summary and "4 block loads so far" in summary
+        assert "1 block ahead on a side stream" in summary
+        assert "Pinned host memory now: weights 0.00 GiB, offloaded activations 0.00 GiB" in summary  # test mode
     assert weight.data_ptr() != host.data_ptr() and "_apply" not in block.ffn.net[2].__dict__
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
@@ -267,3 +269,68 @@ def test_a_weight_tied_between_two_streamed_blocks_stays_where_it_is():
         assert weight.data_ptr() == pointer
         got = run_step(model, case, count_bytes=False)
     assert_same_step(run_step(case.fresh(), case), got)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+@pytest.mark.parametrize("backend", ["torch", "unsloth"])
+def test_the_next_blocks_weights_are_loaded_while_a_block_runs_and_no_more(backend, prefetch):
+    """The copy of the block that runs next is issued while this one computes (on a GPU, on the copy stream):
+    in forward the ``prefetch`` blocks after it, in backward (the recompute) the ones before it. Nothing
+    else is loaded, so the GPU holds ``1 + prefetch`` blocks' weights at most."""
+    pytest.importorskip("peft")
+    case = LORA[WAN.name]
+    model = case.fresh()
+    seen: list[tuple[str, int, set[int]]] = []
+    with cpu_test_mode(), gradseam.patch(model, {**ON, "gradient_checkpointing_backend": backend, STREAM: "all"}) as h:
+        stream = h.weights
+        stream.prefetch = prefetch
+        count = len(stream.blocks)
+        for i, block in enumerate(model.blocks):
+            def look(module, args, i=i):
+                phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+                seen.append((phase, i, {j for j, b in enumerate(stream.blocks) if b.loaded}))
+            block.ffn.register_forward_pre_hook(look)  # the block's own hooks are not run again by a recompute
+        run_step(model, case, count_bytes=False)
+        assert not any(b.loaded for b in stream.blocks), "all released after the step"
+    forward = [(i, got) for phase, i, got in seen if phase == "forward"]
+    recompute = [(i, got) for phase, i, got in seen if phase == "backward"]
+    assert [i for i, _ in forward] == list(range(count))
+    assert sorted(i for i, _ in recompute) == list(range(count)), "every block recomputes once"
+    for i, got in forward:
+        assert got == set(range(i, min(i + prefetch + 1, count))), f"forward of block {i}: {got}"
+    for i, got in recompute:
+        assert got == set(range(max(i - prefetch, 0), i + 1)), f"recompute of block {i}: {got}"
+    assert stream.most_loaded == prefetch + 1
+
+
+def test_streaming_a_group_offloaded_model_is_refused_naming_both():
+    """diffusers' group offloading moves the same weights between CPU and GPU memory: one of the two."""
+    from diffusers.hooks import apply_group_offloading
+
+    model = WAN.fresh().requires_grad_(False)
+    apply_group_offloading(model, onload_device=torch.device("cpu"), offload_type="block_level",
+                           num_blocks_per_group=1)
+    with cpu_test_mode(), pytest.raises(UnsupportedStrategyError,
+                                        match=r"group offloading on.*move the same weights a second way.*Use one"):
+        gradseam.patch(model, {**ON, STREAM: "all"})
+    assert gradseam.handle_of(model) is None
+
+
+def test_streaming_fsdp2_sharded_blocks_is_refused_naming_fsdp2s_own_offload(tmp_path):
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already open in this process")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = WAN.fresh().requires_grad_(False)
+        for block in model.blocks:
+            fully_shard(block)
+        with cpu_test_mode(), pytest.raises(UnsupportedStrategyError, match=(
+                r"blocks\[0\]\..* is sharded by FSDP2 \(a DTensor\).*CPUOffloadPolicy")) as info:
+            gradseam.patch(model, {**ON, STREAM: 1})
+        assert "quantized" not in str(info.value)
+        assert gradseam.handle_of(model) is None
+    finally:
+        dist.destroy_process_group()

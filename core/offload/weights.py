@@ -20,9 +20,15 @@ it (:mod:`gradseam.planning`, :mod:`gradseam.handle`). Why it is built this way:
 * **Only frozen tensors stream.** They are copied host-to-device only, never back: nothing writes to
   them. A trainable parameter (a LoRA) stays where it is; one that starts training after patching is
   refused at its block's next load, naming it (the caller supplies the error type).
-* **Copies on the compute stream, for now.** A copy ordered on the stream that then reads the weights
-  is exact by construction; overlapping the next block's copy with this block's compute on a side
-  stream is the next step of issue 40 (it needs the H200 to measure and to test).
+* **Copies on a side stream, one block ahead.** A block's copy is issued on a copy stream while the
+  block before it computes: in forward when block ``i`` starts, block ``i + 1`` is copied; in backward
+  when block ``i``'s gradient arrives, block ``i - 1`` is (``prefetch`` blocks ahead, default 1, so
+  ``1 + prefetch`` blocks' weights are on the GPU at a time). The destination is allocated from the
+  compute stream, so the caching allocator hands it back to compute-stream work once released, as any
+  other tensor; the copy stream first waits for the work queued on the compute stream (that memory may
+  have been freed by kernels not yet run), and the compute stream waits for the copy's event before the
+  block's first kernel. A prefetched block released unused (the forward ended early) is waited for
+  before its memory goes back, so no later kernel can get memory the copy still writes.
 * **The host copies are pinned when CUDA allows it** (``cudaHostRegister`` on one buffer per block,
   as the activation pool does, :mod:`gradseam.offload.pinned`); if pinning fails the copies are
   pageable, with one warning, never a crash.
@@ -88,6 +94,7 @@ class _Block:
     pinned: bool
     nbytes: int
     loaded: bool = False
+    copied: Any = None  # the copy stream's event for a load the compute stream has not waited for yet
 
 
 def streamable(block: nn.Module) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
@@ -107,16 +114,22 @@ class WeightStream:
 
     ``error(message)``: the exception raised for a streamed parameter that trains.
     ``test_mode``: a CPU model stands in for a GPU one (the loads are copies into fresh CPU tensors).
+    ``prefetch``: how many blocks ahead of the running one are copied (0: each block when it runs).
     """
 
     def __init__(self, blocks: Sequence[nn.Module], labels: Sequence[str], *,
-                 error: Callable[[str], Exception], test_mode: bool = False) -> None:
+                 error: Callable[[str], Exception], test_mode: bool = False, prefetch: int = 1) -> None:
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0 blocks, got {prefetch}.")
         self.test_mode = test_mode
+        self.prefetch = prefetch
+        self._copy_stream: Any = None  # made at the first load on a GPU
         self.error = error
         self.blocks = [_Block(module, label, [], None, False, 0) for module, label in zip(blocks, labels)]
         self.device: torch.device | None = None  # where loads go: set from the model's resident tensors
         self.selected = False  # whether the frozen tensors were chosen and moved to host memory (select())
         self.loads = 0
+        self.most_loaded = 0  # the most blocks loaded at once, for tests and the summary
         self._shared: set[int] = set()  # tensors a streamed block shares (tied weights): they stay (install())
         self._owned: dict[int, list[_Tensor]] = {}  # per module: the streamed tensors it holds
         self._hooks: list[Any] = []
@@ -202,10 +215,14 @@ class WeightStream:
             return None
         return self.device
 
-    def load(self, index: int) -> None:
+    def load(self, index: int, *, ahead: bool = False) -> None:
+        """Bring block ``index``'s streamed tensors to the device. ``ahead``: a prefetch, whose copy may still
+        run when this returns; without it the compute stream waits for the copy (issued now or before)."""
         self.select()
         block = self.blocks[index]
         if block.loaded:
+            if not ahead:
+                self._wait(block)
             return
         for entry in block.tensors:
             if isinstance(entry.tensor, nn.Parameter) and entry.tensor.requires_grad:
@@ -226,20 +243,47 @@ class WeightStream:
                     "made where they are. Call model.to(...) once more after adding it; the streamed weights stay "
                     "in host memory."
                 )
-        for entry in block.tensors:
-            if self.test_mode:
-                copy = entry.host.clone()
-            else:
-                copy = torch.empty_like(entry.host, device=target)
-                copy.copy_(entry.host, non_blocking=True)  # stream-ordered: the block's kernels come after it
-            entry.tensor.data = copy
+        if self.test_mode:
+            for entry in block.tensors:
+                entry.tensor.data = entry.host.clone()
+        else:
+            compute = torch.cuda.current_stream(target)
+            # allocated from the compute stream's pool: released, the memory goes back to compute-stream work
+            copies = [torch.empty_like(entry.host, device=target) for entry in block.tensors]
+            if self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(target)
+            self._copy_stream.wait_stream(compute)  # kernels still queued may use memory the allocator just reused
+            with torch.cuda.stream(self._copy_stream):
+                for copy, entry in zip(copies, block.tensors):
+                    copy.copy_(entry.host, non_blocking=True)
+                block.copied = torch.cuda.Event()
+                block.copied.record(self._copy_stream)
+            for copy, entry in zip(copies, block.tensors):
+                entry.tensor.data = copy
+            if not ahead:
+                self._wait(block)
         block.loaded = True
         self.loads += 1
+        self.most_loaded = max(self.most_loaded, sum(b.loaded for b in self.blocks))
+
+    def prefetch_after(self, index: int, step: int) -> None:
+        """Copy the ``prefetch`` blocks that run after block ``index`` (``step`` 1 in forward, -1 in backward)."""
+        for ahead in range(1, self.prefetch + 1):
+            nxt = index + step * ahead
+            if 0 <= nxt < len(self.blocks):
+                self.load(nxt, ahead=True)
+
+    def _wait(self, block: _Block) -> None:
+        """The compute stream waits (on the GPU, not the host) for ``block``'s copy, once."""
+        if block.copied is not None:
+            torch.cuda.current_stream(self._target()).wait_event(block.copied)
+            block.copied = None
 
     def release(self, index: int) -> None:
         block = self.blocks[index]
         if not block.loaded:
             return
+        self._wait(block)  # a prefetch never waited for: its copy must finish before the memory is reused
         for entry in block.tensors:
             entry.tensor.data = entry.host
         block.loaded = False
@@ -269,6 +313,8 @@ class WeightStream:
     def _pre(self, index: int) -> Callable[..., None]:
         def pre(module: nn.Module, args: tuple) -> None:
             self.load(index)
+            if torch._C._current_graph_task_id() == -1:  # a recompute inside backward prefetches from the hook
+                self.prefetch_after(index, 1)
         return pre
 
     def _post(self, index: int) -> Callable[..., None]:
@@ -284,9 +330,10 @@ class WeightStream:
 
     def _before_backward(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            self.load(index)
             for later in range(index + 1, len(self.blocks)):
                 self.release(later)  # their backward has run: this block's output gradient came from it
+            self.load(index)
+            self.prefetch_after(index, -1)
             if not self._end_queued:
                 self._end_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self.release_all)
