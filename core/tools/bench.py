@@ -38,7 +38,15 @@ from ..config import CheckpointConfig
 from ..family import Family
 from ..kinds import backend_of, kind_of
 from . import measure as measuring
-from .bench_rows import DIFFUSERS_ROW, NEEDS_CUDA, cpu_status, real_rows, synthetic_rows
+from .bench_rows import (
+    DIFFUSERS_ROW,
+    GPU_CAP_KEY,
+    NEEDS_CUDA,
+    STREAM_SUFFIX,
+    cpu_status,
+    real_rows,
+    synthetic_rows,
+)
 from .checks import parse_depths
 from .compiled import applied, gradseam_keys
 from .depth import at_depth
@@ -183,6 +191,7 @@ class _Sweep:
     compile_blocks: list[nn.Module] | None
     depth: int | None
     blocks: str | None
+    gpu_cap_gib: float | None = None
 
     def unmeasured(self, name: str, status: str) -> Result:
         """The row ``name`` with a status and no figures."""
@@ -204,6 +213,7 @@ def run_rows(
     rule_out: Callable[[str], str | None] | None = None,
     depth: int | None = None,
     blocks: str | None = None,
+    gpu_cap_gib: float | None = None,
 ) -> list[Result]:
     """Measure every row on ``model``; a failing cell becomes a row with a status, never an exception.
 
@@ -212,8 +222,10 @@ def run_rows(
     ``rule_out(name)`` may return why a row must not run (say, it would need more pinned host memory
     than the machine has); the row is then reported with that reason instead of being tried. A row
     that breaks the GPU's context ends the sweep with :class:`DeviceLostError`, after it is reported.
+    ``gpu_cap_gib``: each row's steps run with the process limited to this much GPU memory (a smaller card).
     """
-    sweep = _Sweep(workload, tokens, model, make_step, steps, blocks_attr, device, compile_blocks, depth, blocks)
+    sweep = _Sweep(workload, tokens, model, make_step, steps, blocks_attr, device, compile_blocks, depth, blocks,
+                   gpu_cap_gib)
     results: list[Result] = []
 
     def report(result: Result) -> None:
@@ -241,6 +253,10 @@ def _measure_row(sweep: _Sweep, name: str, config: dict[str, Any] | None) -> Res
     """One row, measured: the strategy applied, ``sweep.steps`` timed steps (two warm-ups where it compiles)."""
     cpu = sweep.device == "cpu"
     measuring.release(sweep.device)
+    cap = sweep.gpu_cap_gib
+    if config is not None and GPU_CAP_KEY in config:
+        config = dict(config)
+        cap = config.pop(GPU_CAP_KEY)
     step = None
     try:
         ctx = _strategy_context(sweep.model, name, config, sweep.blocks_attr, sweep.compile_blocks)
@@ -249,17 +265,38 @@ def _measure_row(sweep: _Sweep, name: str, config: dict[str, Any] | None) -> Res
             handle = getattr(ctx, "handle", None) or gradseam.handle_of(sweep.model)
             compiled = _compiles(config)
             # looked up per call, so tests can replace measuring.measure
-            got = measuring.measure(step, steps=sweep.steps, warmup=2 if compiled else 1, device=sweep.device,
-                                    engine=getattr(handle, "engine", None))
+            with capped(cap):
+                got = measuring.measure(step, steps=sweep.steps, warmup=2 if compiled else 1, device=sweep.device,
+                                        engine=getattr(handle, "engine", None))
+            stream = getattr(handle, "weights", None)
+            streamed_pinned = stream.pinned_bytes / GiB if stream is not None else 0.0
     finally:
         step = None  # the step holds the model's activations: drop it before the next row, even on failure
     # CPU counts are small (KiB to MiB): keep them to the byte
     return Result(sweep.workload, sweep.tokens, name, round(got.peak_gib, 9 if cpu else 3), round(got.step_ms, 1),
                   pinned_allocations_after_warmup=got.pinned_allocations_after_warmup,
-                  pinned_gib=None if cpu or name == "ref: save_on_cpu" else round(got.pinned_gib, 3),
+                  pinned_gib=None if cpu or name == "ref: save_on_cpu" else round(got.pinned_gib + streamed_pinned, 3),
                   depth=sweep.depth, blocks=sweep.blocks,
                   forward_peak_gib=_gib(got.forward_peak_gib), backward_peak_gib=_gib(got.backward_peak_gib),
-                  first_step_ms=round(got.warmup_times_ms[0], 1) if compiled and got.warmup_times_ms else None)
+                  first_step_ms=round(got.warmup_times_ms[0], 1) if compiled and got.warmup_times_ms else None,
+                  gpu_peak_gib=None if cpu else round(got.base_gib + got.peak_gib, 3))
+
+
+@contextmanager
+def capped(gib: float | None) -> Iterator[None]:
+    """The process limited to ``gib`` of GPU memory (``torch.cuda.set_per_process_memory_fraction``), as on a
+    card that size; the limit is lifted again afterwards, so patching and ``remove()`` (which brings streamed
+    weights back) run on the whole GPU. What the model already holds counts against the limit."""
+    if gib is None:
+        yield
+        return
+    total = torch.cuda.get_device_properties(0).total_memory
+    measuring.release("cuda")
+    torch.cuda.set_per_process_memory_fraction(min(gib * GiB / total, 1.0))
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
 
 
 def _failure(exc: Exception) -> str:
@@ -362,6 +399,7 @@ def real(
     on_build: Callable[[RealRun], None] | None = None,
     base: str | None = None,
     lora: int | None = None,
+    gpu_memory_gib: float | None = None,
 ) -> RealRun:
     """Every row on a family preset's real-size model (random weights, built on ``device``).
 
@@ -371,6 +409,8 @@ def real(
     out at the full depth rather than tried; ``full_rows`` limits the rows measured at the full
     depth (compiling a full model per row is slow), the others are predicted there. ``base`` and
     ``lora``: a quantized base and a LoRA trained on it (:func:`gradseam.tools.workloads.build`).
+    ``gpu_memory_gib``: every row's steps run on this much of the GPU (a smaller card, :func:`capped`); the
+    model is built on the whole GPU, so a row whose weights stay resident fails there when they do not fit.
     """
     from .bases import weight_bytes
     from .host import available_gib
@@ -401,7 +441,7 @@ def real(
         for depth in measured_depths:
             rule_out = None
             if depth not in fit_depths:
-                rule_out = ruled_out_at(run, label, depth, device)
+                rule_out = ruled_out_at(run, label, depth, device, gpu_memory_gib)
             with at_depth(workload.model, plan, depth):
 
                 def step_factory(inputs: dict[str, Any] = inputs) -> Callable[[], Any]:
@@ -410,13 +450,14 @@ def real(
                 run.results += run_rows(
                     label, seq, workload.model, step_factory, chosen if depth in fit_depths else at_full, steps=steps, on_row=on_row, device=device,
                     compile_blocks=list_blocks(workload.model, workload.family), rule_out=rule_out,
-                    depth=depth, blocks=plan.describe(depth),
+                    depth=depth, blocks=plan.describe(depth), gpu_cap_gib=gpu_memory_gib,
                 )
         del inputs
     return run
 
 
-def ruled_out_at(run: RealRun, workload: str, depth: int, device: str) -> Callable[[str], str | None]:
+def ruled_out_at(run: RealRun, workload: str, depth: int, device: str,
+                 gpu_memory_gib: float | None = None) -> Callable[[str], str | None]:
     """Why a row must not be tried at ``depth``, from its fit: too much pinned host memory or GPU memory.
 
     A row that would pin more host memory than the machine can spare is not run at all (pinning
@@ -429,7 +470,7 @@ def ruled_out_at(run: RealRun, workload: str, depth: int, device: str) -> Callab
     pinnable = pinnable_gib(run.host_available_gib)
     gpu_free = None
     if device != "cpu" and torch.cuda.is_available():
-        gpu_free = torch.cuda.get_device_properties(0).total_memory / GiB - run.static_gib
+        gpu_free = (gpu_memory_gib or torch.cuda.get_device_properties(0).total_memory / GiB) - run.static_gib
 
     def rule_out(name: str) -> str | None:
         # save_on_cpu moves to the host everything no checkpointing keeps on the GPU
@@ -439,7 +480,8 @@ def ruled_out_at(run: RealRun, workload: str, depth: int, device: str) -> Callab
             return (f"ruled out: needs ~{pinned[0]:.1f} GiB of pinned host memory at depth {depth}, more than "
                     f"the {pinnable:.1f} GiB this machine can pin")
         peak = predict_peak(run.results, workload, name, run.fit_depths, depth)
-        if peak is not None and gpu_free is not None and peak[0] > 1.1 * gpu_free:
+        streams = STREAM_SUFFIX in name  # its weights leave the GPU: the resident model's static memory does not apply
+        if peak is not None and gpu_free is not None and not streams and peak[0] > 1.1 * gpu_free:
             return f"ruled out: predicted peak {peak[0]:.1f} GiB at depth {depth}, {gpu_free:.1f} GiB free on the GPU"
         return None
 

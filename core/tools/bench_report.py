@@ -10,6 +10,7 @@ The JSON written by ``gradseam bench`` (see :func:`payload`)::
       "base": str | null,      # real models: the quantized base (gradseam.tools.bases), null for bf16 weights
       "lora": int | null,      # real models: the rank of the LoRA trained, null for frozen weights
       "weights_gib": float | null,  # real models: the full model's weights as stored
+      "gpu_memory_gib": float | null,  # bench --gpu-memory: the GPU memory every row's steps ran on
       "depth": null | {        # real models only
         "full": int,           # the depth the full_depth rows speak for (units, see gradseam.tools.depth)
         "blocks": str,         # what that depth is in blocks, e.g. "19 + 38 blocks"
@@ -37,6 +38,7 @@ The JSON written by ``gradseam bench`` (see :func:`payload`)::
          "pinned_allocations_after_warmup": int | null,
          "forward_peak_gib": float | null, "backward_peak_gib": float | null,  # GPU: each pass's own peak
          "first_step_ms": float | null,  # compiled rows: the first warm-up step, where they compile
+         "gpu_peak_gib": float | null,  # GPU rows: the whole GPU's peak, weights included (streamed rows: loads)
          "vs_none": float | null, "vs_torch": float | null,  # step-time ratios at the same workload and depth
          "step_times_ms": [float] | null}  # every timed step (step_ms is their median); null: not measured
       ]
@@ -49,7 +51,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from .bench_rows import CPU_STATUS_WHY
+from .bench_rows import CPU_STATUS_WHY, STREAM_SUFFIX
 from .depth import predict, predict_peak
 from .measure import GiB, MiB, noise_marks, noise_note, spread
 
@@ -169,12 +171,13 @@ def payload(
     rows: list[dict[str, Any]], title: str, *, device: str = "cuda", family: str | None = None,
     preset: str | None = None, steps: int = 5, depth: dict[str, Any] | None = None,
     full_depth: list[dict[str, Any]] | None = None, base: str | None = None, lora: int | None = None,
-    weights_gib: float | None = None,
+    weights_gib: float | None = None, gpu_memory_gib: float | None = None,
 ) -> dict[str, Any]:
     """The JSON document ``gradseam bench`` writes (schema in this module's docstring)."""
     return {
         "title": title, "device": device, "memory": MEMORY_CPU if device == "cpu" else MEMORY_GPU,
         "family": family, "preset": preset, "steps": steps, "base": base, "lora": lora, "weights_gib": weights_gib,
+        "gpu_memory_gib": gpu_memory_gib,
         "depth": depth, "full_depth": full_depth, "rows": rows,
     }
 
@@ -238,9 +241,13 @@ def to_markdown(rows: list[dict[str, Any]], *, cpu: bool = False) -> str:
     marks = noise(rows) if cpu else [None] * len(rows)
     with_depth = any(r.get("depth") is not None for r in rows)
     depth_col = " depth |" if with_depth else ""
+    # the whole GPU's peak (weights included): what a smaller card must hold, shown where weights stream
+    with_gpu = any(STREAM_SUFFIX in r["strategy"] for r in rows)
+    gpu_col = " GPU peak GiB |" if with_gpu else ""
     lines = [
-        f"| workload |{depth_col} strategy | {memory} | pinned host GiB | {step_col} | vs none | vs gradseam torch |",
-        "|---|" + ("---:|" if with_depth else "") + "---|---:|---:|---:|---:|---:|",
+        f"| workload |{depth_col} strategy | {memory} |{gpu_col} pinned host GiB | {step_col} | vs none | "
+        "vs gradseam torch |",
+        "|---|" + ("---:|" if with_depth else "") + "---|---:|" + ("---:|" if with_gpu else "") + "---:|---:|---:|---:|",
     ]
     last = None
     for r, mark in zip(rows, marks):
@@ -248,7 +255,7 @@ def to_markdown(rows: list[dict[str, Any]], *, cpu: bool = False) -> str:
         last = r["workload"]
         depth = f" {r.get('depth')} ({r.get('blocks')}) |" if with_depth else ""
         if r["status"] != "ok":
-            lines.append(f"| {workload} |{depth} {r['strategy']} | {r['status']} | | | | |")
+            lines.append(f"| {workload} |{depth} {r['strategy']} | {r['status']} |{' |' if with_gpu else ''} | | | |")
             continue
         vs_none = (f"{r['vs_none']:.2f}" + ("*" if mark else "")) if r["vs_none"] is not None else ""
         vs_torch = f"{r['vs_torch']:.3f}" if r["vs_torch"] is not None else ""
@@ -261,8 +268,9 @@ def to_markdown(rows: list[dict[str, Any]], *, cpu: bool = False) -> str:
         elif cpu and len(timed) == 1:
             step += " (1 step)"  # no spread to show: one timed step
         pinned = f"{r['pinned_gib']:.2f}" if r.get("pinned_gib") is not None else ""
+        gpu = (f" {r['gpu_peak_gib']:.2f} |" if r.get("gpu_peak_gib") is not None else " |") if with_gpu else ""
         lines.append(
-            f"| {workload} |{depth} {r['strategy']} | {peak:.2f} | {pinned} | {step} | {vs_none} | {vs_torch} |"
+            f"| {workload} |{depth} {r['strategy']} | {peak:.2f} |{gpu} {pinned} | {step} | {vs_none} | {vs_torch} |"
         )
     note = first_steps_note(rows)
     if note:

@@ -6,6 +6,7 @@ Labels and configs only: nothing here imports torch, so the command line checks 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ..errors import GradseamError
@@ -33,6 +34,9 @@ REFERENCE_ROWS = [
     "ref: save_on_cpu",
 ]
 
+STREAM_SUFFIX = " + stream "  # "<gradseam row> + stream N" / "... + stream all": that row, weights streamed
+CAP_SUFFIX = " @ "  # "<gradseam row> @ 24GiB": that row's steps on 24 GiB of the GPU
+
 # -- rows the CPU mode does not measure, and why ---------------------------------------------------
 
 NEEDS_CUDA = "needs CUDA"
@@ -40,8 +44,8 @@ NOT_ON_CPU_KEPT = "not measured on the CPU (kept kernels)"
 NOT_ON_CPU_COMPILED = "not measured on the CPU (compiled)"
 # the line under a CPU table for each status it shows
 CPU_STATUS_WHY = {
-    NEEDS_CUDA: "the row copies activations from GPU memory to pinned host memory (offload); a CPU model has no "
-                "GPU memory to free, and gradseam refuses offload on one",
+    NEEDS_CUDA: "the row copies activations from GPU memory to pinned host memory (offload), streams weights "
+                "from host memory to the GPU or caps the GPU's memory; a CPU model has no GPU memory to free or cap",
     NOT_ON_CPU_KEPT: "the row runs on the CPU (the test suite checks it there), but the attention kernel outputs it "
                      "keeps are held outside autograd's saved tensors, which is what the CPU's memory column "
                      "counts, so its figure would be too low",
@@ -55,7 +59,7 @@ _PINNED_REFERENCES = ("ref: naive unsloth", "ref: save_on_cpu")  # hand-written 
 
 def cpu_status(label: str) -> str | None:
     """Why the CPU mode does not measure the row ``label`` (one of :data:`CPU_STATUS_WHY`'s keys), or None."""
-    if label in _PINNED_REFERENCES:
+    if label in _PINNED_REFERENCES or STREAM_SUFFIX in label or CAP_SUFFIX in label:
         return NEEDS_CUDA
     if label in {name for name, _ in COMPILE_ROWS}:
         return NOT_ON_CPU_COMPILED
@@ -81,16 +85,57 @@ def synthetic_rows(rows: list[str] | None = None) -> list[tuple[str, dict[str, A
     return chosen
 
 
+# "<gradseam row>[ + stream N|all[ prefetch K]][ @ SIZE]": that row with its weights streamed (N blocks, K ahead)
+# and its steps run on SIZE of the GPU (bench --gpu-memory, for one row)
+_VARIANT = re.compile(r"(?P<row>.+?)(?: \+ stream (?P<count>all|\d+)(?: prefetch (?P<prefetch>\d+))?)?"
+                      r"(?: @ (?P<cap>.+))?")  # CAP_SUFFIX
+GPU_CAP_KEY = "bench_gpu_memory_gib"  # a row's own GPU cap: read by bench, never passed to gradseam.patch
+
+
+def streamed_row(label: str, known: dict[str, dict[str, Any] | None]) -> tuple[str, dict[str, Any]] | None:
+    """``"unsloth-compile + stream all"``: gradseam's row ``unsloth-compile`` with the frozen weights of every
+    block streamed from host memory (``+ stream 20``: the first 20 blocks; ``+ stream all prefetch 0``: each
+    block's copy waited for, the no-overlap reference); ``" @ 24GiB"`` after any gradseam row runs its steps on
+    24 GiB of the GPU. None for any other label."""
+    from .checks import parse_size
+
+    match = _VARIANT.fullmatch(label)
+    if match is None or (match["count"] is None and match["cap"] is None):
+        return None
+    config = known.get(match["row"])
+    if config is None or "compile_blocks" in config:
+        return None
+    config = dict(config)
+    if match["count"] is not None:
+        if match["count"] != "all" and int(match["count"]) == 0:
+            return None
+        config["gradient_checkpointing_stream_weights"] = "all" if match["count"] == "all" else int(match["count"])
+        if match["prefetch"] is not None:
+            config["gradient_checkpointing_stream_prefetch"] = int(match["prefetch"])
+    if match["cap"] is not None:
+        try:
+            config[GPU_CAP_KEY] = parse_size(match["cap"])
+        except ValueError:
+            return None
+    return label, config
+
+
 def real_rows(rows: list[str] | None = None) -> list[tuple[str, dict[str, Any] | None]]:
+    """The real-model rows, in table order; ``rows`` picks some by label, and may add any of gradseam's rows with
+    its weights streamed (:func:`streamed_row`), measured after the rest."""
     chosen: list[tuple[str, dict[str, Any] | None]] = [(n, None) for n in ("none", DIFFUSERS_ROW, "ref: save_on_cpu")]
     chosen += [(n, c) for n, c in COMPILE_ROWS]
     chosen += [(n, c) for n, c in GRADSEAM_ROWS]
     chosen += [(n, c) for n, c in COMPILED_ROWS]
     if rows is not None:
+        known = dict(chosen)
+        chosen += [found for r in rows if r not in known and (found := streamed_row(r, known)) is not None]
         unknown = sorted(set(rows) - {n for n, _ in chosen})
         if unknown:
             raise GradseamError(
-                f"unknown bench rows {unknown}; known: {', '.join(n for n, _ in chosen)}."
+                f"unknown bench rows {unknown}; known: {', '.join(n for n, _ in chosen)}; and any of gradseam's "
+                f"rows followed by '{STREAM_SUFFIX.strip()} N' or '{STREAM_SUFFIX.strip()} all' (its weights streamed; "
+                "then optionally ' prefetch K') and/or ' @ 24GiB' (its steps on that much of the GPU)."
             )
         chosen = [r for r in chosen if r[0] in rows]
     return chosen

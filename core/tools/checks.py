@@ -102,6 +102,18 @@ def device_name(device: str | None, option: str = "--device") -> None:
         raise OptionError(f"expected cpu or cuda, got {device!r}.", option)
 
 
+def gpu_cap(size: str | None, family: str | None) -> float | None:
+    """``bench --gpu-memory``: the GiB the rows run on, or None for the whole GPU."""
+    if size is None:
+        return None
+    if family is None:
+        raise OptionError("--gpu-memory caps a real-size model's rows; it needs --family.")
+    try:
+        return parse_size(size)
+    except ValueError as exc:
+        raise OptionError(str(exc), "--gpu-memory") from None
+
+
 def bench_options(*, family: str | None, preset: str | None, depths: str | None, full: bool, depth: int | None,
                   full_rows: Sequence[str] | None, tokens: Sequence[int] | None, rows: Sequence[str] | None,
                   skip_rows: Sequence[str] | None, synthetic: bool, blocks: int | None, dim: int | None,

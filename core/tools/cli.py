@@ -392,7 +392,7 @@ class _Sweep:
 def _sweep_family(sweep: _Sweep, family: str, preset: str, *, depths: str | None, full: bool, depth: int | None,
                   full_rows: list[str] | None, tokens: list[int] | None, rows: list[str] | None,
                   skip_rows: list[str] | None, steps: int, base: str | None = None,
-                  lora: int | None = None) -> RealRun:
+                  lora: int | None = None, gpu_memory_gib: float | None = None) -> RealRun:
     """The rows chosen (--row, every row but --skip-row's, or all) on the family's real-size model
     (bench.real), on a quantized ``base`` and with a LoRA where asked; a failure stops the command."""
     from . import bench as b
@@ -412,7 +412,7 @@ def _sweep_family(sweep: _Sweep, family: str, preset: str, *, depths: str | None
     try:
         return b.real(family, preset, depths=depths, full=full, full_depth=depth, full_rows=full_rows,
                       tokens=list(tokens) if tokens else None, rows=rows, steps=steps, on_row=sweep.on_row,
-                      on_build=on_build, base=base, lora=lora)
+                      on_build=on_build, base=base, lora=lora, gpu_memory_gib=gpu_memory_gib)
     except b.DeviceLostError as exc:
         fail(str(exc), code=1)
     except (gradseam.GradseamError, ValueError) as exc:
@@ -496,6 +496,7 @@ def bench(
     threads: Annotated[int | None, typer.Option(metavar="N", help="synthetic stack on the CPU: torch threads (default: torch's, one per core; 1 gives steadier times on small or busy machines)")] = None,
     base: BaseOption = None,
     lora: LoraOption = None,
+    gpu_memory: Annotated[str | None, typer.Option(metavar="SIZE", help="with --family: run every row's steps on this much of the GPU, e.g. '24GiB' (torch.cuda.set_per_process_memory_fraction), as on a smaller card; rows that stream weights ('unsloth-compile + stream all') fit where resident ones do not")] = None,
 ) -> None:
     """Benchmark every strategy: memory, host memory and step time, side by side with the references.
 
@@ -510,6 +511,8 @@ def bench(
         checks.bench_options(family=family, preset=preset, depths=depths, full=full, depth=depth,
                              full_rows=full_rows, tokens=tokens, rows=rows, skip_rows=skip_rows, synthetic=synthetic,
                              blocks=blocks, dim=dim, device=device, steps=steps, threads=threads, base=base, lora=lora)
+    with refused():
+        cap_gib = checks.gpu_cap(gpu_memory, family)
     fam, preset = _family(family, preset) if family is not None else (None, preset)
     _check_depths(depths)
     with refused():
@@ -535,7 +538,8 @@ def bench(
     if steps is None:
         steps = b.CPU_STEPS if cpu else 5
     title = f"gradseam bench: {fam.name} {preset}" if fam is not None else b.synthetic_title(dev)
-    meta = {"device": dev, "family": family, "preset": preset, "steps": steps, "base": base, "lora": lora}
+    meta = {"device": dev, "family": family, "preset": preset, "steps": steps, "base": base, "lora": lora,
+            "gpu_memory_gib": cap_gib}
     out = console()
     run = None
     if fam is not None:
@@ -545,7 +549,7 @@ def bench(
         if fam is not None:
             run = _sweep_family(sweep, fam.name, preset, depths=depths, full=full, depth=depth,
                                 full_rows=full_rows, tokens=tokens, rows=rows, skip_rows=skip_rows, steps=steps,
-                                base=base, lora=lora)
+                                base=base, lora=lora, gpu_memory_gib=cap_gib)
             results = run.results
         else:
             results = _sweep_synthetic(sweep, cpu=cpu, blocks=blocks, tokens=tokens, dim=dim, steps=steps,

@@ -26,6 +26,7 @@ class Result:
     forward_peak_gib: float | None = None  # GPU rows: the forward's own activation peak (loss included)
     backward_peak_gib: float | None = None  # GPU rows: the backward's own peak (peak_gib is the larger)
     first_step_ms: float | None = None  # compiled rows: the first (warm-up) step, where they compile
+    gpu_peak_gib: float | None = None  # GPU rows: the whole GPU peak (weights on it, inputs, activations, loads)
 
 
 @dataclass

@@ -1,0 +1,90 @@
+"""``gradseam bench`` rows with streamed weights and a capped GPU (issue 40): the labels, the options' errors and
+the table's whole-GPU column, on the CPU (the rows themselves need CUDA: ``tests/test_gpu_streaming.py`` and
+docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from gradseam.errors import GradseamError
+from gradseam.tools import bench as b
+from gradseam.tools.bench_report import to_markdown, with_ratios
+from gradseam.tools.bench_rows import CPU_STATUS_WHY, GPU_CAP_KEY, NEEDS_CUDA, cpu_status, real_rows
+from gradseam.tools.cli import app
+from gradseam.tools.results import Result
+
+STREAM = "gradient_checkpointing_stream_weights"
+
+
+def test_any_gradseam_row_can_stream_its_weights_by_label():
+    rows = dict(real_rows(["none", "unsloth-compile + stream all", "torch + stream 20"]))
+    assert rows["none"] is None
+    assert rows["unsloth-compile + stream all"] == {**dict(real_rows(["unsloth-compile"]))["unsloth-compile"],
+                                                    STREAM: "all"}
+    assert rows["torch + stream 20"][STREAM] == 20
+    assert rows["torch + stream 20"]["gradient_checkpointing_backend"] == "torch"
+
+
+def test_a_row_can_say_its_prefetch_and_its_own_gpu_cap():
+    rows = dict(real_rows(["unsloth-compile + stream all prefetch 0 @ 12GiB", "unsloth-compile @ 24 GB"]))
+    streamed = rows["unsloth-compile + stream all prefetch 0 @ 12GiB"]
+    assert streamed[STREAM] == "all" and streamed["gradient_checkpointing_stream_prefetch"] == 0
+    assert streamed[GPU_CAP_KEY] == 12.0
+    assert rows["unsloth-compile @ 24 GB"][GPU_CAP_KEY] == pytest.approx(24e9 / 2**30)
+    assert STREAM not in rows["unsloth-compile @ 24 GB"]
+    assert cpu_status("unsloth-compile @ 24 GB") == NEEDS_CUDA
+
+
+def test_a_rows_cap_is_taken_out_before_gradseam_sees_the_config(monkeypatch):
+    """The cap is bench's, not a gradseam key: the row patches with the rest (an unknown key would raise)."""
+    seen = []
+    monkeypatch.setattr(b, "capped", lambda gib: (seen.append(gib), __import__("contextlib").nullcontext())[1])
+    monkeypatch.setattr(b.measuring, "measure", lambda step, **kw: b.measuring.Measurement(0.0, 1.0, 0.0, None))
+    model = __import__("cases").WAN.fresh()
+    config = dict(real_rows(["torch @ 12GiB"]))["torch @ 12GiB"]
+    sweep = b._Sweep("w", 1, model, lambda: (lambda: 0), 1, "blocks", "cpu", None, None, None)
+    result = b._measure_row(sweep, "torch @ 12GiB", config)
+    assert seen == [12.0] and result.status == "ok"
+    assert GPU_CAP_KEY in config, "the row's own config is left as it was"
+
+
+@pytest.mark.parametrize("label", ["none + stream 2", "torch + stream 0", "torch + stream -1", "torch + stream x",
+                                   "ref: compile, memory budget 0.1 + stream all", "nonsense + stream all",
+                                   "torch @ lots", "none @ 24GiB", "torch + stream all prefetch x"])
+def test_a_row_that_cannot_stream_is_an_unknown_row_naming_the_form(label):
+    with pytest.raises(GradseamError, match=r"unknown bench rows.*'\+ stream N' or '\+ stream all'.*@ 24GiB") as info:
+        real_rows([label])
+    assert repr(label) in str(info.value)
+
+
+def test_the_cpu_mode_says_a_streamed_row_needs_cuda():
+    assert cpu_status("unsloth-compile + stream all") == NEEDS_CUDA
+    assert "streams weights" in CPU_STATUS_WHY[NEEDS_CUDA]
+    ran = b.run_rows("w", 1, __import__("torch").nn.Linear(1, 1), lambda: (lambda: 0),
+                     real_rows(["torch + stream all"]), device="cpu")
+    assert [r.status for r in ran] == [NEEDS_CUDA]
+
+
+def test_the_table_shows_the_whole_gpu_peak_where_a_row_streams():
+    rows = [Result("w", 1, "unsloth-compile", 1.0, 100.0, pinned_gib=1.0, gpu_peak_gib=27.5),
+            Result("w", 1, "unsloth-compile + stream all", 1.2, 110.0, pinned_gib=28.0, gpu_peak_gib=3.25),
+            Result("w", 1, "torch + stream all", None, None, "OOM")]
+    table = to_markdown(with_ratios(rows))
+    header, rule, *body = table.splitlines()
+    assert "| GPU peak GiB |" in header and header.count("|") == rule.count("|")
+    assert all(line.count("|") == header.count("|") for line in body if line.startswith("|"))
+    assert "| 3.25 | 28.00 |" in table
+    plain = to_markdown(with_ratios(rows[:1]))
+    assert "GPU peak" not in plain, "tables without streaming keep their columns"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--gpu-memory", "24GiB"], "needs --family"),
+    (["--family", "wan", "--gpu-memory", "lots"], "cannot read 'lots'"),
+    (["--family", "wan", "--gpu-memory", "0"], "positive"),
+])
+def test_gpu_memory_errors_name_the_option(args, message):
+    result = CliRunner().invoke(app, ["bench", *args])
+    assert result.exit_code != 0
+    assert "--gpu-memory" in result.output and message in result.output
