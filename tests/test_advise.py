@@ -166,10 +166,18 @@ def test_nothing_fits_says_by_how_much():
     assert "smallest activation peak seen was 5.00 GiB (unsloth)" in message
     assert "nothing fits in 12.00 GiB of GPU memory" in message
     assert "3.00 GiB over the GPU size" in message and "budget" not in message
+    assert "gradient_checkpointing_stream_weights" in message and "at least 3.00 GiB of the 10.00 GiB" in message
     assert info.value.advice.chosen is None
     assert len(info.value.advice.trials) == len(LADDER)
     with pytest.raises(GradseamError, match="nothing fits"):
         _ = info.value.advice.config
+
+
+def test_activations_over_the_gpu_alone_do_not_suggest_streaming_weights():
+    """Streaming frees weights only: when the activations alone are over the GPU, it would not help."""
+    with pytest.raises(NoFitError) as info:
+        advise(None, {}, "4GiB", measure=FakeMeasure(LADDER_VALUES), static_gib=0.5)
+    assert "stream_weights" not in str(info.value)
 
 
 def test_nothing_measurable():

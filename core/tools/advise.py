@@ -151,12 +151,23 @@ class Advice:
             )
         best = min(measured, key=lambda t: t.peak_gib or 0.0)
         total = self.static_gib + (best.peak_gib or 0.0)
-        return (
+        over = total - self.gpu_gib
+        message = (
             f"nothing fits in {self.gpu_gib:.2f} GiB of GPU memory: the smallest activation peak seen was "
             f"{best.peak_gib:.2f} GiB ({best.label}), which with {self.static_gib:.2f} GiB of static memory "
-            f"needs {total:.2f} GiB, {total - self.gpu_gib:.2f} GiB over the GPU size. Use a GPU with at "
+            f"needs {total:.2f} GiB, {over:.2f} GiB over the GPU size. Use a GPU with at "
             "least that much more memory, or shorten the sequence / lower the batch size."
         )
+        if self.static_gib >= over:
+            # the weights are what does not fit: streaming them is the way a card this size trains
+            message += (
+                f" Or keep frozen weights in host memory: gradient_checkpointing_stream_weights streams the "
+                f"first N blocks' weights (\"all\" for every block), so stream blocks holding at least "
+                f"{over:.2f} GiB of the {self.static_gib:.2f} GiB of weights and inputs, plus two blocks' worth "
+                "for the ones in flight (docs/strategies.md, weight streaming: Wan 2.1 14B trained in 9.6 GiB). "
+                "advise does not measure streamed rows yet: gradseam bench '<row> + stream N @ SIZE' does."
+            )
+        return message
 
     def report(self) -> str:
         lines = [f"GPU memory {self.gpu_gib:.2f} GiB, static memory (weights + inputs) {self.static_gib:.2f} GiB"]
