@@ -49,6 +49,26 @@ def test_a_rows_cap_is_taken_out_before_gradseam_sees_the_config(monkeypatch):
     assert GPU_CAP_KEY in config, "the row's own config is left as it was"
 
 
+def test_a_streamed_row_reports_its_weights_host_memory_apart(monkeypatch):
+    """As measured on a GPU (the measurement faked, the stream in the CPU test mode): the streamed weights'
+    pinned bytes are a field of their own and part of the row's pinned host memory."""
+    import torch
+
+    from gradseam.offload import cpu_test_mode
+
+    monkeypatch.setattr(b, "capped", lambda gib: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(b.measuring, "measure",
+                        lambda step, **kw: b.measuring.Measurement(1.0, 10.0, 0.5, None, base_gib=2.0))
+    model = __import__("cases").WAN.fresh().requires_grad_(False)
+    label = "torch + stream all @ 12GiB"
+    sweep = b._Sweep("w", 1, model, lambda: (lambda: 0), 1, "blocks", "cuda", None, None, None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # measuring.release on this CPU machine
+    with cpu_test_mode():
+        result = b._measure_row(sweep, label, dict(real_rows([label]))[label])
+    assert result.status == "ok" and result.gpu_peak_gib == 3.0
+    assert result.pinned_weights_gib == 0.0 and result.pinned_gib == 0.5  # test mode: pageable host copies
+
+
 @pytest.mark.parametrize("label", ["none + stream 2", "torch + stream 0", "torch + stream -1", "torch + stream x",
                                    "ref: compile, memory budget 0.1 + stream all", "nonsense + stream all",
                                    "torch @ lots", "none @ 24GiB", "torch + stream all prefetch x"])

@@ -334,3 +334,28 @@ def test_streaming_fsdp2_sharded_blocks_is_refused_naming_fsdp2s_own_offload(tmp
         assert gradseam.handle_of(model) is None
     finally:
         dist.destroy_process_group()
+
+
+def test_a_model_loaded_under_gradseam_patching_streams_once_frozen(tmp_path):
+    """``from_pretrained`` onto the CPU inside ``gradseam.patching``: the model comes out patched, nothing
+    streams until the trainer freezes it and adds its LoRA, and the first step is the resident model's."""
+    pytest.importorskip("peft")
+    from diffusers import WanTransformer3DModel
+
+    case = LORA[WAN.name]
+    torch.manual_seed(case.seed)
+    WAN.build().save_pretrained(tmp_path)
+    want_model = WanTransformer3DModel.from_pretrained(tmp_path)
+    torch.manual_seed(1)  # the same LoRA (initialised at random) on both
+    want = run_step(_lora(want_model), case)
+    with cpu_test_mode():
+        with gradseam.patching(gradient_checkpointing=True, gradient_checkpointing_stream_weights="all"):
+            model = WanTransformer3DModel.from_pretrained(tmp_path)
+        handle = gradseam.handle_of(model)
+        assert handle is not None and not handle.weights.selected, "the loaded model trains everything yet"
+        torch.manual_seed(1)
+        _lora(model)
+        got = run_step(model, case, count_bytes=False)
+        assert handle.weights.selected and handle.weights.loads > 0
+        handle.remove()
+    assert_same_step(want, got)

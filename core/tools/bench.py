@@ -269,13 +269,14 @@ def _measure_row(sweep: _Sweep, name: str, config: dict[str, Any] | None) -> Res
                 got = measuring.measure(step, steps=sweep.steps, warmup=2 if compiled else 1, device=sweep.device,
                                         engine=getattr(handle, "engine", None))
             stream = getattr(handle, "weights", None)
-            streamed_pinned = stream.pinned_bytes / GiB if stream is not None else 0.0
+            streamed_pinned = stream.pinned_bytes / GiB if stream is not None else None
     finally:
         step = None  # the step holds the model's activations: drop it before the next row, even on failure
     # CPU counts are small (KiB to MiB): keep them to the byte
     return Result(sweep.workload, sweep.tokens, name, round(got.peak_gib, 9 if cpu else 3), round(got.step_ms, 1),
                   pinned_allocations_after_warmup=got.pinned_allocations_after_warmup,
-                  pinned_gib=None if cpu or name == "ref: save_on_cpu" else round(got.pinned_gib + streamed_pinned, 3),
+                  pinned_gib=None if cpu or name == "ref: save_on_cpu" else round(got.pinned_gib + (streamed_pinned or 0.0), 3),
+                  pinned_weights_gib=None if cpu or streamed_pinned is None else round(streamed_pinned, 3),
                   depth=sweep.depth, blocks=sweep.blocks,
                   forward_peak_gib=_gib(got.forward_peak_gib), backward_peak_gib=_gib(got.backward_peak_gib),
                   first_step_ms=round(got.warmup_times_ms[0], 1) if compiled and got.warmup_times_ms else None,

@@ -27,6 +27,7 @@ class Result:
     backward_peak_gib: float | None = None  # GPU rows: the backward's own peak (peak_gib is the larger)
     first_step_ms: float | None = None  # compiled rows: the first (warm-up) step, where they compile
     gpu_peak_gib: float | None = None  # GPU rows: the whole GPU peak (weights on it, inputs, activations, loads)
+    pinned_weights_gib: float | None = None  # rows that stream weights: their pinned host copies (in pinned_gib too)
 
 
 @dataclass
