@@ -501,6 +501,47 @@ class _TwoStreams(torch.nn.Module):
         return self.a(x), self.b(x)
 
 
+class _RoutedUnderNoGrad(torch.nn.Module):
+    """One output; the router's weights are computed with gradients but used under no_grad after a graph break
+    (as HiDream's eval-mode experts are): eager gives the router no gradient, torch.compile zeros."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.a = torch.nn.Linear(4, 1), torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        weights = torch.sigmoid(self.gate(x))
+        torch._dynamo.graph_break()
+        with torch.no_grad():
+            scale = weights.mean()
+        return h * scale
+
+
+def test_a_parameter_no_output_reaches_keeps_none_as_in_eager():
+    from gradseam.run.unused import UnusedOutputs
+
+    torch._dynamo.reset()
+    block = _RoutedUnderNoGrad()
+    x = torch.randn(2, 4, requires_grad=True)
+    block(x).sum().backward()
+    assert block.gate.weight.grad is None and block.a.weight.grad is not None  # eager
+    block.zero_grad(set_to_none=True)
+
+    def function(module, x):
+        return module(x)
+
+    compiled = torch.compile(function, backend="aot_eager")
+    compiled(block, x).sum().backward()
+    assert block.gate.weight.grad is not None and not block.gate.weight.grad.any(), "torch.compile: zeros"
+    block.zero_grad(set_to_none=True)
+    out = compiled(block, x)
+    UnusedOutputs().watch(function, block, block, (x,), {}, out)
+    out.sum().backward()
+    assert block.gate.weight.grad is None and block.gate.bias.grad is None
+    assert block.a.weight.grad is not None and block.a.weight.grad.any()
+
+
 def _watched_call(block, function=None):
     from gradseam.run.unused import UnusedOutputs
 

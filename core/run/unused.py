@@ -1,12 +1,14 @@
-"""Unused outputs of a compiled block: the parameters only they reach get no gradient, as in eager.
+"""Unused outputs of a compiled block, and parameters no output reaches: no gradient, as in eager.
 
 A block with several outputs (the image and text streams of a dual-stream MMDiT block) can have one
 that feeds nothing: the text stream of the last such block in MageFlow, Qwen-Image or HunyuanVideo
 1.5. Eager autograd never reaches the parameters that only feed it, so their ``.grad`` stays
 ``None``; a compiled block's backward is one node that always returns a gradient for every input,
-so they get zeros (``torch.compile`` alone does the same). The two are not the same to an optimizer:
-AdamW skips a ``None`` gradient but steps its moments and weight decay on a zero one. Why it is
-built this way:
+so they get zeros (``torch.compile`` alone does the same). The same holds for a parameter the block
+uses without a gradient path to any output: HiDream in eval mode routes its experts under
+``no_grad`` (diffusers' ``moe_infer``), so eager leaves its gates' weights at ``None`` and a compiled
+block gave them zeros. The two are not the same to an optimizer: AdamW skips a ``None`` gradient but
+steps its moments and weight decay on a zero one. Why it is built this way:
 
 * **Only the compiled node's own contribution is dropped, never a gradient.** A hook on the node
   (``register_hook``) sees which of its outputs no gradient reached (``None``: the node materializes
@@ -14,7 +16,8 @@ built this way:
   those outputs reach. Autograd then never accumulates anything from this node into them: whatever
   else reaches the parameter in the same backward (an L2 penalty on the weights, a tied use
   elsewhere) lands as in eager, and a parameter with no other path keeps ``None``.
-* **Which parameters each output reaches comes from one eager forward of the block**, keeping no
+* **Which parameters each output reaches comes from one eager forward of the block** (every compiled
+  block, once, and again when it changed: a block with one output may still hold such parameters), keeping no
   activation (saved-tensor hooks that keep nothing), with the RNG state restored after it and the
   module hooks of the block's submodules (and the global ones) switched off, so a feature-capture
   hook never sees the probe's tensors. It runs the block's code once more, as every recompute of
@@ -131,17 +134,43 @@ def _dropped(nothing: None) -> torch.Tensor:
 
 
 class _Reach:
-    """What one probe learnt of a block: per output, the parameters it reaches (held weakly)."""
+    """What one probe learnt of a block: per output, the parameters it reaches, and every parameter the block
+    held then (held weakly): those no output reaches get no gradient in eager."""
 
-    __slots__ = ("alive", "outputs")
+    __slots__ = ("alive", "never", "outputs")
 
-    def __init__(self, outputs: list[dict[int, torch.Tensor]]) -> None:
+    def __init__(self, outputs: list[dict[int, torch.Tensor]], held: list[torch.Tensor]) -> None:
         self.outputs = [frozenset(found) for found in outputs]
         self.alive = {key: weakref.ref(t) for found in outputs for key, t in found.items()}
+        reached = set(self.alive)
+        self.alive.update((id(t), weakref.ref(t)) for t in held)
+        self.never = frozenset(id(t) for t in held) - reached
 
     def knows(self, variable: torch.Tensor) -> bool:
         ref = self.alive.get(id(variable))
         return ref is not None and ref() is variable
+
+
+WALK_LIMIT = 4096  # autograd nodes: a compiled block's own backward has tens; more means the walk left the block
+
+
+def _block_nodes(outputs: list[torch.Tensor], inputs: Any, own: set[int]) -> list[Any]:
+    """The autograd nodes between ``outputs`` and the block's ``inputs`` that accumulate into one of the block's
+    parameters (``own``, by id): the compiled graph, or its pieces where the block's code breaks it. The walk
+    stops at the inputs' own nodes; one that finds more than :data:`WALK_LIMIT` nodes (a tensor reached the
+    block some other way than its inputs) gives up and returns what it found so far."""
+    stop = {t.grad_fn for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    found, seen, stack = [], set(), [t.grad_fn for t in outputs]
+    while stack and len(seen) < WALK_LIMIT:
+        node = stack.pop()
+        if node is None or node in seen or node in stop:
+            continue
+        seen.add(node)
+        edges = node.next_functions
+        if any(id(getattr(n, "variable", None)) in own for n, _ in edges if n is not None):
+            found.append(node)
+        stack.extend(n for n, _ in edges)
+    return found
 
 
 def _edge_variables(node: Any) -> list[torch.Tensor | None]:
@@ -161,24 +190,32 @@ class UnusedOutputs:
         """Called with each compiled call's outputs (training, gradients on). ``function(first, ...)`` is the
         call that ran compiled; ``block`` the block whose parameters it uses."""
         tensors = _differentiable(outputs)
-        if len(tensors) < 2:
+        if not tensors:
             return
         sources = [_source(t) for t in tensors]
         node = sources[0][0]
-        if node is None or any(n is not node for n, _ in sources):
+        one_graph = node is not None and all(n is node for n, _ in sources)
+        # the block's own backward nodes with a parameter edge: the compiled graph (one, or one per piece
+        # between graph breaks), found from the outputs back to the block's inputs
+        own = {id(p) for p in block.parameters()}
+        nodes = _block_nodes(tensors, (args, kwargs), own)
+        variables = [v for n in nodes for v in _edge_variables(n) if v is not None and id(v) in own]
+        reach = self._reach.get(block)
+        if reach is None or not all(reach.knows(v) for v in variables):
+            reach = self._reach[block] = self._probe(function, first, block, args, kwargs, len(tensors))
+        if not one_graph:
             warn_once(f"gradseam: the outputs of a compiled {type(block).__name__} come from several compiled "
                       "graphs (a graph break inside the block); an output the loss does not use gives its "
                       "parameters zero gradients there, not None as in eager autograd.")
+        if reach is None:
             return
-        positions = [at for _, at in sources]
-        if len(set(positions)) < 2:  # views of one graph output: it is used, or the node does not run
-            return
-        variables = _edge_variables(node)
-        reach = self._reach.get(block)
-        if reach is None or not all(reach.knows(v) for v in variables if isinstance(v, nn.Parameter)):
-            reach = self._reach[block] = self._probe(function, first, block, args, kwargs, len(tensors))
-        if reach is not None:
-            node.register_hook(_DropZeros(reach, positions, variables))
+        # views of one graph output (or a single output): it is used, or the node does not run; only what no
+        # output reaches can still get zeros, in any piece of a graph the block's code breaks
+        positions = [at for _, at in sources] if one_graph and len({at for _, at in sources}) > 1 else []
+        for piece in nodes:
+            here = positions if piece is node else []
+            if here or reach.never:
+                piece.register_hook(_DropZeros(reach, here, _edge_variables(piece)))
 
     def _probe(self, function: Callable[..., Any], first: Any, block: nn.Module, args: tuple, kwargs: dict,
                count: int) -> _Reach | None:
@@ -189,11 +226,12 @@ class UnusedOutputs:
                       f"parameters each of its outputs reaches ({type(exc).__name__}: {exc}); an output the "
                       "loss does not use gives its parameters zero gradients there, not None as in eager.")
             return None
-        return _Reach(found) if len(found) == count else None
+        return _Reach(found, list(block.parameters())) if len(found) == count else None
 
 
 class _DropZeros:
-    """The hook on one call's compiled node: ``None`` instead of its zeros for what only unused outputs reach."""
+    """The hook on one call's compiled node: ``None`` instead of its zeros for what only unused outputs reach,
+    and for the block's parameters no output reaches."""
 
     __slots__ = ("positions", "reach", "variables")
 
@@ -203,12 +241,12 @@ class _DropZeros:
 
     def __call__(self, grad_inputs: tuple[torch.Tensor | None, ...],
                  grad_outputs: tuple[torch.Tensor | None, ...]) -> tuple[torch.Tensor | None, ...] | None:
-        unused = {i for i, at in enumerate(self.positions) if at < len(grad_outputs) and grad_outputs[at] is None}
-        if not unused or len(grad_inputs) != len(self.variables):
+        if len(grad_inputs) != len(self.variables):
             return None
+        unused = {i for i, at in enumerate(self.positions) if at < len(grad_outputs) and grad_outputs[at] is None}
         outputs = self.reach.outputs
         used = frozenset().union(*(r for i, r in enumerate(outputs) if i not in unused))
-        only = frozenset().union(*(outputs[i] for i in unused)) - used
+        only = (frozenset().union(*(outputs[i] for i in unused)) - used) | self.reach.never
         if not only:
             return None
         kept = list(grad_inputs)
