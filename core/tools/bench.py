@@ -443,6 +443,8 @@ def real(
             rule_out = None
             if depth not in fit_depths:
                 rule_out = ruled_out_at(run, label, depth, device, gpu_memory_gib)
+            elif full and depth != plan.full:
+                rule_out = capped_at_fit_depth(chosen, gpu_memory_gib)
             with at_depth(workload.model, plan, depth):
 
                 def step_factory(inputs: dict[str, Any] = inputs) -> Callable[[], Any]:
@@ -455,6 +457,21 @@ def real(
                 )
         del inputs
     return run
+
+
+def capped_at_fit_depth(rows: list[tuple[str, dict[str, Any] | None]],
+                        gpu_memory_gib: float | None) -> Callable[[str], str | None]:
+    """Why a capped row is not measured at a fit depth of a full-depth run: the full model is built, so the
+    blocks outside the fit depth stay on the GPU, unstreamed, and count against the cap."""
+    caps = {name: (config or {}).get(GPU_CAP_KEY, gpu_memory_gib) for name, config in rows}
+
+    def rule_out(name: str) -> str | None:
+        if caps.get(name) is None:
+            return None
+        return ("not measured at a fit depth of a --full run under a GPU memory cap: the full model is built, and "
+                "the blocks outside this depth stay on the GPU against the cap; see the full depth")
+
+    return rule_out
 
 
 def ruled_out_at(run: RealRun, workload: str, depth: int, device: str,
