@@ -72,20 +72,19 @@ def _check_offload_device(model: nn.Module, config: CheckpointConfig, planned: P
     # a model whose weights stream is patched on the CPU on purpose (its weights may not fit the GPU):
     # the handle says offload is pending until model.to("cuda"), as for a model patched at load time
     if wants and planned.stores and not planned.streamed and device_type(model) == "cpu" and not cpu_allowed():
+        one = len(wants) == 1
+        needs = (f"{' and '.join(wants)} {'moves' if one else 'move'} activations from GPU to CPU memory and "
+                 f"{'needs' if one else 'need'} a CUDA model, but {type(model).__name__}")
         if _group_offloaded(model):  # its weights are in CPU memory between uses, however it runs
             raise UnsupportedStrategyError(
-                f"{' and '.join(wants)} {'moves' if len(wants) == 1 else 'move'} activations to CPU memory and "
-                f"{'needs' if len(wants) == 1 else 'need'} a model whose tensors are on the GPU, but "
-                f"{type(model).__name__} has diffusers' group offloading on, which keeps its weights in CPU memory "
-                "between uses. For weights that do not fit the GPU, load it without group offloading and set "
+                f"{needs} has diffusers' group offloading on, which keeps its weights in CPU memory between uses. "
+                "For weights that do not fit the GPU, load it without group offloading and set "
                 "gradient_checkpointing_stream_weights (gradseam's own streaming, which composes with every "
                 f"backend); or keep group offloading with {_cpu_instead(planned)}."
             )
         raise UnsupportedStrategyError(
-            f"{' and '.join(wants)} {'moves' if len(wants) == 1 else 'move'} activations from GPU to CPU "
-            f"memory and {'needs' if len(wants) == 1 else 'need'} a CUDA model, but "
-            f"{type(model).__name__} is on the CPU. Move the model to a GPU first (model.to('cuda')), "
-            f"or on the CPU use {_cpu_instead(planned)}."
+            f"{needs} is on the CPU. Move the model to a GPU first (model.to('cuda')), or on the CPU use "
+            f"{_cpu_instead(planned)}."
         )
 
 

@@ -243,10 +243,10 @@ def _refuse_unstreamable(model: nn.Module, where: str, block: nn.Module) -> None
     """Quantized weights keep their bytes in inner tensors or on the parameter, which a copy of ``.data``
     would not move. (A block whose weights all train is refused once streaming starts: a model patched as
     it loads is frozen only afterwards, :meth:`gradseam.offload.weights.WeightStream.select`.)"""
-    from .offload.state import is_wrapper
+    from .offload.state import is_sharded, is_wrapper
 
     for path, t in [*block.named_parameters(), *block.named_buffers()]:
-        if _sharded(t):
+        if is_sharded(t):
             raise UnsupportedStrategyError(
                 f"{type(model).__name__}.{where}.{path} is sharded by FSDP2 (a DTensor): FSDP2 already gathers each "
                 "block's weights for its use and frees them after, so streaming would move the same weights a "
@@ -260,15 +260,6 @@ def _refuse_unstreamable(model: nn.Module, where: str, block: nn.Module) -> None
                 "streaming moves plain tensors only so far. Stream fewer blocks, or train this base without "
                 "streaming (a quantized base is small: docs/strategies.md, Quantized bases)."
             )
-
-
-def _sharded(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a DTensor (FSDP2's sharded parameters), without importing torch.distributed."""
-    import sys
-
-    module = sys.modules.get("torch.distributed.tensor")
-    dtensor = getattr(module, "DTensor", None) if module is not None else None
-    return dtensor is not None and isinstance(t, dtensor)
 
 
 class _Planner:

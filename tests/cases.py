@@ -17,14 +17,14 @@ def flux_model():
     )
 
 
-def flux_inputs(g: torch.Generator) -> dict:
+def flux_inputs(g: torch.Generator, image: int = 16, text: int = 8) -> dict:
     return {
-        "hidden_states": randn(g, 1, 16, 4, grad=True),
-        "encoder_hidden_states": randn(g, 1, 8, 16, grad=True),
+        "hidden_states": randn(g, 1, image, 4, grad=True),
+        "encoder_hidden_states": randn(g, 1, text, 16, grad=True),
         "pooled_projections": randn(g, 1, 8),
         "timestep": torch.tensor([0.5]),
-        "img_ids": randn(g, 16, 3),
-        "txt_ids": torch.zeros(8, 3),
+        "img_ids": randn(g, image, 3),
+        "txt_ids": torch.zeros(text, 3),
     }
 
 
@@ -41,11 +41,12 @@ def wan_model():
     )
 
 
-def wan_inputs(g: torch.Generator) -> dict:
+def wan_inputs(g: torch.Generator, side: int = 4, text: int = 6) -> dict:
+    # 2 frames x (side / 2)^2 patches: 8 tokens at the default side of 4
     return {
-        "hidden_states": randn(g, 1, 4, 2, 4, 4, grad=True),
+        "hidden_states": randn(g, 1, 4, 2, side, side, grad=True),
         "timestep": torch.tensor([500]),
-        "encoder_hidden_states": randn(g, 1, 6, 16, grad=True),
+        "encoder_hidden_states": randn(g, 1, text, 16, grad=True),
     }
 
 

@@ -97,6 +97,8 @@ def test_the_table_shows_the_whole_gpu_peak_where_a_row_streams():
     assert "| 3.25 | 28.00 |" in table
     plain = to_markdown(with_ratios(rows[:1]))
     assert "GPU peak" not in plain, "tables without streaming keep their columns"
+    capped = to_markdown(with_ratios([Result("w", 1, "unsloth-compile @ 24GiB", 1.0, 100.0, gpu_peak_gib=23.5)]))
+    assert "| GPU peak GiB |" in capped and "| 23.50 |" in capped, "a row with its own cap shows it too"
 
 
 @pytest.mark.parametrize(("args", "message"), [

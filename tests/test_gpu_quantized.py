@@ -9,14 +9,16 @@ the CPU suite cannot reach. The offloading rows must offload something and never
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
-from cases import FLUX, WAN
+from cases import FLUX, WAN, flux_inputs, wan_inputs
 from test_gpu import _deterministic, _on_cuda, _spread  # noqa: F401  (the fixture applies here too)
 
 import gradseam
 from gradseam.offload.state import state_storages
-from gradseam.testing import Case, assert_same_step, config_id, randn, run_step
+from gradseam.testing import Case, assert_same_step, config_id, run_step
 from gradseam.tools.bases import BASES, quantize
 from gradseam.tools.workloads import blocks
 
@@ -32,30 +34,11 @@ CONFIGS = [
 ]
 
 
-def _flux_inputs_by_16(g: torch.Generator) -> dict:
-    return {
-        "hidden_states": randn(g, 1, 32, 4, grad=True),
-        "encoder_hidden_states": randn(g, 1, 16, 16, grad=True),
-        "pooled_projections": randn(g, 1, 8),
-        "timestep": torch.tensor([0.5]),
-        "img_ids": randn(g, 32, 3),
-        "txt_ids": torch.zeros(16, 3),
-    }
-
-
-def _wan_inputs_by_16(g: torch.Generator) -> dict:
-    return {
-        "hidden_states": randn(g, 1, 4, 2, 8, 8, grad=True),  # 2 frames x 4 x 4 patches = 32 tokens
-        "timestep": torch.tensor([500]),
-        "encoder_hidden_states": randn(g, 1, 16, 16, grad=True),
-    }
-
-
 # CUDA's fp8 matmul (torch._scaled_mm) takes only sizes that are multiples of 16, and torchao's float8
 # training recipe multiplies by the token count too (the weight-gradient matmul): the tiny cases' 6, 8 and
 # 24 tokens fail in the unpatched model, so that base runs on inputs with 16 and 32 (48) tokens
-TOKENS_BY_16 = {FLUX.name: Case(FLUX.name, FLUX.build, _flux_inputs_by_16),
-                WAN.name: Case(WAN.name, WAN.build, _wan_inputs_by_16)}
+TOKENS_BY_16 = {FLUX.name: Case(FLUX.name, FLUX.build, partial(flux_inputs, image=32, text=16)),
+                WAN.name: Case(WAN.name, WAN.build, partial(wan_inputs, side=8, text=16))}
 
 
 def _quantized(case, base: str):

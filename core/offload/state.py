@@ -33,10 +33,15 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 _ATTACHED_DEPTH = 2  # Params4bit -> QuantState -> its nested QuantState (double quantization)
 
 
+def is_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (FSDP2's sharded parameters): its local shard holds the bytes."""
+    return hasattr(t, "to_local")
+
+
 def plain_parts(t: torch.Tensor) -> list[torch.Tensor]:
     """The plain tensors holding ``t``'s bytes: ``t`` itself, a DTensor's local shard, or every inner
     tensor of a wrapper subclass (recursively)."""
-    if hasattr(t, "to_local"):  # DTensor: the local shard holds the bytes
+    if is_sharded(t):
         t = t.to_local()
     if is_traceable_wrapper_subclass(t):
         names, _ = t.__tensor_flatten__()

@@ -195,27 +195,25 @@ class UnusedOutputs:
         sources = [_source(t) for t in tensors]
         node = sources[0][0]
         one_graph = node is not None and all(n is node for n, _ in sources)
-        # the block's own backward nodes with a parameter edge: the compiled graph (one, or one per piece
-        # between graph breaks), found from the outputs back to the block's inputs
-        own = {id(p) for p in block.parameters()}
-        nodes = _block_nodes(tensors, (args, kwargs), own)
-        variables = [v for n in nodes for v in _edge_variables(n) if v is not None and id(v) in own]
-        reach = self._reach.get(block)
-        if reach is None or not all(reach.knows(v) for v in variables):
-            reach = self._reach[block] = self._probe(function, first, block, args, kwargs, len(tensors))
         if not one_graph:
             warn_once(f"gradseam: the outputs of a compiled {type(block).__name__} come from several compiled "
                       "graphs (a graph break inside the block); an output the loss does not use gives its "
                       "parameters zero gradients there, not None as in eager autograd.")
+        direct = _edge_variables(node) if node is not None else []
+        reach = self._reach.get(block)
+        if reach is None or not all(reach.knows(v) for v in direct if isinstance(v, nn.Parameter)):
+            reach = self._reach[block] = self._probe(function, first, block, args, kwargs, len(tensors))
         if reach is None:
             return
-        # views of one graph output (or a single output): it is used, or the node does not run; only what no
-        # output reaches can still get zeros, in any piece of a graph the block's code breaks
+        # several outputs of one graph (not views of one output): the unused ones' zeros are dropped there
         positions = [at for _, at in sources] if one_graph and len({at for _, at in sources}) > 1 else []
-        for piece in nodes:
-            here = positions if piece is node else []
-            if here or reach.never:
-                piece.register_hook(_DropZeros(reach, here, _edge_variables(piece)))
+        if positions:
+            node.register_hook(_DropZeros(reach, positions, direct))
+        if reach.never:  # parameters no output reaches: in every piece of the block's graph, the first too
+            own = {id(p) for p in block.parameters()}
+            for piece in _block_nodes(tensors, (args, kwargs), own):
+                if not (positions and piece is node):
+                    piece.register_hook(_DropZeros(reach, [], _edge_variables(piece)))
 
     def _probe(self, function: Callable[..., Any], first: Any, block: nn.Module, args: tuple, kwargs: dict,
                count: int) -> _Reach | None:

@@ -292,7 +292,7 @@ def capped(gib: float | None) -> Iterator[None]:
         yield
         return
     total = torch.cuda.get_device_properties(0).total_memory
-    measuring.release("cuda")
+    measuring.release("cuda")  # what patching freed (streamed weights) leaves the cache: the cap counts it
     torch.cuda.set_per_process_memory_fraction(min(gib * GiB / total, 1.0))
     try:
         yield

@@ -52,7 +52,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from .bench_rows import CPU_STATUS_WHY, STREAM_SUFFIX
+from .bench_rows import CAP_SUFFIX, CPU_STATUS_WHY, STREAM_SUFFIX
 from .depth import predict, predict_peak
 from .measure import GiB, MiB, noise_marks, noise_note, spread
 
@@ -242,8 +242,9 @@ def to_markdown(rows: list[dict[str, Any]], *, cpu: bool = False) -> str:
     marks = noise(rows) if cpu else [None] * len(rows)
     with_depth = any(r.get("depth") is not None for r in rows)
     depth_col = " depth |" if with_depth else ""
-    # the whole GPU's peak (weights included): what a smaller card must hold, shown where weights stream
-    with_gpu = any(STREAM_SUFFIX in r["strategy"] for r in rows)
+    # the whole GPU's peak (weights included): what a smaller card must hold, shown where weights stream or a
+    # row has a memory cap of its own
+    with_gpu = any(STREAM_SUFFIX in r["strategy"] or CAP_SUFFIX in r["strategy"] for r in rows)
     gpu_col = " GPU peak GiB |" if with_gpu else ""
     lines = [
         f"| workload |{depth_col} strategy | {memory} |{gpu_col} pinned host GiB | {step_col} | vs none | "

@@ -92,7 +92,7 @@ _VARIANT = re.compile(r"(?P<row>.+?)(?: \+ stream (?P<count>all|\d+)(?: prefetch
 GPU_CAP_KEY = "bench_gpu_memory_gib"  # a row's own GPU cap: read by bench, never passed to gradseam.patch
 
 
-def streamed_row(label: str, known: dict[str, dict[str, Any] | None]) -> tuple[str, dict[str, Any]] | None:
+def row_variant(label: str, known: dict[str, dict[str, Any] | None]) -> tuple[str, dict[str, Any]] | None:
     """``"unsloth-compile + stream all"``: gradseam's row ``unsloth-compile`` with the frozen weights of every
     block streamed from host memory (``+ stream 20``: the first 20 blocks; ``+ stream all prefetch 0``: each
     block's copy waited for, the no-overlap reference); ``" @ 24GiB"`` after any gradseam row runs its steps on
@@ -122,14 +122,14 @@ def streamed_row(label: str, known: dict[str, dict[str, Any] | None]) -> tuple[s
 
 def real_rows(rows: list[str] | None = None) -> list[tuple[str, dict[str, Any] | None]]:
     """The real-model rows, in table order; ``rows`` picks some by label, and may add any of gradseam's rows with
-    its weights streamed (:func:`streamed_row`), measured after the rest."""
+    its weights streamed or its own GPU cap (:func:`row_variant`), measured after the rest."""
     chosen: list[tuple[str, dict[str, Any] | None]] = [(n, None) for n in ("none", DIFFUSERS_ROW, "ref: save_on_cpu")]
     chosen += [(n, c) for n, c in COMPILE_ROWS]
     chosen += [(n, c) for n, c in GRADSEAM_ROWS]
     chosen += [(n, c) for n, c in COMPILED_ROWS]
     if rows is not None:
         known = dict(chosen)
-        chosen += [found for r in rows if r not in known and (found := streamed_row(r, known)) is not None]
+        chosen += [found for r in rows if r not in known and (found := row_variant(r, known)) is not None]
         unknown = sorted(set(rows) - {n for n, _ in chosen})
         if unknown:
             raise GradseamError(
