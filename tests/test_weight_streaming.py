@@ -114,6 +114,7 @@ def test_which_backends_free_each_blocks_weights_after_its_forward(config, freed
     model = case.fresh()
     with cpu_test_mode(), gradseam.patch(model, {**config, STREAM: "all"}):
         out = case.output(model(**case.inputs(torch.Generator().manual_seed(1))))
+        gradseam.handle_of(model).weights.release_all()  # the last block's copy, loaded ahead for backward
         held = sum(not torch.UntypedStorage._expired(ref) for ref in copies)
         del out
     assert copies and (held == 0) == freed, f"{held} of {len(copies)} loaded copies held after the forward"
@@ -128,7 +129,7 @@ def test_streamed_weights_are_host_copies_between_calls_and_fresh_copies_inside_
     resident_ptr = resident.data_ptr()
     seen = []
     with cpu_test_mode(), gradseam.patch(model, {**ON, STREAM: 2}) as handle:
-        block = model.blocks[0]
+        block = model.blocks[1]  # 2 of the 5 blocks stream, spread: blocks 1 and 3
         weight = block.ffn.net[2].weight
         host = next(e.host for b in handle.weights.blocks for e in b.tensors if e.tensor is weight)
         assert weight.data_ptr() == host.data_ptr(), "between calls a streamed weight is its host copy"
@@ -137,7 +138,7 @@ def test_streamed_weights_are_host_copies_between_calls_and_fresh_copies_inside_
         hook.remove()
         assert seen and all(p != host.data_ptr() for p in seen), "inside its block a streamed weight is a copy"
         assert weight.data_ptr() == host.data_ptr() and not any(b.loaded for b in handle.weights.blocks)
-        assert resident.data_ptr() == resident_ptr, "a block past the streamed ones keeps its weights"
+        assert resident.data_ptr() == resident_ptr, "a block between the streamed ones keeps its weights"
         assert all(not p.requires_grad for p in _streamed(model, handle)), "only frozen tensors stream"
         assert not any("lora" in e.name for b in handle.weights.blocks for e in b.tensors), "the LoRA stays"
         state = model.state_dict()
@@ -206,9 +207,11 @@ def test_a_streamed_weight_that_starts_training_is_refused_at_its_next_load():
     pytest.importorskip("peft")
     case = LORA[WAN.name]
     model = case.fresh()
-    with cpu_test_mode(), gradseam.patch(model, {**ON, STREAM: 1}):
-        model.blocks[0].ffn.net[2].weight.requires_grad_(True)
-        with pytest.raises(UnsupportedStrategyError, match=r"blocks\[0\]\.ffn\.net\.2\.weight trains now"):
+    with cpu_test_mode(), gradseam.patch(model, {**ON, STREAM: 1}) as handle:
+        (streamed,) = handle.weights.blocks
+        index = list(model.blocks).index(streamed.module)
+        model.blocks[index].ffn.net[2].weight.requires_grad_(True)
+        with pytest.raises(UnsupportedStrategyError, match=rf"blocks\[{index}\]\.ffn\.net\.2\.weight trains now"):
             run_step(model, case)
 
 
@@ -303,6 +306,40 @@ def test_the_next_blocks_weights_are_loaded_while_a_block_runs_and_no_more(backe
     assert stream.most_loaded == prefetch + 1
 
 
+@pytest.mark.parametrize(("count", "total", "want"), [
+    (2, 8, [2, 6]), (1, 5, [2]), (3, 8, [1, 4, 6]), (5, 5, [0, 1, 2, 3, 4]), (0, 4, []),
+])
+def test_streamed_blocks_are_spread_evenly_each_in_the_middle_of_its_share(count, total, want):
+    from gradseam.planning import spread
+
+    assert spread(count, total) == want
+
+
+def test_streamed_blocks_spread_among_resident_ones_and_the_first_and_last_copies_start_early():
+    """2 of Wan's 5 test blocks stream: blocks 1 and 3, so each copy overlaps a resident block's compute. The
+    first streamed block is loaded as the model's forward starts (before block 0 runs), the last one as it
+    ends (before backward reaches it); the step stays exact."""
+    pytest.importorskip("peft")
+    case = LORA[WAN.name]
+    want = run_step(case.fresh(), case)
+    model = case.fresh()
+    seen: list[tuple[int, set[int]]] = []
+    with cpu_test_mode(), gradseam.patch(model, {**ON, STREAM: 2}) as handle:
+        stream = handle.weights
+        assert [list(model.blocks).index(b.module) for b in stream.blocks] == [1, 3]
+        model.blocks[0].register_forward_pre_hook(
+            lambda m, a: seen.append((0, {j for j, b in enumerate(stream.blocks) if b.loaded})))
+        outputs = []
+        model.register_forward_hook(
+            lambda m, a, out: outputs.append({j for j, b in enumerate(stream.blocks) if b.loaded}), prepend=False)
+        got = run_step(model, case)
+        assert not any(b.loaded for b in stream.blocks), "all released after the step"
+    assert seen[0] == (0, {0}), "the first streamed block is copied before block 0 runs"
+    assert outputs == [{1}], "the last streamed block is copied as forward ends, for its backward"
+    assert stream.loads == 4, "each block once in forward, the last again as forward ends, the first in backward"
+    assert_same_step(want, got)
+
+
 def test_streaming_a_group_offloaded_model_is_refused_naming_both():
     """diffusers' group offloading moves the same weights between CPU and GPU memory: one of the two."""
     from diffusers.hooks import apply_group_offloading
@@ -328,7 +365,7 @@ def test_streaming_fsdp2_sharded_blocks_is_refused_naming_fsdp2s_own_offload(tmp
         for block in model.blocks:
             fully_shard(block)
         with cpu_test_mode(), pytest.raises(UnsupportedStrategyError, match=(
-                r"blocks\[0\]\..* is sharded by FSDP2 \(a DTensor\).*CPUOffloadPolicy")) as info:
+                r"blocks\[2\]\..* is sharded by FSDP2 \(a DTensor\).*CPUOffloadPolicy")) as info:
             gradseam.patch(model, {**ON, STREAM: 1})
         assert "quantized" not in str(info.value)
         assert gradseam.handle_of(model) is None

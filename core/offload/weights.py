@@ -23,7 +23,10 @@ it (:mod:`gradseam.planning`, :mod:`gradseam.handle`). Why it is built this way:
 * **Copies on a side stream, one block ahead.** A block's copy is issued on a copy stream while the
   block before it computes: in forward when block ``i`` starts, block ``i + 1`` is copied; in backward
   when block ``i``'s gradient arrives, block ``i - 1`` is (``prefetch`` blocks ahead, default 1, so
-  ``1 + prefetch`` blocks' weights are on the GPU at a time). The destination is allocated from the
+  ``1 + prefetch`` blocks' weights are on the GPU at a time). "Before" counts streamed blocks only, so a
+  copy overlaps every resident block between two streamed ones (why the planner spreads them). The first
+  streamed block is copied when the model's forward starts, the last one when it ends (its backward comes
+  first), so neither waits on the host link unless nothing runs beside it. The destination is allocated from the
   compute stream, so the caching allocator hands it back to compute-stream work once released, as any
   other tensor; the copy stream first waits for the work queued on the compute stream (that memory may
   have been freed by kernels not yet run), and the compute stream waits for the copy's event before the
@@ -300,6 +303,8 @@ class WeightStream:
         select them now if the base is frozen already (:meth:`select`)."""
         self.device = _resident_device(model)
         self._shared = _shared_tensors(model, [block.module for block in self.blocks])
+        self._hooks.append(model.register_forward_pre_hook(self._model_pre))
+        self._hooks.append(model.register_forward_hook(self._model_post))
         for index, block in enumerate(self.blocks):
             self._hooks.append(block.module.register_forward_pre_hook(self._pre(index)))
             self._hooks.append(block.module.register_forward_hook(self._post(index), always_call=True))
@@ -309,6 +314,23 @@ class WeightStream:
                     self._applies.append(module)
         if any(True for block in self.blocks for _ in streamable(block.module)):
             self.select()
+
+    def _model_pre(self, module: nn.Module, args: tuple) -> None:
+        """A step starts: nothing of the last one stays loaded, and the first streamed block's copy starts now,
+        overlapping whatever runs before it (the embeddings, the resident blocks in front of it)."""
+        if torch._C._current_graph_task_id() != -1 or not self.blocks:
+            return
+        self.release_all()
+        if self.prefetch:
+            self.load(0, ahead=True)
+
+    def _model_post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """Forward is done: the last streamed block's backward comes first, so its copy starts now and overlaps
+        the loss and the backward of the blocks after it, instead of being waited for when its gradient comes."""
+        if torch._C._current_graph_task_id() != -1 or not self.blocks or not self.prefetch:
+            return
+        if torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(output)):
+            self.load(len(self.blocks) - 1, ahead=True)
 
     def _pre(self, index: int) -> Callable[..., None]:
         def pre(module: nn.Module, args: tuple) -> None:

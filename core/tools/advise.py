@@ -162,7 +162,7 @@ class Advice:
             # the weights are what does not fit: streaming them is the way a card this size trains
             message += (
                 f" Or keep frozen weights in host memory: gradient_checkpointing_stream_weights streams the "
-                f"first N blocks' weights (\"all\" for every block), so stream blocks holding at least "
+                f"weights of N blocks spread over the model (\"all\" for every block), so stream blocks holding at least "
                 f"{over:.2f} GiB of the {self.static_gib:.2f} GiB of weights and inputs, plus two blocks' worth "
                 "for the ones in flight (docs/strategies.md, weight streaming: Wan 2.1 14B trained in 9.6 GiB). "
                 "advise does not measure streamed rows yet: gradseam bench '<row> + stream N @ SIZE' does."
