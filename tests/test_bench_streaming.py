@@ -10,7 +10,14 @@ from typer.testing import CliRunner
 from gradseam.errors import GradseamError
 from gradseam.tools import bench as b
 from gradseam.tools.bench_report import to_markdown, with_ratios
-from gradseam.tools.bench_rows import CPU_STATUS_WHY, GPU_CAP_KEY, NEEDS_CUDA, cpu_status, real_rows
+from gradseam.tools.bench_rows import (
+    CPU_STATUS_WHY,
+    GPU_CAP_KEY,
+    NAIVE_KEY,
+    NEEDS_CUDA,
+    cpu_status,
+    real_rows,
+)
 from gradseam.tools.cli import app
 from gradseam.tools.results import Result
 
@@ -67,6 +74,39 @@ def test_a_streamed_row_reports_its_weights_host_memory_apart(monkeypatch):
         result = b._measure_row(sweep, label, dict(real_rows([label]))[label])
     assert result.status == "ok" and result.gpu_peak_gib == 3.0
     assert result.pinned_weights_gib == 0.0 and result.pinned_gib == 0.5  # test mode: pageable host copies
+
+
+def test_the_naive_reference_row_streams_with_bench_setting_the_stream_naive(monkeypatch):
+    """``+ stream all naive``: the same stream, bench's own key taken out before gradseam sees the config, and
+    the stream told to copy each block in and out on the compute stream (the reference of the overlap)."""
+    import torch
+
+    from gradseam.offload import cpu_test_mode
+
+    label = "torch + stream all naive @ 12GiB"
+    config = dict(real_rows([label]))[label]
+    assert config[NAIVE_KEY] is True and config[STREAM] == "all" and config[GPU_CAP_KEY] == 12.0
+    seen = []
+
+    def measure(step, **kw):
+        seen.append(__import__("gradseam").handle_of(model).weights.naive)
+        return b.measuring.Measurement(1.0, 10.0, 0.5, None, base_gib=2.0)
+
+    monkeypatch.setattr(b, "capped", lambda gib: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(b.measuring, "measure", measure)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model = __import__("cases").WAN.fresh().requires_grad_(False)
+    sweep = b._Sweep("w", 1, model, lambda: (lambda: 0), 1, "blocks", "cuda", None, None, None)
+    with cpu_test_mode():
+        result = b._measure_row(sweep, label, config)
+    assert result.status == "ok" and seen == [True]
+    assert NAIVE_KEY in config, "the row's own config is left as it was"
+
+
+@pytest.mark.parametrize("label", ["torch + stream all naive prefetch 1", "torch naive", "torch + stream all naive x"])
+def test_the_naive_reference_takes_no_prefetch_and_needs_streaming(label):
+    with pytest.raises(GradseamError, match="unknown bench rows"):
+        real_rows([label])
 
 
 @pytest.mark.parametrize("label", ["none + stream 2", "torch + stream 0", "torch + stream -1", "torch + stream x",

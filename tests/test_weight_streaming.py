@@ -340,6 +340,24 @@ def test_streamed_blocks_spread_among_resident_ones_and_the_first_and_last_copie
     assert_same_step(want, got)
 
 
+@pytest.mark.parametrize("backend", ["torch", "unsloth"])
+def test_the_naive_reference_copies_each_block_in_as_it_runs_and_back_out_after_exactly(backend):
+    """The reference bench measures the overlap against: nothing is loaded ahead (one block's weights at a
+    time), every release copies the block back to host memory, and the step is the resident model's."""
+    pytest.importorskip("peft")
+    case = LORA[WAN.name]
+    want = run_step(case.fresh(), case)
+    model = case.fresh()
+    config = {**ON, "gradient_checkpointing_backend": backend, STREAM: "all"}
+    with cpu_test_mode(), gradseam.patch(model, config) as handle:
+        handle.weights.naive = True
+        got = run_step(model, case)
+        stream = handle.weights
+        assert stream.most_loaded == 1 and stream.ahead == 0
+        assert stream.loads == 2 * len(stream.blocks) == stream.copies_back, "in and out, forward and backward"
+    assert_same_step(want, got)
+
+
 def test_streaming_a_group_offloaded_model_is_refused_naming_both():
     """diffusers' group offloading moves the same weights between CPU and GPU memory: one of the two."""
     from diffusers.hooks import apply_group_offloading

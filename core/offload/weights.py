@@ -118,14 +118,21 @@ class WeightStream:
     ``error(message)``: the exception raised for a streamed parameter that trains.
     ``test_mode``: a CPU model stands in for a GPU one (the loads are copies into fresh CPU tensors).
     ``prefetch``: how many blocks ahead of the running one are copied (0: each block when it runs).
+    ``naive``: the reference the overlap is measured against (``gradseam bench``'s ``+ stream ... naive``
+    rows), not a way to train: each block's weights are copied in on the compute stream when it runs, the
+    host waiting, and copied back out when it is released, as ``block.to("cuda")`` / ``block.to("cpu")``
+    around each use would; nothing is prefetched.
     """
 
     def __init__(self, blocks: Sequence[nn.Module], labels: Sequence[str], *,
-                 error: Callable[[str], Exception], test_mode: bool = False, prefetch: int = 1) -> None:
+                 error: Callable[[str], Exception], test_mode: bool = False, prefetch: int = 1,
+                 naive: bool = False) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0 blocks, got {prefetch}.")
         self.test_mode = test_mode
         self.prefetch = prefetch
+        self.naive = naive
+        self.copies_back = 0  # blocks copied back to host memory (the naive reference only)
         self._copy_stream: Any = None  # made at the first load on a GPU
         self.error = error
         self.blocks = [_Block(module, label, [], None, False, 0) for module, label in zip(blocks, labels)]
@@ -249,6 +256,9 @@ class WeightStream:
         if self.test_mode:
             for entry in block.tensors:
                 entry.tensor.data = entry.host.clone()
+        elif self.naive:
+            for entry in block.tensors:  # on the compute stream; the host waits for each copy
+                entry.tensor.data = entry.host.to(target)
         else:
             compute = torch.cuda.current_stream(target)
             # allocated from the compute stream's pool: released, the memory goes back to compute-stream work
@@ -269,9 +279,14 @@ class WeightStream:
         self.loads += 1
         self.most_loaded = max(self.most_loaded, sum(b.loaded for b in self.blocks))
 
+    @property
+    def ahead(self) -> int:
+        """How many blocks are copied ahead of the running one: none in the naive reference."""
+        return 0 if self.naive else self.prefetch
+
     def prefetch_after(self, index: int, step: int) -> None:
         """Copy the ``prefetch`` blocks that run after block ``index`` (``step`` 1 in forward, -1 in backward)."""
-        for ahead in range(1, self.prefetch + 1):
+        for ahead in range(1, self.ahead + 1):
             nxt = index + step * ahead
             if 0 <= nxt < len(self.blocks):
                 self.load(nxt, ahead=True)
@@ -287,6 +302,10 @@ class WeightStream:
         if not block.loaded:
             return
         self._wait(block)  # a prefetch never waited for: its copy must finish before the memory is reused
+        if self.naive:  # the reference copies both ways, as moving the block out would; the values are the same
+            for entry in block.tensors:
+                entry.host.copy_(entry.tensor.data)
+            self.copies_back += 1
         for entry in block.tensors:
             entry.tensor.data = entry.host
         block.loaded = False
@@ -321,13 +340,13 @@ class WeightStream:
         if torch._C._current_graph_task_id() != -1 or not self.blocks:
             return
         self.release_all()
-        if self.prefetch:
+        if self.ahead:
             self.load(0, ahead=True)
 
     def _model_post(self, module: nn.Module, args: tuple, output: Any) -> None:
         """Forward is done: the last streamed block's backward comes first, so its copy starts now and overlaps
         the loss and the backward of the blocks after it, instead of being waited for when its gradient comes."""
-        if torch._C._current_graph_task_id() != -1 or not self.blocks or not self.prefetch:
+        if torch._C._current_graph_task_id() != -1 or not self.blocks or not self.ahead:
             return
         if torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(output)):
             self.load(len(self.blocks) - 1, ahead=True)

@@ -41,6 +41,7 @@ from . import measure as measuring
 from .bench_rows import (
     DIFFUSERS_ROW,
     GPU_CAP_KEY,
+    NAIVE_KEY,
     NEEDS_CUDA,
     STREAM_SUFFIX,
     cpu_status,
@@ -257,12 +258,17 @@ def _measure_row(sweep: _Sweep, name: str, config: dict[str, Any] | None) -> Res
     if config is not None and GPU_CAP_KEY in config:
         config = dict(config)
         cap = config.pop(GPU_CAP_KEY)
+    naive = config is not None and NAIVE_KEY in config
+    if naive:
+        config = {k: v for k, v in config.items() if k != NAIVE_KEY}
     step = None
     try:
         ctx = _strategy_context(sweep.model, name, config, sweep.blocks_attr, sweep.compile_blocks)
         with ctx:
             step = sweep.make_step()
             handle = getattr(ctx, "handle", None) or gradseam.handle_of(sweep.model)
+            if naive:
+                handle.weights.naive = True
             compiled = _compiles(config)
             # looked up per call, so tests can replace measuring.measure
             with capped(cap):

@@ -87,16 +87,18 @@ def synthetic_rows(rows: list[str] | None = None) -> list[tuple[str, dict[str, A
 
 # "<gradseam row>[ + stream N|all[ prefetch K]][ @ SIZE]": that row with its weights streamed (N blocks, K ahead)
 # and its steps run on SIZE of the GPU (bench --gpu-memory, for one row)
-_VARIANT = re.compile(r"(?P<row>.+?)(?: \+ stream (?P<count>all|\d+)(?: prefetch (?P<prefetch>\d+))?)?"
-                      r"(?: @ (?P<cap>.+))?")  # CAP_SUFFIX
+_VARIANT = re.compile(r"(?P<row>.+?)(?: \+ stream (?P<count>all|\d+)(?: prefetch (?P<prefetch>\d+))?"
+                      r"(?P<naive> naive)?)?(?: @ (?P<cap>.+))?")  # CAP_SUFFIX
 GPU_CAP_KEY = "bench_gpu_memory_gib"  # a row's own GPU cap: read by bench, never passed to gradseam.patch
+NAIVE_KEY = "bench_stream_naive"  # the naive streaming reference: read by bench, never passed to gradseam.patch
 
 
 def row_variant(label: str, known: dict[str, dict[str, Any] | None]) -> tuple[str, dict[str, Any]] | None:
     """``"unsloth-compile + stream all"``: gradseam's row ``unsloth-compile`` with the frozen weights of every
     block streamed from host memory (``+ stream 20``: the first 20 blocks; ``+ stream all prefetch 0``: each
-    block's copy waited for, the no-overlap reference); ``" @ 24GiB"`` after any gradseam row runs its steps on
-    24 GiB of the GPU. None for any other label."""
+    block's copy waited for; ``+ stream all naive``: the naive reference, each block copied in on the compute
+    stream as it runs and copied back out after, :class:`gradseam.offload.weights.WeightStream`'s ``naive``);
+    ``" @ 24GiB"`` after any gradseam row runs its steps on 24 GiB of the GPU. None for any other label."""
     from .checks import parse_size
 
     match = _VARIANT.fullmatch(label)
@@ -111,7 +113,11 @@ def row_variant(label: str, known: dict[str, dict[str, Any] | None]) -> tuple[st
             return None
         config["gradient_checkpointing_stream_weights"] = "all" if match["count"] == "all" else int(match["count"])
         if match["prefetch"] is not None:
+            if match["naive"]:
+                return None  # the naive reference prefetches nothing
             config["gradient_checkpointing_stream_prefetch"] = int(match["prefetch"])
+        if match["naive"]:
+            config[NAIVE_KEY] = True
     if match["cap"] is not None:
         try:
             config[GPU_CAP_KEY] = parse_size(match["cap"])
@@ -135,7 +141,8 @@ def real_rows(rows: list[str] | None = None) -> list[tuple[str, dict[str, Any] |
             raise GradseamError(
                 f"unknown bench rows {unknown}; known: {', '.join(n for n, _ in chosen)}; and any of gradseam's "
                 f"rows followed by '{STREAM_SUFFIX.strip()} N' or '{STREAM_SUFFIX.strip()} all' (its weights streamed; "
-                "then optionally ' prefetch K') and/or ' @ 24GiB' (its steps on that much of the GPU)."
+                "then optionally ' prefetch K', or ' naive' for the reference that copies each block in and out "
+                "on the compute stream) and/or ' @ 24GiB' (its steps on that much of the GPU)."
             )
         chosen = [r for r in chosen if r[0] in rows]
     return chosen

@@ -47,8 +47,9 @@ def budget_config(budget: float) -> dict[str, Any]:
 
 
 def gradseam_keys(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The part of ``config`` that goes to :func:`gradseam.patch` (what a trainer config holds)."""
-    return {k: v for k, v in config.items() if k not in COMPILE_KEYS}
+    """The part of ``config`` that goes to :func:`gradseam.patch` (what a trainer config holds): not the compiler's
+    keys, nor bench's own (``bench_*``: a row's GPU cap, the naive streaming reference)."""
+    return {k: v for k, v in config.items() if k not in COMPILE_KEYS and not k.startswith("bench_")}
 
 
 @contextmanager
