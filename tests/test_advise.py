@@ -9,7 +9,7 @@ import torch
 
 from gradseam import UnsupportedStrategyError
 from gradseam.errors import GradseamError
-from gradseam.tools.advise import LADDER, GiB, NoFitError, advise, run_ladder
+from gradseam.tools.advise import LADDER, Estimate, GiB, NoFitError, advise, run_ladder
 from gradseam.tools.checks import parse_size
 
 # -- GPU sizes ----------------------------------------------------------------------------------
@@ -178,6 +178,78 @@ def test_activations_over_the_gpu_alone_do_not_suggest_streaming_weights():
     with pytest.raises(NoFitError) as info:
         advise(None, {}, "4GiB", measure=FakeMeasure(LADDER_VALUES), static_gib=0.5)
     assert "stream_weights" not in str(info.value)
+
+
+STREAM = "gradient_checkpointing_stream_weights"
+
+
+def _rung(label):
+    return dict(next(config for name, config in LADDER if name == label))
+
+
+def test_when_the_weights_do_not_fit_rungs_are_measured_again_with_the_fewest_blocks_streamed():
+    """25 GiB of static memory on a 16 GiB card, 40 blocks of 0.5 GiB: only ``unsloth`` (5 GiB of activations)
+    can fit once weights stream, with 30 blocks out (15 GiB, less two in flight: its 14 GiB shortfall). Its
+    static memory is then 10 GiB and its pinned memory the activations' 2 GiB plus the streamed 15."""
+    streamed = {**_rung("unsloth"), STREAM: 30}
+    fake = FakeMeasure({**LADDER_VALUES, _key(streamed): Estimate(5.5, 150.0, 2.0)})
+    advice = advise(None, {}, "16GiB", measure=fake, static_gib=25.0, block_gib=[0.5] * 40)
+    assert advice.chosen.label == "unsloth + stream 30" and advice.config == streamed
+    assert advice.chosen.pinned_gib == 17.0 and advice.chosen.reason == "15.00 GiB of frozen weights in host memory"
+    tried = [t.label for t in advice.trials if STREAM in t.config]
+    assert tried == ["unsloth + stream 30"], "rungs whose activations alone are over are not streamed"
+    assert fake.calls[-1] == streamed, "streamed rungs are measured like any other; no win-back after them"
+    assert json.loads(advice.to_json())[STREAM] == 30
+    with pytest.raises(NoFitError) as info:  # the same, on a host that cannot pin 17 GiB
+        advise(None, {}, "16GiB", measure=fake, static_gib=25.0, block_gib=[0.5] * 40, pinnable_gib=16.0)
+    trial = next(t for t in info.value.advice.trials if t.label == "unsloth + stream 30")
+    assert trial.status == "over host memory" and "17.0 GiB of pinned host memory (15.0 GiB of it streamed" in trial.reason
+    assert "With frozen weights streamed from host memory nothing fitted either" in str(info.value)
+
+
+def test_every_block_streams_when_nothing_less_frees_enough():
+    fake = FakeMeasure({**LADDER_VALUES, _key({**_rung("unsloth"), STREAM: "all"}): (5.0, 160.0)})
+    advice = run_ladder(fake, 16.0, 30.0, block_gib=[0.5] * 40)  # 19 GiB short: 20 GiB less one in flight
+    assert advice.chosen.label == "unsloth + stream all" and advice.config[STREAM] == "all"
+
+
+@pytest.mark.parametrize(("over", "want"), [(3.0, 5), (-1.0, 1), (4.0, 6), (5.0, None)])
+def test_the_blocks_to_stream_are_counted_in_bytes_as_the_runtime_spreads_them(over, want):
+    """Two 2 GiB blocks then four of 1 GiB: spread picks blocks by position, and the two largest picked stay
+    on the GPU in flight, so 3 GiB needs five of the six."""
+    from gradseam.tools.advise import blocks_to_stream
+
+    assert blocks_to_stream([2, 2, 1, 1, 1, 1], over) == want
+
+
+def test_a_streamed_count_is_scaled_to_the_depth_measured():
+    from gradseam.tools.advise import stream_at_depth
+    from gradseam.tools.depth import DepthPlan
+
+    plan = DepthPlan({"transformer_blocks": 19, "single_transformer_blocks": 38})  # Flux: a unit is 1 + 2 blocks
+    assert stream_at_depth({STREAM: 25}, plan, 2)[STREAM] == 3  # 25 of 57 is 2.6 of the 6 kept
+    assert stream_at_depth({STREAM: 1}, plan, 1)[STREAM] == 1, "at least one"
+    assert stream_at_depth({STREAM: "all"}, plan, 2) == {STREAM: "all"}
+    assert stream_at_depth({"gradient_checkpointing": True}, plan, 2) == {"gradient_checkpointing": True}
+
+
+def test_frozen_block_weights_are_read_per_block_and_extended_to_the_full_depth():
+    from cases import FLUX
+
+    from gradseam.patcher import family_for
+    from gradseam.tools.advise import frozen_block_gib
+    from gradseam.tools.depth import DepthPlan
+
+    model = FLUX.fresh().requires_grad_(False)
+    family = family_for(model)
+    got = frozen_block_gib(model, family)
+    double = sum(p.nbytes for p in model.transformer_blocks[0].parameters()) / GiB
+    single = sum(p.nbytes for p in model.single_transformer_blocks[0].parameters()) / GiB
+    assert got == [double] * len(model.transformer_blocks) + [single] * len(model.single_transformer_blocks)
+    plan = DepthPlan({"transformer_blocks": 19, "single_transformer_blocks": 38})  # as if cut from the real depth
+    assert frozen_block_gib(model, family, plan) == [double] * 19 + [single] * 38
+    model.transformer_blocks[0].ff.net[2].weight.requires_grad_(True)  # trainable weights do not stream
+    assert frozen_block_gib(model, family)[0] < double
 
 
 def test_nothing_measurable():

@@ -302,7 +302,8 @@ def test_advise_needs_family_and_gpu():
 
 def test_advise_help_names_gpu_and_hides_budget():
     out = _invoke("advise", "--help").output
-    assert "--gpu SIZE" in out and "GPU memory available to the run" in out
+    assert "--gpu, --gpu-memory SIZE" in out and "GPU memory available to the run" in out
+    assert "--host-memory SIZE" in out and "pin at most 3/4 of it" in out
     assert "--budget" not in out and "budget" not in out.lower().replace("--", "")
 
 
@@ -662,11 +663,16 @@ def test_advise_measures_with_the_gpu_size_and_prints_the_advice(tmp_path, monke
     assert seen["build"] == ("flux", "dev-1024", {"depth": "fit", "depths": None, "device": "cuda",
                                                   "base": "torchao-fp8", "lora": 16})
     assert seen["advise"] == ("model", {"tokens": 64}, 40.0, {"static_gib": 2.5, "depths": (2, 4), "depth": 3,
-                                                              "plan": "plan"})
+                                                              "plan": "plan", "pinnable_gib": None})
     out = result.stdout
     assert "flux dev-1024, torchao-fp8, LoRA r=16: planned for 57 blocks" in out and "strategies within 40.00 GiB (static 24.00 GiB" in out
     assert "recommended (torch)" in out and '"gradient_checkpointing": true' in out
     assert json.loads(path.read_text()) == {"chosen": "torch"}
+    result = _invoke("advise", "--family", "flux", "--gpu-memory", "16GiB", "--host-memory", "64GiB")
+    assert result.exit_code == 0, result.output
+    assert seen["advise"][2] == 16.0 and seen["advise"][3]["pinnable_gib"] == 48.0, "3/4 of the host's memory"
+    bad = _invoke("advise", "--family", "flux", "--gpu", "16GiB", "--host-memory", "lots")
+    assert bad.exit_code == 2 and "host memory size: cannot read 'lots'" in bad.output
     advice.chosen = None
     result = _invoke("advise", "--family", "flux", "--gpu", "8GiB")
     assert result.exit_code == 1 and "nothing fits: raise --gpu" in result.stdout

@@ -15,6 +15,12 @@ the GPU's memory (``gpu``) and its pinned host memory within what the machine ca
 the fastest fitting one wins. Once something fits, sparser checkpointing on the chosen backend
 (interval 2, then a stride that checkpoints fewer blocks) is tried to win speed back.
 
+When nothing fits because the weights do not (the model's frozen weights per block are known:
+``block_gib``), each checkpointing rung that was over the GPU is tried again with the frozen weights of
+as few blocks as free the shortfall streamed from host memory (:mod:`gradseam.offload.weights`, spread
+over the model as the runtime spreads them), measured at the two depths like any rung: its static memory
+is the model's less what streams, its pinned host memory the activations' and the streamed weights'.
+
 The measuring function is injectable (``measure=``), so the ladder logic runs anywhere; the
 default one needs a CUDA model, since it reads the GPU allocator. This module imports torch only
 inside the functions that need it, so ``import gradseam`` stays cheap.
@@ -24,7 +30,7 @@ from __future__ import annotations
 
 import json
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -100,6 +106,7 @@ class Advice:
     chosen: Trial | None = None
     depth_note: str = ""  # the depth the advice was planned for, and how
     pinnable_gib: float | None = None  # pinned host memory the plan allowed
+    streaming_tried: bool = False  # whether rungs with streamed weights were in the ladder
 
     @property
     def budget_gib(self) -> float:
@@ -158,14 +165,18 @@ class Advice:
             f"needs {total:.2f} GiB, {over:.2f} GiB over the GPU size. Use a GPU with at "
             "least that much more memory, or shorten the sequence / lower the batch size."
         )
-        if self.static_gib >= over:
+        if self.static_gib >= over and self.streaming_tried:
+            message += (" With frozen weights streamed from host memory nothing fitted either (the rungs ending "
+                        "'+ stream N' above say why).")
+        elif self.static_gib >= over:
             # the weights are what does not fit: streaming them is the way a card this size trains
             message += (
                 f" Or keep frozen weights in host memory: gradient_checkpointing_stream_weights streams the "
                 f"weights of N blocks spread over the model (\"all\" for every block), so stream blocks holding at least "
                 f"{over:.2f} GiB of the {self.static_gib:.2f} GiB of weights and inputs, plus two blocks' worth "
                 "for the ones in flight (docs/strategies.md, weight streaming: Wan 2.1 14B trained in 9.6 GiB). "
-                "advise does not measure streamed rows yet: gradseam bench '<row> + stream N @ SIZE' does."
+                "Streamed rows were not measured here (no block weights given, or quantized weights, which do "
+                "not stream yet): gradseam bench '<row> + stream N @ SIZE' measures one."
             )
         return message
 
@@ -230,15 +241,20 @@ def _try(trial: Trial, measure: Measure, gpu_gib: float, static_gib: float,
 def run_ladder(
     measure: Measure, gpu_gib: float, static_gib: float = 0.0, *, supports_interval: bool = True,
     pinnable_gib: float | None = None, ladder: list[tuple[str, dict[str, Any]]] | None = None,
+    block_gib: Sequence[float] | None = None,
 ) -> Advice:
     """Walk the ladder with ``measure`` within ``gpu_gib`` of GPU memory and return the advice (``chosen``
-    is None when nothing fits): every rung, then the win-back steps on the fastest one that fits."""
-    advice = Advice(gpu_gib, static_gib, pinnable_gib=pinnable_gib)
+    is None when nothing fits): every rung, then the win-back steps on the fastest one that fits. With
+    ``block_gib`` (each block's frozen weights at full depth, in forward order), rungs that are over the GPU
+    only because the weights are too are tried again with some weights streamed (:func:`_streamed`)."""
+    advice = Advice(gpu_gib, static_gib, pinnable_gib=pinnable_gib, streaming_tried=bool(block_gib))
 
     def try_one(trial: Trial) -> Trial:
         return _try(trial, measure, gpu_gib, static_gib, pinnable_gib)
 
     fits = _climb(advice, LADDER if ladder is None else ladder, try_one)
+    if not fits and block_gib:
+        fits = _streamed(advice, list(block_gib), measure)
     if not fits:
         return advice
     base = min(fits, key=lambda t: t.step_ms or 0.0)
@@ -249,6 +265,59 @@ def run_ladder(
         if t is not chosen:
             t.reason = f"fits, but slower than chosen ({t.step_ms:.1f} ms vs {chosen.step_ms:.1f} ms)"
     return advice
+
+
+STREAM_KEY = "gradient_checkpointing_stream_weights"
+STREAM_TRIES = 2  # streamed rungs measured that fit, fastest resident step first: then the rest are not tried
+
+
+def blocks_to_stream(block_gib: Sequence[float], over_gib: float, ahead: int = 1) -> int | None:
+    """The fewest blocks whose frozen weights, streamed (spread as the runtime spreads them), free ``over_gib``
+    of GPU memory with the ``1 + ahead`` blocks in flight on the GPU counted back; None if not even all do."""
+    from ..planning import spread
+
+    total = len(block_gib)
+    for count in range(1, total + 1):
+        chosen = [block_gib[i] for i in spread(count, total)]
+        if sum(chosen) - (1 + ahead) * max(chosen) >= over_gib:
+            return count
+    return None
+
+
+def _streamed(advice: Advice, block_gib: list[float], measure: Measure) -> list[Trial]:
+    """Each checkpointing rung that was over the GPU (not its host), fastest first, again with the fewest
+    blocks' weights streamed that free its shortfall, measured; stops once :data:`STREAM_TRIES` fit. The
+    trial's static memory is the model's less the streamed weights, and its pinned memory has them added."""
+    over_gpu = sorted((t for t in advice.trials if t.status == "over GPU memory" and t.peak_gib is not None
+                       and t.config.get("gradient_checkpointing") and not t.config.get("compile_blocks")),
+                      key=lambda t: t.step_ms or 0.0)
+    fits: list[Trial] = []
+    for rung in over_gpu:
+        over = advice.static_gib + (rung.peak_gib or 0.0) - advice.gpu_gib
+        count = blocks_to_stream(block_gib, over)
+        if count is None:
+            continue  # streaming every block would not free enough: the activations are what does not fit
+        name = "all" if count == len(block_gib) else str(count)
+        trial = Trial(f"{rung.label} + stream {name}", {**rung.config, STREAM_KEY: name if count == len(block_gib)
+                                                         else count})
+        advice.trials.append(trial)
+        if len(fits) >= STREAM_TRIES:
+            trial.reason = f"not measured: {STREAM_TRIES} streamed rungs with faster resident steps fit"
+            continue
+        from ..planning import spread
+
+        streamed = sum(block_gib[i] for i in spread(count, len(block_gib)))
+        _try(trial, measure, advice.gpu_gib, advice.static_gib - streamed)
+        if trial.pinned_gib is not None:
+            trial.pinned_gib = round(trial.pinned_gib + streamed, 2)  # the streamed weights are pinned too
+            if trial.status == "fits" and advice.pinnable_gib is not None and trial.pinned_gib > advice.pinnable_gib:
+                trial.status = "over host memory"
+                trial.reason = (f"needs {trial.pinned_gib:.1f} GiB of pinned host memory ({streamed:.1f} GiB of it "
+                                f"streamed weights), more than the {advice.pinnable_gib:.1f} GiB the host allows")
+        if trial.status == "fits":
+            trial.reason = f"{streamed:.2f} GiB of frozen weights in host memory"
+            fits.append(trial)
+    return fits
 
 
 def _climb(advice: Advice, ladder: list[tuple[str, dict[str, Any]]], try_one: Callable[[Trial], Trial]) -> list[Trial]:
@@ -272,6 +341,8 @@ def _win_back_steps(base: Trial, supports_interval: bool) -> list[tuple[str, dic
     them; none for no checkpointing or compiled blocks."""
     if not base.config.get("gradient_checkpointing") or base.config.get("compile_blocks"):
         return []
+    if base.config.get(STREAM_KEY):
+        return []  # streamed blocks take no interval, and a block a stride leaves out holds its weights anyway
     backend = strategy_of(CheckpointConfig.from_dict(base.config)).backend
     if backend is None or not KINDS[backend.kind].takes_interval:
         return []
@@ -339,6 +410,7 @@ def depth_measure(
             note += f" (note: {unseen})"
 
     def once(config: Mapping[str, Any], depth: int) -> measuring.Measurement:
+        config = stream_at_depth(config, plan, depth)
         with at_depth(model, plan, depth), applied(model, config, list_blocks(model, family)):
             step = measuring.forward_backward(model, inputs, loss_fn, count_saved=device == "cpu")
             handle = gradseam.handle_of(model)
@@ -362,6 +434,39 @@ def depth_measure(
     return measure, note
 
 
+def stream_at_depth(config: Mapping[str, Any], plan: Any, depth: int) -> Mapping[str, Any]:
+    """``config`` for the model cut to ``depth``: N streamed blocks of the full model become the same share of
+    the blocks kept (at least one), so the fit sees each block's copy cost as the full model would."""
+    count = config.get(STREAM_KEY)
+    if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+        return config
+    full, kept = sum(plan.totals.values()), sum(plan.counts(depth).values())
+    return {**config, STREAM_KEY: min(kept, max(1, round(count * kept / full)))}
+
+
+def frozen_block_gib(model: Any, family: Any, plan: Any = None) -> list[float]:
+    """Each block's frozen weights (what streaming moves: :func:`gradseam.offload.weights.streamable`) in GiB,
+    in forward order at the full depth: a list cut short by a truncated workload (``plan``: the full model's
+    depth plan) counts its first block's weights once for each block it had."""
+    import torch
+
+    from ..modules import resolve
+    from ..offload.weights import streamable
+
+    found: list[float] = []
+    for block_list in family.block_lists:
+        kept = resolve(model, block_list.path)
+        if kept is None or not len(kept):
+            continue
+        tensors = [[t for *_, t in streamable(block)] for block in kept]
+        if any(type(t) not in (torch.nn.Parameter, torch.Tensor) for ts in tensors for t in ts):
+            return []  # quantized weights: streaming moves plain tensors only (gradseam.planning refuses them)
+        sizes = [sum(t.nbytes for t in ts) / GiB for ts in tensors]
+        total = plan.totals.get(block_list.path, len(kept)) if plan is not None else len(kept)
+        found += sizes[:total] + [sizes[0]] * (total - len(sizes))
+    return found
+
+
 def advise(
     model: Any,
     example_inputs: Mapping[str, Any],
@@ -375,6 +480,7 @@ def advise(
     pinnable_gib: float | None = None,
     plan: Any = None,
     budget: str | float | None = None,
+    block_gib: Sequence[float] | None = None,
 ) -> Advice:
     """The fastest strategy whose predicted peak plus the model's static memory fits in ``gpu``.
 
@@ -386,7 +492,9 @@ def advise(
     own). Raises :class:`NoFitError` (with the smallest peak seen and the shortfall) when nothing
     fits. ``measure`` replaces the GPU measurement (``config -> Estimate or (peak GiB, ms)``);
     ``pinnable_gib`` overrides the host's pinnable memory (default: what :mod:`gradseam.tools.host`
-    reads, less its margin).
+    reads, less its margin). ``block_gib``: each block's frozen weights in GiB at full depth, forward
+    order; when the weights are what does not fit, rungs are tried with some of them streamed (measured
+    on the GPU: read from ``model`` unless given; with ``measure=``, only if given).
     """
     gpu_gib = parse_size(_gpu_argument(gpu, budget))
     supports_interval = True
@@ -394,12 +502,16 @@ def advise(
     if measure is None:
         measure, note, static_gib, supports_interval = _gpu_measure(model, example_inputs, loss_fn, static_gib,
                                                                     depths, depth, plan)
+        if block_gib is None:
+            from ..patcher import family_for
+
+            block_gib = frozen_block_gib(model, family_for(model), plan)
         if pinnable_gib is None:
             from .host import pinnable_gib as host_pinnable
 
             pinnable_gib = host_pinnable()
     advice = run_ladder(measure, gpu_gib, static_gib or 0.0, supports_interval=supports_interval,
-                        pinnable_gib=pinnable_gib)
+                        pinnable_gib=pinnable_gib, block_gib=block_gib)
     advice.depth_note = note
     if advice.chosen is None:
         raise NoFitError(advice)

@@ -45,10 +45,11 @@ class OptionError(ValueError):
         self.option = option
 
 
-def parse_size(value: str | float | int) -> float:
-    """A GPU memory size in GiB: ``42.5`` (GiB), ``"40GiB"``, ``"40 GB"`` (10^9 bytes), ``"40960MiB"``."""
+def parse_size(value: str | float | int, what: str = "GPU memory size") -> float:
+    """A memory size in GiB: ``42.5`` (GiB), ``"40GiB"``, ``"40 GB"`` (10^9 bytes), ``"40960MiB"``; ``what`` begins
+    an error's message."""
     if isinstance(value, bool):
-        raise ValueError(f"GPU memory size: expected a size like '40GiB' or a number of GiB, got {value!r}.")
+        raise ValueError(f"{what}: expected a size like '40GiB' or a number of GiB, got {value!r}.")
     if isinstance(value, (int, float)):
         gib = float(value)
     else:
@@ -56,12 +57,12 @@ def parse_size(value: str | float | int) -> float:
         unit = match.group(2).lower() if match else ""
         if not match or unit not in _UNITS:
             raise ValueError(
-                f"GPU memory size: cannot read {value!r}; write a number with a unit, e.g. '40GiB', '40 GB', "
+                f"{what}: cannot read {value!r}; write a number with a unit, e.g. '40GiB', '40 GB', "
                 "'40960MiB', or a plain number of GiB like 42.5."
             )
         gib = float(match.group(1)) * _UNITS[unit] / GiB
     if not gib > 0 or gib == float("inf"):
-        raise ValueError(f"GPU memory size: must be a positive finite size, got {value!r}.")
+        raise ValueError(f"{what}: must be a positive finite size, got {value!r}.")
     return gib
 
 
@@ -100,6 +101,16 @@ def device_name(device: str | None, option: str = "--device") -> None:
     """``cpu``, ``cuda`` or left out (whether CUDA is there is asked later, of torch)."""
     if device not in (None, *DEVICES):
         raise OptionError(f"expected cpu or cuda, got {device!r}.", option)
+
+
+def host_size(size: str | None) -> float | None:
+    """``advise --host-memory``: the training machine's host memory in GiB, or None for this machine's."""
+    if size is None:
+        return None
+    try:
+        return parse_size(size, "host memory size")
+    except ValueError as exc:
+        raise OptionError(str(exc), "--host-memory") from None
 
 
 def gpu_cap(size: str | None, family: str | None) -> float | None:

@@ -567,8 +567,9 @@ def bench(
 @command()
 def advise(
     family: Annotated[str, typer.Option(metavar="NAME", help="the family whose real-size preset model is measured")],
-    gpu: Annotated[str | None, typer.Option(metavar="SIZE", help="the GPU memory available to the run: '40GiB', '40 GB', '40960MiB' or GiB as a number  [required]")] = None,
+    gpu: Annotated[str | None, typer.Option("--gpu", "--gpu-memory", metavar="SIZE", help="the GPU memory available to the run: '40GiB', '40 GB', '40960MiB' or GiB as a number  [required]")] = None,
     budget: Annotated[str | None, typer.Option(metavar="SIZE", hidden=True, help="deprecated: the old name of --gpu")] = None,
+    host_memory: Annotated[str | None, typer.Option(metavar="SIZE", help="the host memory of the machine that will train, e.g. '64GiB' (default: this machine's available memory); gradseam plans to pin at most 3/4 of it")] = None,
     preset: Annotated[str | None, typer.Option(metavar="NAME", help="the family's preset (default: its first)")] = None,
     depths: Annotated[str | None, typer.Option(metavar="D1,D2", help="the two depths each candidate is measured at, in units of depth (default 2,4)")] = None,
     depth: Annotated[int | None, typer.Option(metavar="N", help="plan for this depth instead of the preset's real one (units of depth)")] = None,
@@ -587,6 +588,7 @@ def advise(
     with refused():
         gpu_gib, option = checks.advise_options(gpu=gpu, budget=budget, depth=depth, tokens=tokens, base=base,
                                                 lora=lora)
+        host_gib = checks.host_size(host_memory)
     fam, preset = _family(family, preset)
     _check_depths(depths)
     if json_path is not None:
@@ -598,7 +600,7 @@ def advise(
         warn("--budget is deprecated; use --gpu SIZE (the GPU memory available to the run).")
     out = console()
     workload, result, code = _measure_advice(out, fam, preset, gpu_gib, depths=depths, depth=depth, tokens=tokens,
-                                             base=base, lora=lora)
+                                             base=base, lora=lora, host_gib=host_gib)
     _print_advice(out, workload, result, gpu_gib, json_path)
     if result.chosen is None:
         raise typer.Exit(code)
@@ -606,7 +608,7 @@ def advise(
 
 def _measure_advice(out: Console, fam: Family, preset: str, gpu_gib: float, *, depths: str | None,
                     depth: int | None, tokens: int | None, base: str | None = None,
-                    lora: int | None = None) -> tuple[Workload, Advice, int]:
+                    lora: int | None = None, host_gib: float | None = None) -> tuple[Workload, Advice, int]:
     """Build the model and walk the ladder; the advice and the exit code (1: nothing fits)."""
     import torch
 
@@ -622,8 +624,11 @@ def _measure_advice(out: Console, fam: Family, preset: str, gpu_gib: float, *, d
             torch.cuda.synchronize()
             static = torch.cuda.memory_allocated() / (1 << 30) + workload.dropped_gib
         with out.status("measuring the ladder at two depths (one warm-up + one timed step per candidate and depth)"):
+            from .host import pinnable_gib
+
             result = run_advise(workload.model, inputs, gpu_gib, static_gib=static, depths=workload.fit_depths,
-                                depth=depth, plan=workload.plan)
+                                depth=depth, plan=workload.plan,
+                                pinnable_gib=pinnable_gib(host_gib) if host_gib is not None else None)
         return workload, result, 0
     except NoFitError as exc:
         return workload, exc.advice, 1
