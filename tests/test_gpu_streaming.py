@@ -32,6 +32,9 @@ def test_gpu_streamed_weights_stay_in_pinned_host_memory_and_train_exactly(backe
         model.to("cuda")
         assert all(e.tensor.device.type == "cpu" and e.host.is_pinned() for e in streamed)
         assert handle.weights.pinned_bytes == handle.weights.host_bytes > 0
+        from gradseam.offload.pinned import pinned_bytes
+
+        assert pinned_bytes() >= handle.weights.pinned_bytes, "the process's pinned count holds the weights' buffers"
         for _ in range(2):
             got = run_step(model, gpu, count_bytes=False)
             assert_same_step(want, got, atol=max(1e-5, 4 * spread), what=f"streamed {backend}")

@@ -239,19 +239,26 @@ def _has_peft() -> bool:
     return importlib.util.find_spec("peft") is not None
 
 
-def test_streamed_weights_past_half_the_host_memory_warn_once(monkeypatch):
-    pytest.importorskip("peft")
-    monkeypatch.setattr(weights_module, "host_memory_bytes", lambda: 64 << 10)  # a 64 KiB "machine"
-    monkeypatch.setattr(weights_module, "_warned", set())
-    model = LORA[WAN.name].fresh()
-    with pytest.warns(UserWarning, match=r"more than 50% of this machine's 0.0 GiB") as caught, cpu_test_mode(), \
-            gradseam.patch(model, {**ON, STREAM: "all"}):
-        pass
-    assert sum("streamed weights take" in str(w.message) for w in caught) == 1
-    monkeypatch.setattr(weights_module, "host_memory_bytes", lambda: 1 << 40)
-    monkeypatch.setattr(weights_module, "_warned", set())
-    with cpu_test_mode(), gradseam.patch(LORA[WAN.name].fresh(), {**ON, STREAM: "all"}), warnings.catch_warnings():
-        warnings.simplefilter("error")  # a machine with room: no warning
+def test_pinning_past_half_the_host_memory_warns_once_for_weights_and_activations_together(monkeypatch):
+    """Every pinning gradseam does (the streamed weights', the activation pools') goes through one count, so the
+    warning weighs them together, as the host feels them, and says so before the pinning that passes the share."""
+    from gradseam.offload import pinned
+
+    monkeypatch.setattr(pinned, "host_memory_bytes", lambda: 100 << 20)  # a 100 MiB "machine"
+    monkeypatch.setattr(pinned, "_pinned", {"bytes": 30 << 20, "warned": False})  # 30 MiB held already
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pinned._admit(15 << 20)  # 45 MiB: under half
+    with pytest.warns(RuntimeWarning, match=r"pinning 0.01 GiB more host memory brings .* to 0.1 GiB, more than "
+                                            r"50% of this machine's 0.1 GiB") as caught:
+        pinned._admit(10 << 20)
+        pinned._admit(10 << 20)  # once per process
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert "gradient_checkpointing_stream_weights" in message and "max_buckets: 0" in message
+    assert pinned.pinned_bytes() == 65 << 20
+    pinned._forget(65 << 20)
+    assert pinned.pinned_bytes() == 0
 
 
 def test_a_weight_tied_between_two_streamed_blocks_stays_where_it_is():

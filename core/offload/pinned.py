@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import mmap
+import os
 import threading
 import warnings
 import weakref
@@ -38,21 +39,74 @@ def size_class(nbytes: int) -> int:
     return -(-nbytes // step) * step
 
 
+# Past this fraction of the machine's memory held pinned, gradseam warns (once per process): pinned pages
+# cannot be swapped out, and the data loader, the optimizer's host state and the OS need room beside them.
+HOST_FRACTION = 0.5
+_pinned = {"bytes": 0, "warned": False}  # what this process holds page-locked through register_pinned
+_pinned_lock = threading.Lock()
+
+
+def host_memory_bytes() -> int:
+    """The machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def pinned_bytes() -> int:
+    """Host memory this process holds pinned through :func:`register_pinned` now: the activation pools' buffers
+    and the streamed weights' (:mod:`gradseam.offload.weights`) together."""
+    return _pinned["bytes"]
+
+
+def _admit(nbytes: int) -> None:
+    """Count ``nbytes`` about to be pinned; warn once, before it is, if that takes the process's pinned total
+    past :data:`HOST_FRACTION` of the machine's memory. One count for every pinning gradseam does, so the
+    streamed weights and the offloaded activations are weighed together, as the host feels them."""
+    with _pinned_lock:
+        after = _pinned["bytes"] + nbytes
+        total = host_memory_bytes()
+        warn = not _pinned["warned"] and after > HOST_FRACTION * total
+        _pinned["bytes"] = after
+        _pinned["warned"] = _pinned["warned"] or warn
+    if warn:
+        warnings.warn(
+            f"gradseam: pinning {nbytes / 2**30:.2f} GiB more host memory brings what this process holds pinned "
+            f"to {after / 2**30:.1f} GiB, more than {HOST_FRACTION:.0%} of this machine's {total / 2**30:.1f} GiB. "
+            "Pinned pages cannot be swapped out, and the data loader, the optimizer and the OS need room beside "
+            "them. To pin less: stream fewer blocks' weights (gradient_checkpointing_stream_weights), offload "
+            "fewer activations (a backend that keeps them on the GPU, or a lower "
+            "gradient_checkpointing_memory_budget with the compiled backends), or copy through pageable memory "
+            "(gradient_checkpointing_offload_pin_memory_max_buckets: 0, slower). handle.summary() shows the split.",
+            RuntimeWarning, stacklevel=4,
+        )
+
+
+def _forget(nbytes: int) -> None:
+    with _pinned_lock:
+        _pinned["bytes"] -= nbytes
+
+
 def register_pinned(nbytes: int) -> torch.Tensor:
     """``nbytes`` (rounded up to whole pages) of host memory, page-locked with ``cudaHostRegister``.
 
     An anonymous mapping of its own: page-aligned, so the tensor's storage starts on the first pinned
     byte (``is_pinned()`` reads its first address) and no page is shared with other memory (pinning a
     page twice fails). The tensor keeps the mapping alive. Raises ``RuntimeError`` when CUDA refuses.
+    Counted in :func:`pinned_bytes` until :func:`unregister_pinned`.
     """
     size = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
     buf = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
-    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), size, 0))
+    _admit(size)
+    try:
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), size, 0))
+    except BaseException:
+        _forget(size)
+        raise
     return buf
 
 
 def unregister_pinned(buf: torch.Tensor) -> None:
     torch.cuda.cudart().cudaHostUnregister(buf.data_ptr())
+    _forget(buf.numel())
 
 
 def pageable(nbytes: int) -> torch.Tensor:

@@ -34,7 +34,8 @@ it (:mod:`gradseam.planning`, :mod:`gradseam.handle`). Why it is built this way:
   before its memory goes back, so no later kernel can get memory the copy still writes.
 * **The host copies are pinned when CUDA allows it** (``cudaHostRegister`` on one buffer per block,
   as the activation pool does, :mod:`gradseam.offload.pinned`); if pinning fails the copies are
-  pageable, with one warning, never a crash.
+  pageable, with one warning, never a crash. Pinned, they count toward the process's pinned total with
+  the offloaded activations, which warns once past a share of the host's memory.
 * **``model.to(...)`` leaves them in host memory.** Moving the patched model to the GPU (the way to
   train a model too large for it: build on the CPU, patch, move) must not bring the streamed
   weights along: each module holding one skips them in ``_apply`` and records the device they are
@@ -46,7 +47,6 @@ it (:mod:`gradseam.planning`, :mod:`gradseam.handle`). Why it is built this way:
 from __future__ import annotations
 
 import mmap
-import os
 import types
 import warnings
 import weakref
@@ -60,15 +60,6 @@ from torch import nn
 from .pinned import pageable, register_pinned, unregister_pinned
 
 ALIGN = 64  # bytes: each tensor's host copy starts on a multiple, as the allocator's own blocks do
-# Host copies past this fraction of the machine's memory warn: pinned pages cannot be swapped out, and the
-# data loader, the optimizer's host state and the activation pool need room beside them.
-HOST_FRACTION = 0.5
-
-
-def host_memory_bytes() -> int:
-    """The machine's physical memory."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
 _warned: set[str] = set()
 
 
@@ -172,13 +163,6 @@ class WeightStream:
             for entry in block.tensors:
                 owner = block.module.get_submodule(entry.name.rpartition(".")[0])
                 self._owned.setdefault(id(owner), []).append(entry)
-        total = host_memory_bytes()
-        if self.host_bytes > HOST_FRACTION * total:
-            _warn_once(
-                f"gradseam: the streamed weights take {self.host_bytes / 2**30:.1f} GiB of host memory, more than "
-                f"{HOST_FRACTION:.0%} of this machine's {total / 2**30:.1f} GiB ({self.pinned_bytes / 2**30:.1f} GiB "
-                "of it pinned, which cannot be swapped out). The data loader and the optimizer need host memory "
-                "too: stream fewer blocks (gradient_checkpointing_stream_weights), or use a quantized base.")
 
     def _to_host(self, block: _Block) -> None:
         found = [(path, t) for path, _, _, t in streamable(block.module) if id(t) not in self._shared]
