@@ -281,10 +281,12 @@ class PatchHandle:
         elif self.weights is not None:
             w = self.weights
             activations = sum(engine.store.stats()["pinned_bytes"] for engine in self.engines.values())
-            ahead = f"{w.prefetch} block{'' if w.prefetch == 1 else 's'} ahead on a side stream" if w.prefetch else \
-                "each copy waited for (prefetch 0)"
+            ahead = f"{w.prefetch} block{'' if w.prefetch == 1 else 's'} ahead on a side stream" if w.ahead else \
+                "each copy waited for (prefetch 0)" if not w.naive else \
+                "each copied in and back out on the compute stream (the naive reference)"
             summary.notes.append(
-                f"weights of {len(w.blocks)} block(s) stream from host memory: {w.host_bytes / 2**30:.2f} GiB "
+                f"weights of {len(w.blocks)} block(s) stream from host memory ({_blocks_named(self.plan.streamed)}): "
+                f"{w.host_bytes / 2**30:.2f} GiB "
                 f"({'pinned' if w.pinned_bytes == w.host_bytes else 'pageable' if not w.pinned_bytes else 'partly pinned'})"
                 f", copied to the GPU {ahead}; {w.loads} block loads so far. Pinned host memory now: weights "
                 f"{w.pinned_bytes / 2**30:.2f} GiB, offloaded activations {activations / 2**30:.2f} GiB")
@@ -328,3 +330,11 @@ def handle_of(model: nn.Module) -> PatchHandle | None:
         if isinstance(hook, _ModelHooks) and hook.handle.active and hook.handle.model is model:
             return hook.handle
     return None
+
+
+def _blocks_named(streamed: tuple[tuple[str, int], ...]) -> str:
+    """``transformer_blocks 2, 6; single_transformer_blocks 1, 5``: the streamed blocks, by list, in order."""
+    lists: dict[str, list[int]] = {}
+    for path, index in streamed:
+        lists.setdefault(path, []).append(index)
+    return "; ".join(f"{path} {', '.join(map(str, indices))}" for path, indices in lists.items())
