@@ -20,6 +20,7 @@ from gradseam.testing import (
     ConformanceSuite,
     check_bench_workload,
     check_strategy,
+    preset_model,
     randn,
 )
 
@@ -165,12 +166,7 @@ PRESETS = {"1.5-60s": 1500, "1.5-240s": 6000}  # latent frames at 25 Hz
 
 
 def _preset_model(name: str):
-    from diffusers import AceStepTransformer1DModel
-
-    family = gradseam.registry.REGISTRY.get("ace-step")
-    preset = family.presets[name]
-    with torch.device("meta"):
-        return family, preset, AceStepTransformer1DModel(**preset.config)
+    return preset_model("ace-step", name)
 
 
 def test_preset_config_is_the_constructors_arguments_and_its_defaults() -> None:

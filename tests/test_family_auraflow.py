@@ -15,6 +15,7 @@ from gradseam.testing import (
     ConformanceSuite,
     check_bench_workload,
     check_strategy,
+    preset_model,
     randn,
 )
 
@@ -120,12 +121,7 @@ def test_every_block_sees_the_same_temb_and_kwargs() -> None:
 
 # -- the preset at full size -----------------------------------------------------------------------
 def _preset_model():
-    from diffusers import AuraFlowTransformer2DModel
-
-    family = gradseam.registry.REGISTRY.get("auraflow")
-    preset = family.presets["6.8b-1024"]
-    with torch.device("meta"):
-        return family, preset, AuraFlowTransformer2DModel(**preset.config)
+    return preset_model("auraflow", "6.8b-1024")
 
 
 def test_preset_plans_at_full_size() -> None:

@@ -18,6 +18,7 @@ from gradseam.testing import (
     ConformanceSuite,
     check_bench_workload,
     check_strategy,
+    preset_model,
     randn,
 )
 
@@ -192,12 +193,7 @@ EXPECTED = {  # blocks, heads, FFN width, video tokens at the preset's size
 
 
 def _preset_model(name: str):
-    from diffusers import CogVideoXTransformer3DModel
-
-    family = gradseam.registry.REGISTRY.get("cogvideox")
-    preset = family.presets[name]
-    with torch.device("meta"):
-        return family, preset, CogVideoXTransformer3DModel(**preset.config)
+    return preset_model("cogvideox", name)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

@@ -20,6 +20,7 @@ from gradseam.testing import (
     ConformanceSuite,
     check_bench_workload,
     check_strategy,
+    preset_model,
     randn,
 )
 
@@ -225,12 +226,7 @@ PRESETS = {"6b-1024": 16, "6b-control-1024": 32}  # in_channels
 
 
 def _preset_model(name: str):
-    from diffusers import CogView4Transformer2DModel
-
-    family = gradseam.registry.REGISTRY.get("cogview4")
-    preset = family.presets[name]
-    with torch.device("meta"):
-        return family, preset, CogView4Transformer2DModel(**preset.config)
+    return preset_model("cogview4", name)
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -20,6 +20,7 @@ from gradseam.testing import (
     ConformanceSuite,
     check_bench_workload,
     check_strategy,
+    preset_model,
     randn,
     run_step,
 )
@@ -183,12 +184,7 @@ EXPECTED = {
 
 
 def _preset_model(name: str):
-    from diffusers import CosmosTransformer3DModel
-
-    family = gradseam.registry.REGISTRY.get("cosmos")
-    preset = family.presets[name]
-    with torch.device("meta"):
-        return family, preset, CosmosTransformer3DModel(**preset.config)
+    return preset_model("cosmos", name)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

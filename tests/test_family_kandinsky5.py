@@ -15,6 +15,7 @@ from gradseam.testing import (
     ConformanceSuite,
     check_bench_workload,
     check_strategy,
+    preset_model,
     randn,
 )
 
@@ -135,12 +136,7 @@ EXPECTED = {
 
 
 def _preset_model(name: str):
-    from diffusers import Kandinsky5Transformer3DModel
-
-    family = gradseam.registry.REGISTRY.get("kandinsky5")
-    preset = family.presets[name]
-    with torch.device("meta"):
-        return family, preset, Kandinsky5Transformer3DModel(**preset.config)
+    return preset_model("kandinsky5", name)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

@@ -17,6 +17,7 @@ from gradseam.testing import (
     ConformanceSuite,
     check_bench_workload,
     check_strategy,
+    preset_model,
     randn,
     run_step,
 )
@@ -120,12 +121,7 @@ def test_guidance_is_ignored_and_the_edit_source_matters() -> None:
 
 # -- the presets at full size ----------------------------------------------------------------------
 def _preset_model(name: str):
-    from diffusers import LongCatImageTransformer2DModel
-
-    family = gradseam.registry.REGISTRY.get("longcat-image")
-    preset = family.presets[name]
-    with torch.device("meta"):
-        return family, preset, LongCatImageTransformer2DModel(**preset.config)
+    return preset_model("longcat-image", name)
 
 
 @pytest.mark.parametrize("name", ["6b-1024", "6b-edit-1024"])

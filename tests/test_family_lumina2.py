@@ -15,6 +15,7 @@ from gradseam.testing import (
     ConformanceSuite,
     check_bench_workload,
     check_strategy,
+    preset_model,
     randn,
 )
 
@@ -128,12 +129,7 @@ def test_caption_tokens_get_gradients_through_chunked_refiner() -> None:
 
 # -- the preset at full size -----------------------------------------------------------------------
 def _preset_model():
-    from diffusers import Lumina2Transformer2DModel
-
-    family = gradseam.registry.REGISTRY.get("lumina2")
-    preset = family.presets["2b-1024"]
-    with torch.device("meta"):
-        return family, preset, Lumina2Transformer2DModel(**preset.config)
+    return preset_model("lumina2", "2b-1024")
 
 
 def test_preset_plans_at_full_size() -> None:

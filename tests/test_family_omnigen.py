@@ -16,6 +16,7 @@ from gradseam.testing import (
     ConformanceSuite,
     check_bench_workload,
     check_strategy,
+    preset_model,
     randn,
 )
 
@@ -146,12 +147,7 @@ def test_condition_image_and_causal_mask_reach_the_blocks() -> None:
 
 # -- the presets at full size ----------------------------------------------------------------------
 def _preset_model(name: str):
-    from diffusers import OmniGenTransformer2DModel
-
-    family = gradseam.registry.REGISTRY.get("omnigen")
-    preset = family.presets[name]
-    with torch.device("meta"):
-        return family, preset, OmniGenTransformer2DModel(**preset.config)
+    return preset_model("omnigen", name)
 
 
 @pytest.mark.parametrize("name", ["v1-1024", "v1-edit-1024"])

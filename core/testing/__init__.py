@@ -37,7 +37,14 @@ from __future__ import annotations
 
 from ..summary import RegionView
 from ..tools.measure import count_saved_bytes
-from .checks import ParityReport, check_bench_workload, check_declared_sides, check_no_grad, check_strategy
+from .checks import (
+    ParityReport,
+    check_bench_workload,
+    check_declared_sides,
+    check_no_grad,
+    check_strategy,
+    preset_model,
+)
 from .facts import COMPILED_TOLERANCE
 from .kernels import (
     KernelMap,
@@ -66,6 +73,7 @@ __all__ = [
     "assert_regions_ran", "assert_regions_whole", "assert_same_step", "assert_seams_hold_no_attention",
     "check_bench_workload", "check_declared_sides", "check_no_grad", "check_quantized", "check_strategy", "config_id",
     "count_kernels", "count_saved_bytes", "cpu_configs", "locate_kernels", "offload_configs", "pick",
-    "pytest_collection_modifyitems", "pytest_configure", "pytest_terminal_summary", "quantized_case", "randn",
+    "preset_model", "pytest_collection_modifyitems", "pytest_configure", "pytest_terminal_summary", "quantized_case",
+    "randn",
     "record_regions", "reduced_configs", "reduced_offload_configs", "run_step",
 ]

@@ -165,6 +165,19 @@ def check_no_grad(case: Case, config: CheckpointConfig | dict[str, Any] | None =
     assert not busy, f"{case.name} {cfg.describe()} under no_grad ran checkpoint regions: {busy[:5]}"
 
 
+def preset_model(family: str, preset: str | None = None) -> tuple[Any, Any, Any]:
+    """``(family, preset, model)``: the family's model class built with the preset's config (default the
+    first) on the ``meta`` device, so a real-size preset can be planned, counted and checked against the
+    class's constructor without its weights. What each family's preset tests start from."""
+    from ..registry import REGISTRY
+    from ..tools.checks import model_class
+
+    found = REGISTRY.get(family)
+    chosen = found.presets[preset if preset is not None else next(iter(found.presets))]
+    with torch.device("meta"):
+        return found, chosen, model_class(found)(**chosen.config)
+
+
 def check_bench_workload(
     family: str,
     config: dict[str, Any],
