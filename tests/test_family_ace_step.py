@@ -90,15 +90,11 @@ def test_the_family_takes_no_interval() -> None:
 
 
 # -- What the suites cannot see -------------------------------------------------------------------
-def _fresh(case: Case) -> torch.nn.Module:
-    torch.manual_seed(case.seed)
-    return case.build()
-
 
 def test_blocks_share_everything_but_the_alternating_mask() -> None:
     # Why there is no carry: RoPE, temb and the condition are one object for all blocks, but the
     # sliding layers get the banded mask and the full layers None.
-    model = _fresh(ACE_STEP_BATCH)
+    model = ACE_STEP_BATCH.fresh()
     seen: list[dict] = []
     for block in model.layers:
         block.register_forward_pre_hook(lambda _m, _a, kw: seen.append(dict(kw)), with_kwargs=True)
@@ -119,7 +115,7 @@ def test_blocks_share_everything_but_the_alternating_mask() -> None:
 def test_interval_is_ignored_with_a_warning_and_every_block_is_its_own_region() -> None:
     from gradseam.errors import GradseamWarning
 
-    model = _fresh(ACE_STEP)
+    model = ACE_STEP.fresh()
     family = family_for(model)
     assert family.name == "ace-step" and not family.supports_interval
     with pytest.warns(GradseamWarning, match="does not support gradient_checkpointing_interval"):
@@ -141,7 +137,7 @@ def test_a_carry_would_only_fall_back(monkeypatch) -> None:
     from gradseam.errors import GradseamWarning
     from gradseam.family import Carry
 
-    model = _fresh(ACE_STEP)
+    model = ACE_STEP.fresh()
     family = family_for(model)
     carried = replace(family, block_lists=tuple(
         replace(bl, carry=Carry({"hidden_states": None})) for bl in family.block_lists))
@@ -155,7 +151,7 @@ def test_a_carry_would_only_fall_back(monkeypatch) -> None:
 
 
 def test_ffn_seams_are_planned_as_declared() -> None:
-    model = _fresh(ACE_STEP)
+    model = ACE_STEP.fresh()
     the_plan = plan(model, family_for(model), gradseam.CheckpointConfig.coerce(FFN))
     assert [(r.list_path, r.blocks, r.seam) for r in the_plan.regions] == [
         ("layers", (i,), ("mlp",)) for i in range(LAYERS)]
@@ -221,7 +217,7 @@ def test_latent_frames_follow_the_pipeline() -> None:
 
 def test_preset_input_builder_runs_the_model() -> None:
     family = gradseam.registry.REGISTRY.get("ace-step")
-    model = _fresh(ACE_STEP)
+    model = ACE_STEP.fresh()
     x = family.presets["1.5-60s"].make_inputs(model, "cpu", torch.float32, None, seconds=1, text_tokens=3,
                                               lyric_tokens=2)
     assert x["encoder_hidden_states"].shape == (1, 2 + 1 + 3, COND)

@@ -71,11 +71,6 @@ class TestAuraFlowBatch(ConformanceSuite):
     reduced = True
 
 
-def _fresh(case: Case) -> torch.nn.Module:
-    torch.manual_seed(case.seed)
-    return case.build()
-
-
 CHUNKED = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
 
 
@@ -92,7 +87,7 @@ def test_interval_chunks_chain_in_both_lists(case: Case) -> None:
 
 
 def test_seams_and_lists_are_planned_as_declared() -> None:
-    model = _fresh(AURAFLOW)
+    model = AURAFLOW.fresh()
     family = family_for(model)
     assert family.name == "auraflow"
     ffn = plan(model, family, gradseam.CheckpointConfig.coerce(
@@ -105,7 +100,7 @@ def test_seams_and_lists_are_planned_as_declared() -> None:
 
 def test_every_block_sees_the_same_temb_and_kwargs() -> None:
     # What the carries rely on: nothing but the carried streams changes between two blocks of a list.
-    model = _fresh(AURAFLOW_BATCH)
+    model = AURAFLOW_BATCH.fresh()
     seen: dict[str, list] = {path: [] for path in LISTS}
     for path in LISTS:
         for block in model.get_submodule(path):
@@ -159,7 +154,7 @@ def test_preset_inputs_have_the_pipelines_sizes() -> None:
 
 def test_preset_input_builder_runs_the_model() -> None:
     family = gradseam.registry.REGISTRY.get("auraflow")
-    model = _fresh(AURAFLOW)
+    model = AURAFLOW.fresh()
     x = family.presets["6.8b-1024"].make_inputs(model, "cpu", torch.float32, 4, text_tokens=TEXT)
     out = model(**x).sample
     assert out.shape == (1, 4, SIDE, SIDE)

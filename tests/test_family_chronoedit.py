@@ -86,17 +86,12 @@ class TestChronoEditBatch(ConformanceSuite):
     reduced = True
 
 
-def _fresh(case: Case) -> torch.nn.Module:
-    torch.manual_seed(case.seed)
-    return case.build()
-
-
 # -- the chunks chain, the inputs matter --------------------------------------------------------
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_every_chunk_runs_whole(case: Case) -> None:
-    model = _fresh(case)
+    model = case.fresh()
     with gradseam.patch(model, CHUNKED) as handle:
         run_step(model, case)
         chunks = {f"{r.list_path}{list(r.blocks)}": not r.fallbacks for r in handle.regions() if r.shape == "chunk"}
@@ -107,7 +102,7 @@ def test_every_chunk_runs_whole(case: Case) -> None:
 def test_the_loop_hands_every_block_the_same_objects(case: Case) -> None:
     # What the carry relies on: the text + image states, the timestep projection and the RoPE tuple are
     # one object each for every block; hidden_states is what the previous block returned.
-    model = _fresh(case)
+    model = case.fresh()
     seen: list[tuple] = []
     returned: list[torch.Tensor] = []
     for block in model.blocks:
@@ -124,7 +119,7 @@ def test_the_loop_hands_every_block_the_same_objects(case: Case) -> None:
 
 
 def _output(case: Case, model: torch.nn.Module | None = None, **changes) -> torch.Tensor:
-    model = model or _fresh(case)
+    model = model or case.fresh()
     with torch.no_grad():
         return model(**{**case.inputs(torch.Generator().manual_seed(1)), **changes}, return_dict=False)[0]
 
@@ -145,7 +140,7 @@ def test_skipped_rope_image_states_and_timesteps_reach_the_output() -> None:
 
 
 def test_regions() -> None:
-    model = _fresh(CHRONOEDIT)
+    model = CHRONOEDIT.fresh()
     family = family_for(model)
     assert family.name == "chronoedit" and family.supports_interval and family.has_ffn and family.has_attention
     ffn = plan(model, family, gradseam.CheckpointConfig.coerce(
@@ -161,7 +156,7 @@ def test_wan_keeps_its_own_blocks() -> None:
 
     assert transformer_chronoedit.WanTransformerBlock is not transformer_wan.WanTransformerBlock
     assert not issubclass(transformer_chronoedit.ChronoEditTransformer3DModel, transformer_wan.WanTransformer3DModel)
-    assert family_for(_fresh(CHRONOEDIT)) is gradseam.registry.REGISTRY.get("chronoedit")
+    assert family_for(CHRONOEDIT.fresh()) is gradseam.registry.REGISTRY.get("chronoedit")
 
 
 # -- presets at full size -----------------------------------------------------------------------
@@ -230,7 +225,7 @@ def test_preset_inputs_run_through_the_full_width_model_on_meta(name: str) -> No
 @pytest.mark.parametrize(("frames", "latent_frames"), [(5, 2), (13, 4)])
 def test_preset_input_builder_runs_the_model(frames: int, latent_frames: int) -> None:
     family = gradseam.registry.REGISTRY.get("chronoedit")
-    model = _fresh(CHRONOEDIT)
+    model = CHRONOEDIT.fresh()
     inputs = family.presets["14b-720p"].make_inputs(model, "cpu", torch.float32, frames=frames, height=32, width=32)
     assert inputs["hidden_states"].shape == (1, 12, latent_frames, 4, 4)
     assert inputs["encoder_hidden_states_image"].shape == (1, 257, 8)

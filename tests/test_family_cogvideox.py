@@ -120,11 +120,6 @@ class TestCogVideoX15I2V(ConformanceSuite):
     reduced = True
 
 
-def _fresh(case: Case) -> torch.nn.Module:
-    torch.manual_seed(case.seed)
-    return case.build()
-
-
 CHUNKED = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
 
 
@@ -144,7 +139,7 @@ def test_interval_chunks_chain_both_streams(case: Case) -> None:
 def test_the_loop_hands_every_block_the_same_conditioning(case: Case) -> None:
     # What the carry relies on: temb (timestep plus ofs embedding), the RoPE tuple and attention_kwargs
     # are one object each for every block; the two streams are what the previous block returned.
-    model = _fresh(case)
+    model = case.fresh()
     seen: list[dict] = []
     returned: list[tuple] = []
     for block in model.transformer_blocks:
@@ -164,7 +159,7 @@ def test_the_loop_hands_every_block_the_same_conditioning(case: Case) -> None:
 def test_variant_inputs_change_the_output() -> None:
     # The variants exercise their paths: the ofs embedding, the RoPE and the per-sample timesteps matter.
     def output(case: Case, **changes) -> torch.Tensor:
-        model = _fresh(case)
+        model = case.fresh()
         with torch.no_grad():
             return model(**{**case.inputs(torch.Generator().manual_seed(1)), **changes}).sample
 
@@ -175,7 +170,7 @@ def test_variant_inputs_change_the_output() -> None:
 
 
 def test_seam_and_attention_are_planned_as_declared() -> None:
-    model = _fresh(COGVIDEOX)
+    model = COGVIDEOX.fresh()
     family = family_for(model)
     assert family.name == "cogvideox"
     ffn = plan(model, family, gradseam.CheckpointConfig.coerce(
@@ -234,7 +229,7 @@ def test_preset_inputs_have_the_pipelines_sizes(name: str) -> None:
 def test_preset_rope_is_the_pipelines_at_the_tiny_size(case: Case) -> None:
     from gradseam.adapters.cogvideox import rotary_embedding
 
-    model = _fresh(case)
+    model = case.fresh()
     frames = 4 if model.config.patch_size_t else 2
     built = rotary_embedding(model, frames, 2, 2, "cpu")
     assert all(torch.equal(a, b) for a, b in zip(built, pipeline_rope(dict(model.config), frames, 4)))
@@ -261,7 +256,7 @@ def test_preset_rope_is_the_pipelines_at_full_size() -> None:
                                               (COGVIDEOX15_I2V, "1.5-5b-i2v-768p")], ids=lambda v: getattr(v, "name", v))
 def test_preset_input_builder_runs_the_model(case: Case, preset: str) -> None:
     family = gradseam.registry.REGISTRY.get("cogvideox")
-    model = _fresh(case)
+    model = case.fresh()
     frames = 13 if model.config.patch_size_t else 5  # 4 latent frames for 1.5, 2 for 1.0
     x = family.presets[preset].make_inputs(model, "cpu", torch.float32, None, frames=frames, height=32, width=32)
     assert x["encoder_hidden_states"].shape == (1, TEXT, TEXT_DIM)

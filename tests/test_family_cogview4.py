@@ -148,13 +148,8 @@ class TestCogView4Control(ConformanceSuite):
     reduced = True
 
 
-def _fresh(case: Case) -> torch.nn.Module:
-    torch.manual_seed(case.seed)
-    return case.build()
-
-
 def _output(case: Case, **changes) -> torch.Tensor:
-    model = _fresh(case)
+    model = case.fresh()
     with torch.no_grad():
         return model(**{**case.inputs(torch.Generator().manual_seed(1)), **changes}).sample
 
@@ -178,7 +173,7 @@ def test_interval_chunks_chain_both_streams(case: Case) -> None:
 def test_the_loop_hands_every_block_the_same_conditioning(case: Case) -> None:
     # What the carry relies on: temb, the RoPE tuple, the mask and attention_kwargs are one object each
     # for every block (the loop passes them positionally); the streams are what the previous block returned.
-    model = _fresh(case)
+    model = case.fresh()
     seen: list[dict] = []
     returned: list[tuple] = []
     for block in model.transformer_blocks:
@@ -210,10 +205,10 @@ def test_variant_inputs_change_the_output() -> None:
 def test_ff_is_one_region_per_stream() -> None:
     # The seam's module is called twice per block (image stream, then text stream): each call is a region
     # of its own, both run, and the -ffn step is exact.
-    family = family_for(_fresh(COGVIEW4))
+    family = family_for(COGVIEW4.fresh())
     assert family.name == "cogview4"
     ffn = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"}
-    the_plan = plan(_fresh(COGVIEW4), family, gradseam.CheckpointConfig.coerce(ffn))
+    the_plan = plan(COGVIEW4.fresh(), family, gradseam.CheckpointConfig.coerce(ffn))
     assert [(r.blocks, r.seam) for r in the_plan.regions] == [((i,), ("ff",)) for i in range(4)]
     report = check_strategy(COGVIEW4, ffn, whole=True)
     ff = [r for r in report.regions if r.shape == "ffn"]
@@ -277,7 +272,7 @@ def test_preset_sizes_are_the_pipelines() -> None:
                          ids=lambda v: getattr(v, "name", v))
 def test_preset_input_builder_runs_the_model(case: Case, preset: str) -> None:
     family = gradseam.registry.REGISTRY.get("cogview4")
-    model = _fresh(case)
+    model = case.fresh()
     x = family.presets[preset].make_inputs(model, "cpu", torch.float32, None, height=32, width=32,
                                            text_tokens=TEXT)
     assert x["encoder_hidden_states"].shape == (1, TEXT, TEXT_DIM)

@@ -107,11 +107,6 @@ class TestCosmosTransfer(ConformanceSuite):
     whole_regions = False  # chunks meeting a ControlNet residual compute block by block, on purpose
 
 
-def _fresh(case: Case) -> torch.nn.Module:
-    torch.manual_seed(case.seed)
-    return case.build()
-
-
 CHUNKED = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
 
 
@@ -141,7 +136,7 @@ def test_controlnet_residuals_make_only_their_chunks_fall_back() -> None:
 
 def test_the_loop_hands_blocks_one_context_and_their_own_residuals() -> None:
     seen = []
-    model = _fresh(COSMOS_TRANSFER)
+    model = COSMOS_TRANSFER.fresh()
     for block in model.transformer_blocks:
         block.register_forward_pre_hook(lambda _m, args: seen.append(args))
     with torch.no_grad():
@@ -155,7 +150,7 @@ def test_per_frame_timesteps_and_learnable_embedding_are_shared() -> None:
     # What the carry relies on: per-token timestep embeddings and the positional embedding are one
     # object each for every block.
     for case, index in ((COSMOS, 2), (COSMOS_V1, 5)):
-        model = _fresh(case)
+        model = case.fresh()
         seen = []
         for block in model.transformer_blocks:
             block.register_forward_pre_hook(lambda _m, args, _seen=seen: _seen.append(args))
@@ -166,7 +161,7 @@ def test_per_frame_timesteps_and_learnable_embedding_are_shared() -> None:
 
 
 def test_seam_and_attention_are_planned_as_declared() -> None:
-    model = _fresh(COSMOS)
+    model = COSMOS.fresh()
     family = family_for(model)
     assert family.name == "cosmos"
     ffn = plan(model, family, gradseam.CheckpointConfig.coerce(
@@ -222,7 +217,7 @@ def test_preset_inputs_have_the_pipelines_sizes() -> None:
 @pytest.mark.parametrize("case", [COSMOS, COSMOS_V1], ids=lambda c: c.name)
 def test_preset_input_builder_runs_the_model(case: Case) -> None:
     family = gradseam.registry.REGISTRY.get("cosmos")
-    model = _fresh(case)
+    model = case.fresh()
     x = family.presets["predict2-2b-720p"].make_inputs(model, "cpu", torch.float32, None, frames=5, height=32,
                                                         width=32, text_tokens=TEXT)
     out = model(**x).sample

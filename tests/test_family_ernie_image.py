@@ -80,14 +80,10 @@ class TestErnieImagePadded(ConformanceSuite):
 
 
 # -- What the suites cannot see -------------------------------------------------------------------
-def _fresh(case: Case) -> torch.nn.Module:
-    torch.manual_seed(case.seed)
-    return case.build()
-
 
 def test_the_loop_hands_each_block_a_new_list_of_the_same_tensors() -> None:
     # What the carry relies on: the temb list is a new object per block, its six tensors are not.
-    model = _fresh(ERNIE)
+    model = ERNIE.fresh()
     seen: list[list] = []
     for layer in model.layers:
         layer.register_forward_pre_hook(lambda _m, args: seen.append(args[2]))
@@ -109,7 +105,7 @@ def test_interval_chunks_chain_with_the_rebuilt_list() -> None:
 
 
 def test_ffn_seam_in_every_block() -> None:
-    model = _fresh(ERNIE)
+    model = ERNIE.fresh()
     family = family_for(model)
     assert family.name == "ernie-image"
     the_plan = plan(model, family, gradseam.CheckpointConfig.coerce({"gradient_checkpointing": True,
@@ -123,7 +119,7 @@ def test_the_text_mask_reaches_the_blocks() -> None:
     report = check_strategy(ERNIE_PADDED, CHUNKED)
     grad = report.patched.input_grads["text_bth"]
     assert grad[1, :2].abs().sum() > 0 and grad[1, 2:].eq(0).all() and grad[0].abs().sum(-1).gt(0).all()
-    model = _fresh(ERNIE_PADDED)
+    model = ERNIE_PADDED.fresh()
 
     def out(**change) -> torch.Tensor:
         with torch.no_grad():
@@ -166,7 +162,7 @@ def test_preset_inputs_have_the_pipelines_sizes() -> None:
 
 def test_preset_input_builder_runs_the_model() -> None:
     _, preset, _ = _meta()
-    model = _fresh(ERNIE)
+    model = ERNIE.fresh()
     x = preset.make_inputs(model, "cpu", torch.float32, 9, text_tokens=3)
     out = model(**x).sample
     assert out.shape == (1, CHANNELS, 3, 3)

@@ -84,10 +84,6 @@ class TestFlux3FlowMap(ConformanceSuite):
 
 
 # -- What the suites cannot see -------------------------------------------------------------------
-def _fresh(case: Case) -> torch.nn.Module:
-    torch.manual_seed(case.seed)
-    return case.build()
-
 
 # Text-to-image leaves the reference list idle: the kit's check_strategy demands that every planned
 # region runs, so this case gets the same parity check here, with the idle list excluded by name.
@@ -99,7 +95,7 @@ T2I_CONFIGS = [CHUNKED, FFN, {**CHUNKED, "gradient_checkpointing_keep_attention"
 def test_text_to_image_is_exact_and_only_the_reference_list_idles(config: dict) -> None:
     from gradseam.offload import cpu_test_mode
 
-    model = _fresh(FLUX3)
+    model = FLUX3.fresh()
     reference = run_step(model, FLUX3)
     with cpu_test_mode():
         handle = gradseam.patch(model, config)
@@ -134,7 +130,7 @@ def test_an_incomplete_carry_makes_the_single_chunks_fall_back(monkeypatch) -> N
     import gradseam.patcher as patcher
     from gradseam.family import Carry
 
-    model = _fresh(FLUX3_EDIT)
+    model = FLUX3_EDIT.fresh()
     family = family_for(model)
     swapped = Carry({"hidden_states": 1})
     wrong = replace(family, block_lists=tuple(
@@ -148,7 +144,7 @@ def test_an_incomplete_carry_makes_the_single_chunks_fall_back(monkeypatch) -> N
 
 
 def test_plan_has_one_seam_per_block_and_the_documented_chunks() -> None:
-    model = _fresh(FLUX3_EDIT)
+    model = FLUX3_EDIT.fresh()
     family = family_for(model)
     assert family.name == "flux3"
     ffn = plan(model, family, gradseam.CheckpointConfig.coerce(FFN))
@@ -166,7 +162,7 @@ def test_references_and_the_target_timestep_reach_the_output() -> None:
     # map's target timestep) changes the image tokens' output: the variant cases test something.
     report = check_strategy(FLUX3_FLOW_MAP, CHUNKED)
     assert report.patched.input_grads["image_cond_hidden_states"].abs().sum() > 0
-    model = _fresh(FLUX3_FLOW_MAP)
+    model = FLUX3_FLOW_MAP.fresh()
 
     def out(**change) -> torch.Tensor:
         inputs = {**flux3_flow_map_inputs(torch.Generator().manual_seed(1)), **change}

@@ -105,16 +105,12 @@ def test_the_family_takes_no_interval() -> None:
 
 
 # -- What the suites cannot see -------------------------------------------------------------------
-def _fresh(case: Case) -> torch.nn.Module:
-    torch.manual_seed(case.seed)
-    return case.build()
-
 
 def test_interval_is_ignored_with_a_warning_and_every_block_is_its_own_region() -> None:
     # Both loops rebuild the next block's input between blocks: no carry, so no chunk.
     from gradseam.errors import GradseamWarning
 
-    model = _fresh(HIDREAM)
+    model = HIDREAM.fresh()
     family = family_for(model)
     assert family.name == "hidream" and not family.supports_interval
     config = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
@@ -139,7 +135,7 @@ def test_a_carry_would_only_fall_back(monkeypatch) -> None:
     from gradseam.errors import GradseamWarning
     from gradseam.family import Carry
 
-    model = _fresh(HIDREAM)
+    model = HIDREAM.fresh()
     family = family_for(model)
     carries = {"double_stream_blocks": Carry({"hidden_states": 0, "encoder_hidden_states": 1}),
                "single_stream_blocks": Carry({"hidden_states": None})}
@@ -154,7 +150,7 @@ def test_a_carry_would_only_fall_back(monkeypatch) -> None:
 
 
 def test_ffn_seams_per_stream() -> None:
-    model = _fresh(HIDREAM)
+    model = HIDREAM.fresh()
     the_plan = plan(model, family_for(model), gradseam.CheckpointConfig.coerce(FFN))
     assert [(r.list_path, r.blocks, r.seam) for r in the_plan.regions] == [
         *(p for i in range(DOUBLE) for p in (("double_stream_blocks", (i,), ("block.ff_i",)),
@@ -178,7 +174,7 @@ def test_a_recompute_routes_every_token_as_the_forward_did() -> None:
     # Under torch-ffn each gate runs twice per step: in forward, and again when backward recomputes
     # the seam. Both calls must pick the same experts (the parity would break otherwise, but this
     # says why), and in training mode the routed experts get gradients through the recompute.
-    model = _fresh(HIDREAM)
+    model = HIDREAM.fresh()
     routes = _routes(model)
     with gradseam.patch(model, FFN):
         run_step(model, HIDREAM)
@@ -193,7 +189,7 @@ def test_a_recompute_routes_every_token_as_the_forward_did() -> None:
 def test_moe_forward_leaves_no_state_behind() -> None:
     # The gate's aux loss is computed in training mode and dropped: no attribute or buffer of any MoE
     # module changes in forward, so computing it again in backward changes nothing either.
-    model = _fresh(HIDREAM)
+    model = HIDREAM.fresh()
     moes = {n: m for n, m in model.named_modules() if type(m).__name__ in ("MOEFeedForwardSwiGLU", "MoEGate")}
     assert len(moes) == 2 * (DOUBLE + SINGLE)
 
@@ -272,7 +268,7 @@ def test_preset_inputs_have_the_pipelines_sizes() -> None:
 
 def test_preset_input_builder_runs_the_model() -> None:
     family = next(f for f in gradseam.families() if f.name == "hidream")
-    model = _fresh(HIDREAM)
+    model = HIDREAM.fresh()
     x = family.presets["i1-1024"].make_inputs(model, "cpu", torch.float32, 4, t5_tokens=T5, llama_tokens=LLAMA)
     assert x["encoder_hidden_states_llama3"].shape[0] == LLAMA_LAYERS
     out = model(**x).sample

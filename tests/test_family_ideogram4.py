@@ -93,10 +93,6 @@ class TestIdeogram4Unconditional(ConformanceSuite):
 
 
 # -- What the suites cannot see -------------------------------------------------------------------
-def _fresh(case: Case) -> torch.nn.Module:
-    torch.manual_seed(case.seed)
-    return case.build()
-
 
 def test_layout_is_the_pipelines() -> None:
     position_ids, segment_ids, indicator = packed_layout([4, 6], GRID, MAX_TEXT, "cpu")
@@ -113,7 +109,7 @@ def test_interval_chunks_chain(case: Case) -> None:
 
 
 def test_plan_has_the_ffn_seam_in_every_block() -> None:
-    model = _fresh(IDEOGRAM4)
+    model = IDEOGRAM4.fresh()
     family = family_for(model)
     assert family.name == "ideogram4"
     ffn = plan(model, family, gradseam.CheckpointConfig.coerce({"gradient_checkpointing": True, BACKEND: "torch-ffn"}))
@@ -129,7 +125,7 @@ def test_packing_inputs_reach_the_blocks() -> None:
     _, _, indicator = packed_layout([6, 3], GRID, MAX_TEXT, "cpu")
     text = indicator == 3
     assert (grad[text].abs().sum(-1) > 0).all() and grad[~text].eq(0).all()
-    model = _fresh(IDEOGRAM4_PACKED)
+    model = IDEOGRAM4_PACKED.fresh()
 
     def out(**change) -> torch.Tensor:
         with torch.no_grad():
@@ -181,7 +177,7 @@ def test_preset_inputs_have_the_pipelines_sizes() -> None:
 
 def test_preset_input_builder_runs_the_model() -> None:
     family = next(f for f in gradseam.families() if f.name == "ideogram4")
-    model = _fresh(IDEOGRAM4)
+    model = IDEOGRAM4.fresh()
     x = family.presets["1024"].make_inputs(model, "cpu", torch.float32, 9, text_tokens=5, prompt_tokens=3)
     assert x["indicator"][0].tolist() == [0, 0, 3, 3, 3] + [2] * 9
     out = model(**x).sample

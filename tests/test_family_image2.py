@@ -128,10 +128,6 @@ class TestQwenImageLayered(ConformanceSuite):
 
 
 # -- The optional inputs really change what the blocks compute ---------------------------------
-def _fresh(case: Case) -> torch.nn.Module:
-    torch.manual_seed(case.seed)
-    return case.build()
-
 
 def _output(model: torch.nn.Module, case: Case) -> torch.Tensor:
     with torch.no_grad():
@@ -139,13 +135,13 @@ def _output(model: torch.nn.Module, case: Case) -> torch.Tensor:
 
 
 def test_qwen_mask_reaches_the_blocks() -> None:
-    model = _fresh(QWEN_MASKED)
+    model = QWEN_MASKED.fresh()
     assert not torch.equal(_output(model, QWEN_MASKED), _output(model, QWEN))
 
 
 def test_qwen_edit_2511_modulates_reference_tokens_per_token() -> None:
     seen = []
-    model = _fresh(QWEN_EDIT)
+    model = QWEN_EDIT.fresh()
     model.transformer_blocks[0].register_forward_pre_hook(
         lambda _m, _args, kwargs: seen.append(kwargs["modulate_index"]), with_kwargs=True
     )
@@ -156,7 +152,7 @@ def test_qwen_edit_2511_modulates_reference_tokens_per_token() -> None:
 
 def test_flux2_single_block_seam_is_the_mlp_slice() -> None:
     # The SwiGLU gets exactly the MLP slice of the fused projection (2 x mlp_hidden wide)
-    model = _fresh(FLUX2)
+    model = FLUX2.fresh()
     widths = []
     attn = model.single_transformer_blocks[0].attn
     attn.mlp_act_fn.register_forward_pre_hook(lambda _m, args: widths.append(args[0].shape[-1]))
@@ -176,7 +172,7 @@ def test_flux2_single_block_seam_is_the_mlp_slice() -> None:
     ids=["flux2", "flux2-klein", "qwenimage-masked", "qwenimage-edit-2511"],
 )
 def test_interval_chunks_chain_without_fallback(case: Case, lists: tuple[str, ...]) -> None:
-    model = _fresh(case)
+    model = case.fresh()
     handle = gradseam.patch(model, gradient_checkpointing=True, gradient_checkpointing_interval=2)
     try:
         chunks = [r for r in handle.plan.regions if r.shape == "chunk"]
@@ -197,7 +193,7 @@ def test_qwen_controlnet_residuals_make_chunks_fall_back_exactly() -> None:
         return {**inputs, "controlnet_block_samples": [randn(g, 1, QWEN_GRID * QWEN_GRID, 16) for _ in range(2)]}
 
     case = Case("qwenimage-controlnet", qwen_model, with_residuals)
-    model = _fresh(case)
+    model = case.fresh()
     reference = run_step(model, case)
     handle = gradseam.patch(model, gradient_checkpointing=True, gradient_checkpointing_interval=2)
     try:
@@ -444,7 +440,7 @@ def test_per_block_names_find_the_state_where_the_loop_puts_it() -> None:
         def forward(self, hidden_states, **kwargs):
             return hidden_states
 
-    block = _fresh(FLUX2).transformer_blocks[0]
+    block = FLUX2.fresh().transformer_blocks[0]
 
     def head(joint_attention_kwargs) -> dict:
         return signature_of(type(block)).bind(block, (None, None, None, None, None, joint_attention_kwargs), {})

@@ -84,11 +84,6 @@ class TestKandinsky5Image(ConformanceSuite):
     reduced = True
 
 
-def _fresh(case: Case) -> torch.nn.Module:
-    torch.manual_seed(case.seed)
-    return case.build()
-
-
 CHUNKED = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
 
 
@@ -114,7 +109,7 @@ def test_blocks_really_compute_and_the_refined_prompt_reaches_the_visual_blocks(
 
 
 def test_seams_and_attention_are_planned_as_declared() -> None:
-    model = _fresh(KANDINSKY5)
+    model = KANDINSKY5.fresh()
     family = family_for(model)
     assert family.name == "kandinsky5"
     ffn = plan(model, family, gradseam.CheckpointConfig.coerce(
@@ -180,7 +175,7 @@ def test_preset_inputs_have_the_pipelines_sizes() -> None:
 ], ids=["video", "image"])
 def test_preset_input_builder_runs_the_model(case: Case, sizes: dict) -> None:
     family = gradseam.registry.REGISTRY.get("kandinsky5")
-    model = _fresh(case)
+    model = case.fresh()
     x = family.presets["video-lite-5s"].make_inputs(model, "cpu", torch.float32, None, text_tokens=TEXT, **sizes)
     out = model(**x).sample
     assert out.shape == (*x["hidden_states"].shape[:4], 4)

@@ -74,11 +74,6 @@ class TestLongCatImageEdit(ConformanceSuite):
     reduced = True
 
 
-def _fresh(case: Case) -> torch.nn.Module:
-    torch.manual_seed(case.seed)
-    return case.build()
-
-
 CHUNKED = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
 
 
@@ -91,7 +86,7 @@ def test_interval_chunks_chain_in_both_lists(case: Case) -> None:
 
 
 def test_seams_are_the_mlps() -> None:
-    model = _fresh(LONGCAT)
+    model = LONGCAT.fresh()
     family = family_for(model)
     assert family.name == "longcat-image"
     ffn = plan(model, family, gradseam.CheckpointConfig.coerce(
@@ -107,7 +102,7 @@ def test_position_ids_are_the_pipelines() -> None:
 
 
 def test_guidance_is_ignored_and_the_edit_source_matters() -> None:
-    model = _fresh(LONGCAT_EDIT)
+    model = LONGCAT_EDIT.fresh()
     inputs = longcat_edit_inputs(torch.Generator().manual_seed(1))
     with torch.no_grad():
         plain = model(**inputs).sample
@@ -158,7 +153,7 @@ def test_preset_inputs_have_the_pipelines_sizes() -> None:
 @pytest.mark.parametrize("images", [0, 1])
 def test_preset_input_builder_runs_the_model(images: int) -> None:
     family = gradseam.registry.REGISTRY.get("longcat-image")
-    model = _fresh(LONGCAT)
+    model = LONGCAT.fresh()
     x = family.presets["6b-edit-1024"].make_inputs(model, "cpu", torch.float32, 9, text_tokens=TEXT, images=images)
     step = run_step(model, Case("builder", LONGCAT.build, lambda _g: x))
     assert step.outputs[0].shape == (1, (images + 1) * 9, CHANNELS)

@@ -71,11 +71,6 @@ class TestLumina2Padded(ConformanceSuite):
     reduced = True
 
 
-def _fresh(case: Case) -> torch.nn.Module:
-    torch.manual_seed(case.seed)
-    return case.build()
-
-
 CHUNKED = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
 
 
@@ -90,7 +85,7 @@ def test_interval_chunks_chain_in_every_list(case: Case) -> None:
 
 
 def test_seams_and_lists_are_planned_as_declared() -> None:
-    model = _fresh(LUMINA2)
+    model = LUMINA2.fresh()
     family = family_for(model)
     assert family.name == "lumina2"
     ffn = plan(model, family, gradseam.CheckpointConfig.coerce(
@@ -104,7 +99,7 @@ def test_seams_and_lists_are_planned_as_declared() -> None:
 def test_padding_reaches_the_masked_blocks() -> None:
     # The padded case must exercise the mask paths: the context refiner gets the caption mask, the
     # joint layers a (shared) mask object instead of None; and the padding changes the first sample.
-    model = _fresh(LUMINA2_PADDED)
+    model = LUMINA2_PADDED.fresh()
     seen: dict[str, list] = {path: [] for path in LISTS}
     for path in LISTS:
         for block in model.get_submodule(path):
@@ -160,7 +155,7 @@ def test_preset_inputs_have_the_pipelines_sizes() -> None:
 
 def test_preset_input_builder_runs_the_model() -> None:
     family = gradseam.registry.REGISTRY.get("lumina2")
-    model = _fresh(LUMINA2)
+    model = LUMINA2.fresh()
     x = family.presets["2b-1024"].make_inputs(model, "cpu", torch.float32, 4, text_tokens=TEXT, caption_tokens=4)
     assert x["encoder_attention_mask"].sum() == 4
     out = model(**x).sample

@@ -99,10 +99,6 @@ class TestMiniMaxH3Keyframe(ConformanceSuite):
 
 
 # -- What the suites cannot see -------------------------------------------------------------------
-def _fresh(case: Case) -> torch.nn.Module:
-    torch.manual_seed(case.seed)
-    return case.build()
-
 
 def test_layouts_are_consistent() -> None:
     for case in (MINIMAX_H3, MINIMAX_H3_KEYFRAME):
@@ -121,7 +117,7 @@ def test_interval_chunks_chain_in_both_lists() -> None:
 
 
 def test_ffn_seams() -> None:
-    model = _fresh(MINIMAX_H3)
+    model = MINIMAX_H3.fresh()
     family = family_for(model)
     assert family.name == "minimax-h3"
     the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(
@@ -137,7 +133,7 @@ def test_layout_inputs_reach_the_blocks() -> None:
     report = check_strategy(MINIMAX_H3_KEYFRAME, CHUNKED)
     for name in ("hidden_states", "audio_hidden_states", "encoder_hidden_states"):
         assert report.patched.input_grads[name].abs().sum() > 0, name
-    model = _fresh(MINIMAX_H3_KEYFRAME)
+    model = MINIMAX_H3_KEYFRAME.fresh()
 
     def out(**change) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
@@ -192,7 +188,7 @@ def test_preset_inputs_have_the_pipelines_sizes() -> None:
 
 def test_preset_input_builder_runs_the_model() -> None:
     family = next(f for f in gradseam.families() if f.name == "minimax-h3")
-    model = _fresh(MINIMAX_H3)
+    model = MINIMAX_H3.fresh()
     x = family.presets["33b-480p"].make_inputs(model, "cpu", torch.float32, None, frames=22, height=32, width=64,
                                                text_tokens=TEXT)
     video, audio = _both(model(**x))

@@ -85,11 +85,6 @@ class TestMochiPaddedBatch(ConformanceSuite):
     reduced = True
 
 
-def _fresh(case: Case) -> torch.nn.Module:
-    torch.manual_seed(case.seed)
-    return case.build()
-
-
 # -- the cuts -----------------------------------------------------------------------------------
 
 
@@ -104,7 +99,7 @@ def test_chunks_run_whole_through_the_context_pre_only_block(case: Case) -> None
 
 
 def test_seams_are_planned_as_declared() -> None:
-    model = _fresh(MOCHI)
+    model = MOCHI.fresh()
     family = family_for(model)
     assert family.name == "mochi"
     last = model.transformer_blocks[-1]
@@ -130,7 +125,7 @@ def test_ffn_seams_run_whole_and_keep_less() -> None:
 def test_mask_and_rope_are_shared_and_reach_the_blocks() -> None:
     # The loop hands every block the same mask, temb and RoPE objects (what makes the carry right),
     # and the padding and the rotary frequencies both change the output (so the cases test them).
-    model = _fresh(MOCHI_BATCH)
+    model = MOCHI_BATCH.fresh()
     seen: list[dict] = []
     for block in model.transformer_blocks:
         block.register_forward_pre_hook(lambda _m, _a, kwargs: seen.append(kwargs), with_kwargs=True)
@@ -201,7 +196,7 @@ def test_preset_inputs_have_the_pipelines_sizes(name: str) -> None:
 def test_preset_input_builder_runs_the_model() -> None:
     # the builder's inputs must be ones the model takes: the tiny model, at a tiny size, a short prompt
     preset = gradseam.registry.REGISTRY.get("mochi").presets["10b-480p"]
-    model = _fresh(MOCHI)
+    model = MOCHI.fresh()
     x = preset.make_inputs(model, "cpu", torch.float32, frames=7, height=32, width=32, text_tokens=TEXT,
                            prompt_tokens=4)
     assert x["hidden_states"].shape == (1, 4, 2, 4, 4) and int(x["encoder_attention_mask"].sum()) == 4

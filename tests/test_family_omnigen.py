@@ -86,11 +86,6 @@ class TestOmniGenEditPadded(ConformanceSuite):
     reduced = True
 
 
-def _fresh(case: Case) -> torch.nn.Module:
-    torch.manual_seed(case.seed)
-    return case.build()
-
-
 CHUNKED = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
 
 
@@ -102,7 +97,7 @@ def test_interval_chunks_chain(case: Case) -> None:
 
 
 def test_seam_is_the_norm_and_the_mlp() -> None:
-    model = _fresh(OMNIGEN)
+    model = OMNIGEN.fresh()
     family = family_for(model)
     assert family.name == "omnigen"
     ffn = plan(model, family, gradseam.CheckpointConfig.coerce(
@@ -111,7 +106,7 @@ def test_seam_is_the_norm_and_the_mlp() -> None:
 
 
 def test_every_block_gets_the_same_mask_and_rope() -> None:
-    model = _fresh(OMNIGEN_EDIT)
+    model = OMNIGEN_EDIT.fresh()
     seen = []
     for block in model.layers:
         block.register_forward_pre_hook(lambda _m, _a, kw: seen.append((kw["attention_mask"], kw["image_rotary_emb"])),
@@ -126,7 +121,7 @@ def test_every_block_gets_the_same_mask_and_rope() -> None:
 def test_condition_image_and_causal_mask_reach_the_blocks() -> None:
     # The condition latent sits in a list, so the kit does not collect its gradient: check it here,
     # through chunked blocks.
-    model = _fresh(OMNIGEN_EDIT)
+    model = OMNIGEN_EDIT.fresh()
     inputs = omnigen_edit_inputs(torch.Generator().manual_seed(1))
     with gradseam.patch(model, CHUNKED):
         model(**inputs).sample.square().mean().backward()
@@ -180,7 +175,7 @@ def test_preset_inputs_have_the_pipelines_layout() -> None:
 @pytest.mark.parametrize("images", [0, 1])
 def test_preset_input_builder_runs_the_model(images: int) -> None:
     family = gradseam.registry.REGISTRY.get("omnigen")
-    model = _fresh(OMNIGEN)
+    model = OMNIGEN.fresh()
     x = family.presets["v1-edit-1024"].make_inputs(model, "cpu", torch.float32, 4, text_tokens=5, images=images)
     out = model(**x).sample
     assert out.shape == (1, 4, LATENT, LATENT)

@@ -144,10 +144,6 @@ class TestQwenImage21KVCached(ConformanceSuite):
 
 
 # -- The optional inputs really change what the blocks compute ---------------------------------
-def _fresh(case: Case) -> torch.nn.Module:
-    torch.manual_seed(case.seed)
-    return case.build()
-
 
 def _target(model: torch.nn.Module, case: Case) -> torch.Tensor:
     """The target image's output tokens (the last ones, as the pipeline reads them)."""
@@ -156,7 +152,7 @@ def _target(model: torch.nn.Module, case: Case) -> torch.Tensor:
 
 
 def test_condition_images_and_masks_reach_the_target() -> None:
-    model = _fresh(QWEN21)
+    model = QWEN21.fresh()
     plain = _target(model, QWEN21)
     edit = _target(model, QWEN21_EDIT)
     masked = _target(model, QWEN21_MASKED)
@@ -167,7 +163,7 @@ def test_condition_images_and_masks_reach_the_target() -> None:
 
 def test_each_block_gets_its_own_layer_cache() -> None:
     # What per_block=("layer_cache",) guards: a different state object per block, written in extract mode.
-    model = _fresh(QWEN21_EXTRACT)
+    model = QWEN21_EXTRACT.fresh()
     seen = []
     for block in model.transformer_blocks:
         block.register_forward_pre_hook(lambda _m, _a, kwargs: seen.append(kwargs["layer_cache"]), with_kwargs=True)
@@ -220,7 +216,7 @@ def _patched_kv_step(model, case: Case, config: dict, caches: list):
 
 @pytest.mark.parametrize("config", list(_KV_CONFIGS.values()), ids=list(_KV_CONFIGS))
 def test_extract_mode_with_interval_chunks_fills_the_cache_exactly(config: dict) -> None:
-    model = _fresh(QWEN21_EXTRACT)
+    model = QWEN21_EXTRACT.fresh()
     caches: list = []
     reference = _step_keeping_cache(model, QWEN21_EXTRACT, caches)
     patched, regions, summary = _patched_kv_step(model, QWEN21_EXTRACT, config, caches)
@@ -235,7 +231,7 @@ def test_extract_mode_with_interval_chunks_fills_the_cache_exactly(config: dict)
 
 def test_cached_mode_with_interval_chunks_reads_each_blocks_cache() -> None:
     # The pipeline's sequence: prefill (extract) on the first step, decode (cached) on the next one.
-    model = _fresh(QWEN21_EXTRACT)
+    model = QWEN21_EXTRACT.fresh()
     prefill = qwen21_extract_inputs(torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = model(**prefill, return_dict=False)[0]
@@ -267,7 +263,7 @@ def test_without_per_block_a_chunk_would_fill_the_wrong_cache(monkeypatch) -> No
 
     import gradseam.patcher as patcher
 
-    model = _fresh(QWEN21_EXTRACT)
+    model = QWEN21_EXTRACT.fresh()
     family = family_for(model)
     blind = replace(family, block_lists=tuple(replace(bl, per_block=()) for bl in family.block_lists))
     monkeypatch.setattr(patcher, "family_for", lambda m: blind)
@@ -286,7 +282,7 @@ def test_a_per_block_name_the_block_does_not_take_is_refused() -> None:
 
     from gradseam.errors import UnsupportedModelError
 
-    model = _fresh(QWEN21)
+    model = QWEN21.fresh()
     family = family_for(model)
     wrong = replace(family, block_lists=(replace(family.block_lists[0], per_block=("kv_layer",)),))
     config = gradseam.CheckpointConfig.coerce(_KV_CONFIGS["interval2"])
@@ -336,7 +332,7 @@ def test_preset_inputs_are_the_pipelines_layout() -> None:
 def test_preset_input_builder_runs_the_model(images: int) -> None:
     # the builder's sequence layout must be one the model accepts (it checks image tokens against img_shapes)
     family = next(f for f in gradseam.families() if f.name == "qwenimage21")
-    model = _fresh(QWEN21)
+    model = QWEN21.fresh()
     inputs = family.presets["edit-1024"].make_inputs(model, "cpu", torch.float32, 36, text_tokens=9, images=images)
     out = model(**inputs, return_dict=False)[0]
     assert out.shape == (1, 9 + (images + 1) * 36, 4)

@@ -172,11 +172,6 @@ class TestSanaVideoPerTokenTimesteps(ConformanceSuite):
 # -- The optional inputs really reach the blocks ------------------------------------------------
 
 
-def _fresh(case: Case) -> torch.nn.Module:
-    torch.manual_seed(case.seed)
-    return case.build()
-
-
 def _output(model: torch.nn.Module, case: Case) -> torch.Tensor:
     with torch.no_grad():
         return case.output(model(**case.inputs(torch.Generator().manual_seed(1))))
@@ -189,31 +184,31 @@ def _output(model: torch.nn.Module, case: Case) -> torch.Tensor:
 )
 def test_variant_cases_change_the_output(variant: Case, plain: Case) -> None:
     # Otherwise the variant's parity runs would prove nothing about that input reaching the blocks.
-    model = _fresh(variant)
+    model = variant.fresh()
     assert not torch.equal(_output(model, variant), _output(model, plain))
 
 
 def test_sd35_case_has_dual_attention_in_some_blocks_only() -> None:
-    model = _fresh(SD35)
+    model = SD35.fresh()
     assert [b.attn2 is not None for b in model.transformer_blocks] == [True, True, False, False]
     assert [b.ff_context is not None for b in model.transformer_blocks] == [True, True, True, False]
 
 
 def test_sd3_optional_seams_are_skipped_only_where_absent() -> None:
-    model = _fresh(SD35)
+    model = SD35.fresh()
     handle = gradseam.patch(model, gradient_checkpointing=True, gradient_checkpointing_backend="torch-ffn")
     try:
         seams = sorted((r.blocks, r.seam) for r in handle.plan.regions if r.shape == "ffn")
         expected = [((i,), ("ff",)) for i in range(4)] + [((i,), ("ff_context",)) for i in range(3)]
         assert seams == sorted(expected)
-        assert_same_step(run_step(_fresh(SD35), SD35), run_step(model, SD35), what="sd3.5 torch-ffn")
+        assert_same_step(run_step(SD35.fresh(), SD35), run_step(model, SD35), what="sd3.5 torch-ffn")
     finally:
         handle.remove()
 
 
 @pytest.mark.parametrize("case", [SD3, SD35, SANA_MASKED, SANA_VIDEO], ids=lambda c: c.name)
 def test_interval_chunks_chain_without_fallback(case: Case) -> None:
-    model = _fresh(case)
+    model = case.fresh()
     handle = gradseam.patch(model, CHUNKS)
     try:
         assert [r.shape for r in handle.plan.regions] == ["chunk", "chunk"]

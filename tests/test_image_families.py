@@ -36,11 +36,6 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _fresh(case: Case) -> torch.nn.Module:
-    torch.manual_seed(case.seed)
-    return case.build()
-
-
 def _output(model: torch.nn.Module, case: Case) -> torch.Tensor:
     with torch.no_grad():
         out = case.output(model(**case.inputs(torch.Generator().manual_seed(1))))
@@ -50,13 +45,13 @@ def _output(model: torch.nn.Module, case: Case) -> torch.Tensor:
 @pytest.mark.parametrize(("masked", "plain"), [(CHROMA_MASKED, CHROMA), (KREA2_MASKED, KREA2)], ids=["chroma", "krea2"])
 def test_masked_cases_exercise_the_mask(masked: Case, plain: Case) -> None:
     # Otherwise the masked parity runs would prove nothing about masks reaching the blocks.
-    model = _fresh(masked)
+    model = masked.fresh()
     assert not torch.equal(_output(model, masked), _output(model, plain))
 
 
 def _masks_seen(case: Case) -> dict[str, bool]:
     """For each Z-Image block list the forward ran: whether its first block got an attention mask."""
-    model = _fresh(case)
+    model = case.fresh()
     seen: dict[str, bool] = {}
     for name in ("noise_refiner", "context_refiner", "siglip_refiner", "layers"):
         blocks = getattr(model, name)
@@ -82,7 +77,7 @@ def test_zimage_cases_exercise_padding_masks_and_siglip() -> None:
 
 
 def test_chroma_builtin_flag_drops_the_mask_but_gradseam_does_not() -> None:
-    model = _fresh(CHROMA_MASKED)
+    model = CHROMA_MASKED.fresh()
     reference = run_step(model, CHROMA_MASKED)
 
     # diffusers 0.42.1 calls single blocks as (hidden_states, temb, image_rotary_emb) under the
@@ -92,7 +87,7 @@ def test_chroma_builtin_flag_drops_the_mask_but_gradseam_does_not() -> None:
     model.disable_gradient_checkpointing()
     assert not torch.equal(builtin.outputs[0], reference.outputs[0])
     # ...and what it computes is exactly the model with no mask in its single blocks.
-    unmasked_single = _fresh(CHROMA_MASKED)
+    unmasked_single = CHROMA_MASKED.fresh()
 
     def drop_mask(_module, args, kwargs):
         return args, {**kwargs, "attention_mask": None}
@@ -111,7 +106,7 @@ def test_chroma_builtin_flag_drops_the_mask_but_gradseam_does_not() -> None:
     ids=config_id,
 )
 def test_chroma_flag_enabled_before_patch_is_overridden(config: dict) -> None:
-    model = _fresh(CHROMA_MASKED)
+    model = CHROMA_MASKED.fresh()
     reference = run_step(model, CHROMA_MASKED)
     model.enable_gradient_checkpointing()
     handle = gradseam.patch(model, config)
@@ -126,7 +121,7 @@ def test_chroma_flag_enabled_before_patch_is_overridden(config: dict) -> None:
 def test_chroma_declines_interval_chunks() -> None:
     # Each Chroma block gets its own temb slice, built by the model loop only right before the
     # call, so chunks are impossible; gradseam must say so rather than chunk wrongly.
-    model = _fresh(CHROMA)
+    model = CHROMA.fresh()
     family = family_for(model)
     assert not family.supports_interval
     with warnings.catch_warnings(record=True) as caught:
@@ -150,7 +145,7 @@ def test_chroma_declines_interval_chunks() -> None:
     ids=["krea2", "zimage-batch", "zimage-omni"],
 )
 def test_interval_chunks_chain_without_fallback(case: Case, lists: tuple[str, ...]) -> None:
-    model = _fresh(case)
+    model = case.fresh()
     handle = gradseam.patch(model, gradient_checkpointing=True, gradient_checkpointing_interval=2)
     try:
         chunks = [r for r in handle.plan.regions if r.shape == "chunk"]

@@ -381,8 +381,6 @@ def test_the_compiled_backends_refuse_layerwise_casting_at_patch_time(case, conf
     assert gradseam.handle_of(model) is None
 
 
-
-
 def _marlin_stand_in() -> type:
     """A parameter class named and placed as optimum-quanto's Marlin fp8 weight (quanto makes the real one
     only on a CUDA GPU, with a kernel it builds there)."""

@@ -254,13 +254,9 @@ def _measure_row(sweep: _Sweep, name: str, config: dict[str, Any] | None) -> Res
     """One row, measured: the strategy applied, ``sweep.steps`` timed steps (two warm-ups where it compiles)."""
     cpu = sweep.device == "cpu"
     measuring.release(sweep.device)
-    cap = sweep.gpu_cap_gib
-    if config is not None and GPU_CAP_KEY in config:
-        config = dict(config)
-        cap = config.pop(GPU_CAP_KEY)
-    naive = config is not None and NAIVE_KEY in config
-    if naive:
-        config = {k: v for k, v in config.items() if k != NAIVE_KEY}
+    # bench's own keys (a row's cap, the naive reference): gradseam_keys() leaves them out of the patch
+    cap = (config or {}).get(GPU_CAP_KEY, sweep.gpu_cap_gib)
+    naive = bool((config or {}).get(NAIVE_KEY))
     step = None
     try:
         ctx = _strategy_context(sweep.model, name, config, sweep.blocks_attr, sweep.compile_blocks)
