@@ -219,6 +219,25 @@ def test_views_are_restored_with_strides_and_storage_copied_once():
     assert torch.equal(w.grad, expected_w) and torch.equal(x.grad, expected_x)
 
 
+def test_conjugate_and_negative_views_come_back_with_their_bits():
+    # A conjugate (or negative) view is a bit on the tensor, not in its bytes: compiled blocks save complex
+    # RoPE tables that way, and a storage copy without the bit gave silently wrong gradients.
+    engine = _engine()
+    x = torch.randn(4, 3, dtype=torch.complex64, requires_grad=True)
+    a = torch.randn(4, 3, requires_grad=True)
+    w = torch.randn(4, 3, dtype=torch.complex64)
+    with engine.group():
+        saved_conj, saved_neg = w.conj(), w.conj().imag  # is_conj(), is_neg(): what mul saves for backward
+        assert saved_conj.is_conj() and saved_neg.is_neg()
+        y = torch.view_as_real(x * saved_conj).sum() + (a * saved_neg).square().sum()
+    assert engine.copies >= 1
+    y.backward()
+    got_x, got_a = x.grad.clone(), a.grad.clone()
+    x.grad = a.grad = None
+    (torch.view_as_real(x * w.conj()).sum() + (a * w.conj().imag).square().sum()).backward()
+    assert torch.equal(got_x, x.grad) and torch.equal(got_a, a.grad)
+
+
 def test_storage_saved_twice_is_copied_once():
     engine = _engine()
     x = torch.randn(8, 8, requires_grad=True)

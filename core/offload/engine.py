@@ -139,13 +139,19 @@ class _Stored:
 class _Packed:
     """What autograd holds instead of a tensor: how to rebuild it from its storage copy."""
 
-    __slots__ = ("alias", "base", "dtype", "offset", "ref", "size", "stored", "stride", "version")
+    __slots__ = ("alias", "base", "conj", "dtype", "neg", "offset", "ref", "size", "stored", "stride", "version")
 
     def __init__(self, t: torch.Tensor, stored: _Stored, offset: int) -> None:
         self.stored = stored
         self.dtype = t.dtype
         self.size = t.size()
         self.stride = t.stride()
+        # A lazy conjugate or negation is a bit on the view, not in the bytes: the copy of the storage
+        # loses it, so it is put back on unpack. Compiled blocks save complex RoPE tables as conjugate
+        # views (the backward of a complex product needs the conjugate); without the bit their gradients
+        # came back silently wrong (Wan Animate 2 with unsloth-compile, input gradients off by ~10%).
+        self.conj = t.is_conj()
+        self.neg = t.is_neg()
         self.offset = offset  # in elements, relative to the copied span
         self.version = t._version
         # Autograd's in-place check reads the version counter that every view of a base shares. We
@@ -399,6 +405,10 @@ class OffloadEngine:
         out = torch.empty(0, dtype=packed.dtype, device=data.device).set_(
             data.untyped_storage(), data.storage_offset() // item + packed.offset, packed.size, packed.stride
         )
+        if packed.conj:
+            out = out.conj()
+        if packed.neg:
+            out = out._neg_view()
         stored.unpacked += 1
         if stored.unpacked >= stored.users:  # every view has its tensor: drop our references
             stored.gpu = stored.src = None
