@@ -48,7 +48,7 @@ def test_version():
 
 
 def _words(families_output: str) -> set[str]:
-    return set(families_output.replace(",", " ").replace(";", " ").replace("│", " ").replace("┃", " ").split())
+    return set(families_output.replace(",", " ").replace(":", " ").replace(";", " ").replace("│", " ").replace("┃", " ").split())
 
 
 def test_families_never_cuts_a_word_in_an_80_column_terminal(monkeypatch):
