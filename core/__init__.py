@@ -50,6 +50,7 @@ __all__ = [
     "patching",
     "register",
     "unregister",
+    "unsupported_models",
 ]
 
 
@@ -132,6 +133,13 @@ def installed() -> list[Installed]:
     from .registry import REGISTRY
 
     return REGISTRY.installed()
+
+
+def unsupported_models() -> dict[str, str]:
+    """Model classes the installed plugins name as left out (no family will handle them), each with why."""
+    from .registry import REGISTRY
+
+    return REGISTRY.unsupported_models()
 
 
 def register(plugin: Any, name: str | None = None) -> str:

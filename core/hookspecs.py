@@ -66,3 +66,21 @@ def register_attention_kernels(register: RegisterKernel) -> None:
         def register_attention_kernels(register):
             register("mylib::attention")
     """
+
+
+RegisterUnsupported = Callable[[str, str], None]
+
+
+@hookspec
+def register_unsupported_models(register: RegisterUnsupported) -> None:
+    """Name model classes that no family will handle, and why, by calling ``register("pkg.mod.Class", reason)``.
+
+    A user who patches such a model gets :class:`gradseam.errors.UnsupportedModelError` saying that reason
+    (``"a VAE, not a transformer a trainer fine-tunes"``) instead of "no family handles it", and
+    ``gradseam families`` lists it. A family that claims the class wins over any such entry, so a third-party
+    plugin can take up a class the built-ins left out. A plugin may implement this hook alone. Example::
+
+        @hookimpl
+        def register_unsupported_models(register):
+            register("mypkg.models.MyVAE", "a VAE: gradseam patches the transformer, not the autoencoder")
+    """

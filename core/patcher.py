@@ -137,8 +137,15 @@ def family_for(model: nn.Module, *, outer: nn.Module | None = None, path: str = 
         inside = ""
         if outer is not None and path:
             inside = f" (found inside the {type(outer).__name__} passed, at .{path})"
+        name = f"{type(model).__module__}.{type(model).__qualname__}"
+        reason = REGISTRY.unsupported_reason(type(model))
+        if reason is not None:
+            raise UnsupportedModelError(
+                f"gradseam does not patch {name}{inside}: {reason}. {_pass_instead(model)}Installed families: "
+                f"{installed}. A plugin that declares a family for it takes precedence: see {PLUGIN_GUIDE}."
+            )
         raise UnsupportedModelError(
-            f"no gradseam family handles {type(model).__module__}.{type(model).__qualname__}{inside}. "
+            f"no gradseam family handles {name}{inside}. "
             f"{_pass_instead(model)}Installed families: {installed}. To support it, install or write a plugin: "
             f"see {PLUGIN_GUIDE}."
         )

@@ -126,6 +126,7 @@ class _Staged:
     plugin: Any
     families: tuple[Family, ...]
     kernels: tuple[str, ...] = ()
+    unsupported: tuple[tuple[str, str], ...] = ()  # (model class, why no family handles it)
 
 
 class _State:
@@ -146,6 +147,8 @@ class _State:
                 self.families[family.name] = installed
                 self.by_model.update(dict.fromkeys(family.model_names, installed))
         self.kernels = BUILTIN_KERNELS.union(*(item.kernels for item in self.plugins.values()))
+        self.unsupported: dict[str, str] = {model: reason for item in self.plugins.values()
+                                            for model, reason in item.unsupported}
 
     def adding(self, staged: Iterable[_Staged]) -> _State:
         return _State({**self.plugins, **{item.source.plugin: item for item in staged}}, self.failures)
@@ -264,8 +267,22 @@ class Registry:
                 )
             kernels.append(name)
 
+        unsupported: list[tuple[str, str]] = []
+
+        def register_unsupported(model: str, reason: str) -> None:
+            if not (isinstance(model, str) and "." in model.strip(".") and isinstance(reason, str) and reason.strip()):
+                raise _Failed(
+                    source,
+                    f"{source.describe()} called register() in register_unsupported_models with {model!r}, "
+                    f"{reason!r}; expected a model class's dotted path and a reason, such as "
+                    "('mypkg.models.MyVAE', 'a VAE, not a transformer').",
+                    kind=PluginTypeError,
+                )
+            unsupported.append((model, reason.strip().rstrip(".")))
+
         for hook, register_one in (("register_families", register),
-                                   ("register_attention_kernels", register_kernel)):
+                                   ("register_attention_kernels", register_kernel),
+                                   ("register_unsupported_models", register_unsupported)):
             try:  # this plugin's implementation only: the others answered when they were staged
                 self.pm.subset_hook_caller(hook, remove_plugins=others)(register=register_one)
             except _Failed:
@@ -274,7 +291,7 @@ class Registry:
                 raise _Failed(
                     source, f"{source.describe()} failed in {hook}: {type(exc).__name__}: {exc}", exc
                 ) from exc
-        return _Staged(source, plugin, tuple(families), tuple(kernels))
+        return _Staged(source, plugin, tuple(families), tuple(kernels), tuple(unsupported))
 
     def _check_hook_names(self, plugin: Any, source: _Source) -> None:
         # pluggy accepts a hookimpl for a hook nobody specified (it might be specified later) and
@@ -551,6 +568,18 @@ class Registry:
             if found is not None:
                 return found.family
         return None
+
+    def unsupported_reason(self, model_type: type) -> str | None:
+        """Why no family handles this model class, if a plugin said so
+        (:func:`gradseam.hookspecs.register_unsupported_models`); None when none did. The class itself only,
+        not its bases: a subclass may be another model (a legacy generic class is the base of real ones)."""
+        self.ensure_loaded()
+        return self._state.unsupported.get(f"{model_type.__module__}.{model_type.__qualname__}")
+
+    def unsupported_models(self) -> dict[str, str]:
+        """Every model class a plugin named as left out, with its reason, sorted by class path."""
+        self.ensure_loaded()
+        return dict(sorted(self._state.unsupported.items()))
 
     def reset(self) -> None:
         """Forget everything and reload lazily (tests, or after installing a plugin in-process)."""

@@ -150,11 +150,43 @@ def checkpoint_calls(monkeypatch):
     return calls
 
 
-def builtin_plugins() -> list[str]:
-    """The built-in plugins' entry-point names, as pyproject.toml declares them (sorted)."""
+def _entry_points() -> dict[str, str]:
     from pathlib import Path
 
     import tomllib
 
     data = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
-    return sorted(data["project"]["entry-points"]["gradseam"])
+    return dict(data["project"]["entry-points"]["gradseam"])
+
+
+def builtin_plugins() -> list[str]:
+    """The built-in plugins' entry-point names, as pyproject.toml declares them (sorted)."""
+    return sorted(_entry_points())
+
+
+def builtin_families() -> list[str]:
+    """The names of the families the built-in plugins declare, read from their modules (sorted): a plugin
+    may declare several (joyimage), or none (left-out, which only names unsupported classes)."""
+    import importlib
+
+    names: list[str] = []
+    for module in _entry_points().values():
+        hook = getattr(importlib.import_module(module), "register_families", None)
+        if hook is not None:
+            hook(register=lambda family: names.append(family.name))
+    return sorted(names)
+
+
+def builtin_family_plugins() -> list[str]:
+    """The built-in plugins that declare at least one family (sorted)."""
+    import importlib
+
+    found = []
+    for name, module in _entry_points().items():
+        hook = getattr(importlib.import_module(module), "register_families", None)
+        declared: list[object] = []
+        if hook is not None:
+            hook(register=declared.append)
+        if declared:
+            found.append(name)
+    return sorted(found)

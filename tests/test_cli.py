@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import builtin_plugins
+from conftest import builtin_family_plugins
 from test_bench import ROW_KEYS  # the documented row schema, written once
 from typer.testing import CliRunner
 
@@ -18,7 +18,7 @@ from gradseam.tools.bench_rows import real_rows
 from gradseam.tools.cli import app
 
 runner = CliRunner()
-BUILTIN = builtin_plugins()  # pyproject.toml's [project.entry-points.gradseam], sorted
+BUILTIN = builtin_family_plugins()  # pyproject.toml's entry points that declare families, sorted
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusal")
 
 
@@ -31,6 +31,17 @@ def test_families_lists_the_builtins():
     assert result.exit_code == 0, result.output
     for name in BUILTIN:
         assert name in result.output
+
+
+def test_families_lists_the_left_out_classes_with_their_reasons():
+    left_out = gradseam.unsupported_models()
+    assert "diffusers.models.transformers.prior_transformer.PriorTransformer" in left_out  # the built-in list
+    result = _invoke("families", columns="80")
+    assert result.exit_code == 0, result.output
+    assert f"Left out ({len(left_out)} model classes no family handles" in result.output
+    flat = " ".join(result.output.split())
+    for path, reason in left_out.items():
+        assert f"{path.rsplit('.', 1)[-1]}: {' '.join(reason.split())}" in flat
 
 
 @pytest.mark.parametrize("command", [[], ["bench"], ["advise"], ["families"], ["demo"], ["run"]])
@@ -463,7 +474,7 @@ def test_real_rows_cover_references_and_strategies():
 
 # -- every option is checked before work starts: one line on stderr, exit code 2 --------------------
 
-INSTALLED = "installed: ace-step, auraflow, chroma, "  # the list goes on alphabetically (the synthetic stack too, once bench ran)
+INSTALLED = "installed: ace-step, anyflow, anyflow-far, auraflow, "  # the list goes on alphabetically (the synthetic stack too, once bench ran)
 OPTION_ERRORS = [
     (["demo", "--steps", "0"], "Invalid value for '--steps': expected a number of timed steps >= 1, got 0."),
     (["demo", "--tokens", "0"], "Invalid value for '--tokens': image tokens must be a square number >= 1 (side x "

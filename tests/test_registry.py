@@ -18,7 +18,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import builtin_plugins
+from conftest import builtin_families, builtin_family_plugins, builtin_plugins
 from torch import nn
 
 import gradseam
@@ -94,6 +94,7 @@ def tiny_inputs(g: torch.Generator) -> dict:
 
 TINY_CASE = Case("tiny", TinyStack, tiny_inputs)
 BUILTINS = builtin_plugins()  # pyproject.toml's [project.entry-points.gradseam], sorted
+BUILTIN_FAMILIES = builtin_families()  # the families they declare (a plugin may declare several, or none)
 
 TINY = Family(
     name="tiny",
@@ -149,7 +150,7 @@ def test_builtin_families_listed():
     assert {"flux", "wan"} <= set(names)
     assert names == sorted(names)
     # every built-in plugin is installed, from gradseam itself (other distributions' plugins may be too)
-    assert sorted({i.plugin for i in gradseam.installed() if i.distribution == "gradseam"}) == BUILTINS
+    assert sorted({i.plugin for i in gradseam.installed() if i.distribution == "gradseam"}) == builtin_family_plugins()
     flux = next(i for i in gradseam.installed() if i.family.name == "flux")
     assert flux.plugin == "flux"
     assert flux.distribution == "gradseam"
@@ -227,6 +228,50 @@ def test_runtime_plugin_module(registered):
         assert handle.family is TINY
     finally:
         handle.remove()
+
+
+def _left_out(*entries: tuple[str, str]) -> types.ModuleType:
+    module = types.ModuleType("left_out_plugin")
+
+    def register_unsupported_models(register):
+        for model, reason in entries:
+            register(model, reason)
+
+    module.register_unsupported_models = hookimpl(register_unsupported_models)
+    return module
+
+
+TINY_PATH = f"{TinyStack.__module__}.{TinyStack.__qualname__}"
+
+
+def test_a_left_out_model_is_refused_with_its_reason(registered):
+    registered(_left_out((TINY_PATH, "a four-block toy, not a model anyone fine-tunes.")), "tiny-left-out")
+    assert gradseam.unsupported_models()[TINY_PATH] == "a four-block toy, not a model anyone fine-tunes"
+    assert REGISTRY.unsupported_reason(TinyStackV2) is None  # a subclass may be another model: the class only
+    with pytest.raises(UnsupportedModelError) as info:
+        gradseam.patch(TinyStack(), gradient_checkpointing=True)
+    msg = str(info.value)
+    assert f"gradseam does not patch {TINY_PATH}: a four-block toy, not a model" in msg
+    assert "fine-tunes. Installed families:" in msg and "docs/plugins.md" in msg  # one period, then the rest
+
+
+def test_a_family_claiming_a_left_out_model_wins(registered):
+    registered(_left_out((TINY_PATH, "left out")), "tiny-left-out")
+    registered(plugin_of(TINY), "tiny-plugin")
+    handle = gradseam.patch(TinyStack(), gradient_checkpointing=True)
+    try:
+        assert handle.family is TINY
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("entry", [("TinyStack", "no module"), (TINY_PATH, "  "), (TINY_PATH, None)])
+def test_a_left_out_entry_needs_a_dotted_class_and_a_reason(registered, entry):
+    with pytest.raises(TypeError) as info:
+        registered(_left_out(entry), "tiny-left-out-bad")
+    msg = str(info.value)
+    assert "'tiny-left-out-bad'" in msg and "register_unsupported_models" in msg and repr(entry[0]) in msg
+    assert not REGISTRY.pm.has_plugin("tiny-left-out-bad")
 
 
 def test_unregister_removes_family_and_model():
@@ -409,9 +454,10 @@ def test_invalid_family_field_names_field_family_and_plugin(registered):
     ("hook_name", "expected"),
     [
         ("register_family", "implements 'register_family' (did you mean 'register_families'?), which gradseam "
-                            "does not define; gradseam's hooks are ['register_families', 'register_attention_kernels']."),
+                            "does not define; gradseam's hooks are ['register_families', 'register_attention_kernels', "
+                            "'register_unsupported_models']."),
         ("setup", "implements 'setup', which gradseam does not define; gradseam's hooks are "
-                  "['register_families', 'register_attention_kernels']."),
+                  "['register_families', 'register_attention_kernels', 'register_unsupported_models']."),
     ],
 )
 def test_misspelled_hook_is_rejected(registered, hook_name, expected):
@@ -726,7 +772,7 @@ def test_third_party_entry_point_installs_with_its_distribution(site):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         installed = {i.family.name: i for i in registry.installed()}
-    assert sorted(installed) == sorted([*BUILTINS, "sd9"])
+    assert sorted(installed) == sorted([*BUILTIN_FAMILIES, "sd9"])
     assert (installed["sd9"].plugin, installed["sd9"].distribution, installed["sd9"].version) == (
         "sd9", "gradseam-sd9", "1.2"
     )
@@ -763,7 +809,7 @@ def test_broken_third_party_plugin_is_skipped_with_a_warning(site, kind):
     registry = Registry()
     with pytest.warns(PluginWarning) as record:
         names = [f.name for f in registry.families()]
-    assert names == sorted([*BUILTINS, "sd8"])  # the built-ins and the healthy plugin are unaffected
+    assert names == sorted([*BUILTIN_FAMILIES, "sd8"])  # the built-ins and the healthy plugin are unaffected
     messages = [str(w.message) for w in record if issubclass(w.category, PluginWarning)]
     assert len(messages) == 1
     prefix = "gradseam plugin 'broken' (distribution gradseam-broken 0.3, entry point broken = gs_broken) "

@@ -250,6 +250,13 @@ def print_families(out: Console) -> None:
         "gradient_checkpointing_segment_stride picks the first N of every S blocks.",
         markup=False, highlight=False,
     )
+    left_out = gradseam.unsupported_models()
+    if left_out:
+        out.print("", markup=False)
+        out.print(f"Left out ({len(left_out)} model classes no family handles, and why; patching one raises "
+                  "with its reason):", markup=False, highlight=False)
+        for path, reason in left_out.items():
+            out.print(f"  {path.rsplit('.', 1)[-1]}: {reason}", markup=False, highlight=False)
 
 
 @command()
