@@ -130,6 +130,73 @@ def _parse_backend(key: str, value: Any, nullable: bool = False) -> str:
 # -- what gradseam says about each key, stated once: beside its field ------------------------------
 
 # The groups keys are listed under in `gradseam run --help`, in this order.
+# The keys one entry of gradient_checkpointing_blocks may set for its blocks: what a region does. The interval,
+# the stride, the pinned pool and weight streaming are the model's (how blocks group, which stream), not a block's.
+BLOCK_KEYS = (
+    "gradient_checkpointing", "gradient_checkpointing_backend", "gradient_checkpointing_memory_budget",
+    "gradient_checkpointing_keep_attention", "gradient_checkpointing_offload_attention",
+)
+BLOCKS_KEY = "gradient_checkpointing_blocks"
+SELECTOR = "blocks"  # an entry's block selector: "list", "list[i]" or "list[a:b]" (b exclusive, as in Python)
+BlockOverride = tuple[tuple[str, Any], ...]  # ("blocks", selector) first, then the entry's keys as stored
+
+
+def _parse_block_overrides(key: str, value: Any, nullable: bool = True) -> tuple[BlockOverride, ...] | None:
+    """Per-block settings: a list of entries, each ``{"blocks": SELECTOR, KEY: VALUE, ...}`` with keys from
+    :data:`BLOCK_KEYS`, validated as the top-level keys are (each message names the entry). A JSON string
+    passes (the command line). Stored as tuples, so the config stays hashable; which blocks a selector names
+    is the planner's to check, against the model's block lists."""
+    import re
+
+    if value is None or (isinstance(value, (list, tuple)) and not value):
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{_where(key)}: expected a JSON list of entries, got {value!r} ({exc}).") from None
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(
+            f"{_where(key)}: expected a list of entries such as "
+            '[{"blocks": "transformer_blocks[0:10]", "gradient_checkpointing_backend": "unsloth"}], '
+            f"got {value!r} ({type(value).__name__})."
+        )
+    entries = []
+    for i, entry in enumerate(value):
+        where = f"{_where(key)}: entry {i}"
+        if isinstance(entry, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in entry):
+            entry = dict(entry)  # the stored form, read back (given_keys -> from_dict)
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"{where}: expected an object with \"{SELECTOR}\" and keys, got {entry!r}.")
+        selector = entry.get(SELECTOR)
+        if not isinstance(selector, str) or not re.fullmatch(r"\s*[A-Za-z_][\w.]*\s*(\[\s*\d*\s*(:\s*\d*\s*)?\])?\s*",
+                                                              selector):
+            raise ValueError(
+                f"{where}: \"{SELECTOR}\" must name a block list and optionally which of its blocks, as "
+                f"'transformer_blocks', 'transformer_blocks[3]' or 'transformer_blocks[0:10]' (the end excluded); "
+                f"got {selector!r}."
+            )
+        keys = [k for k in entry if k != SELECTOR]
+        if not keys:
+            raise ValueError(f"{where}: sets nothing for {selector!r}; add one of {list(BLOCK_KEYS)}.")
+        stored: list[tuple[str, Any]] = [(SELECTOR, re.sub(r"\s+", "", selector))]
+        for k in keys:
+            if k not in BLOCK_KEYS:
+                close = [] if k in KEY_SPECS else difflib.get_close_matches(str(k), BLOCK_KEYS, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                model_wide = " It is the model's, not a block's: set it at the top level." if k in KEY_SPECS else ""
+                raise ValueError(
+                    f"{where}: {k!r} cannot be set per block{hint}.{model_wide} A block entry sets "
+                    f"{', '.join(BLOCK_KEYS)}."
+                )
+            try:
+                stored.append((k, KEY_SPECS[k].read(k, entry[k])))
+            except ValueError as exc:
+                raise ValueError(f"{where} ({selector!r}): {exc}") from None
+        entries.append(tuple(stored))
+    return tuple(entries)
+
+
 GROUP_CHECKPOINTING = "Checkpointing"
 GROUP_ATTENTION = "Attention"
 GROUP_COMPILED = "Compiled backends"
@@ -439,6 +506,17 @@ class CheckpointConfig:
             "stream while it computes (the GPU holds 1 + N streamed blocks' weights); 0 copies each block when "
             "it runs and waits for it (no overlap: the reference the overlap is measured against)"))
 
+    gradient_checkpointing_blocks: tuple[BlockOverride, ...] | None = _key(None, KeySpec(
+        flag="--blocks", value=str, metavar="JSON", parse=_parse_block_overrides, group=GROUP_CHECKPOINTING,
+        nullable=True,
+        help='per-block settings, a JSON list: [{"blocks": "transformer_blocks[0:10]", '
+             '"gradient_checkpointing_backend": "unsloth"}]',
+        doc_type='list of `{"blocks": ..., key: value}` or null', doc_default="null (every block as the keys above)",
+        doc="settings for some blocks: each entry names a block list and a range (`\"blocks[0:10]\"`, the end "
+            "excluded) and sets any of `gradient_checkpointing`, `..._backend`, `..._memory_budget`, "
+            "`..._keep_attention`, `..._offload_attention` for them, over the keys above; later entries win "
+            "([per-block plans](strategies.md#per-block-plans))"))
+
     def __post_init__(self) -> None:
         # Frozen dataclass: normalise through object.__setattr__ so the stored values are the parsed ones.
         set_ = object.__setattr__
@@ -468,7 +546,7 @@ class CheckpointConfig:
 
         A kept-attention setting warns where the plan sees it, a memory budget is refused there.
         """
-        if self.enabled:
+        if self.enabled or self.gradient_checkpointing_blocks:  # per-block entries may turn it on for their blocks
             return
         idle = [k for k in ("gradient_checkpointing_interval", "gradient_checkpointing_segment_stride")
                 if getattr(self, k) is not None]
@@ -621,7 +699,19 @@ class CheckpointConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The keys as a trainer would write them (JSON-ready)."""
-        return asdict(self)
+        data = asdict(self)
+        if self.gradient_checkpointing_blocks is not None:
+            data[BLOCKS_KEY] = [dict(entry) for entry in self.gradient_checkpointing_blocks]
+        return data
+
+    def for_blocks(self, entries: tuple[BlockOverride, ...]) -> CheckpointConfig:
+        """This config with ``entries``' keys over its own (later entries win), as the blocks they select run
+        it: the keys as given, then the entries', resolved once (a backend set for some blocks turns
+        checkpointing on for them as it would at the top level). No per-block entries of its own."""
+        merged = {k: v for k, v in self.given_keys().items() if k != BLOCKS_KEY}
+        for entry in entries:
+            merged.update((k, v) for k, v in entry if k != SELECTOR)
+        return CheckpointConfig.from_dict(merged)
 
     def describe(self) -> str:
         parts = [self.backend if self.enabled else "no checkpointing"]
@@ -635,6 +725,9 @@ class CheckpointConfig:
             parts.append("attention kept")
         if self.enabled and self.gradient_checkpointing_memory_budget is not None:
             parts.append(f"memory budget {self.memory_budget:g}")
+        if self.gradient_checkpointing_blocks:
+            parts.append(f"{len(self.gradient_checkpointing_blocks)} per-block "
+                         f"entr{'y' if len(self.gradient_checkpointing_blocks) == 1 else 'ies'}")
         streamed = self.gradient_checkpointing_stream_weights
         if streamed is not None:
             ahead = self.gradient_checkpointing_stream_prefetch

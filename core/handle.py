@@ -212,7 +212,7 @@ class PatchHandle:
         return device_type(self.model) == "cpu" and any(not engine.test_mode for engine in self.engines.values())
 
     def _offload_what(self) -> str:
-        return " and ".join(self.plan.strategy.offloaded())
+        return " and ".join(self.plan.offloaded())
 
     def _runs_as_on_cpu(self) -> str:
         backend = self.plan.strategy.backend

@@ -68,7 +68,7 @@ def _check_group_offloading(model: nn.Module, planned: Plan) -> None:
 def _check_offload_device(model: nn.Module, config: CheckpointConfig, planned: Plan) -> None:
     from .offload import cpu_allowed
 
-    wants = planned.strategy.offloaded()
+    wants = planned.offloaded()
     # a model whose weights stream is patched on the CPU on purpose (its weights may not fit the GPU):
     # the handle says offload is pending until model.to("cuda"), as for a model patched at load time
     if wants and planned.stores and not planned.streamed and device_type(model) == "cpu" and not cpu_allowed():

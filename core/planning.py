@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .backends import Destination, Kept, Offload, Scope
-from .config import DEFAULT_STREAM_PREFETCH, CheckpointConfig
+from .config import BLOCKS_KEY, DEFAULT_STREAM_PREFETCH, SELECTOR, BlockOverride, CheckpointConfig
 from .errors import UnsupportedModelError, UnsupportedStrategyError, warn_once
 from .family import BlockClass, BlockList, Family
 from .kinds import ATTENTION_OFFLOAD, check_config
@@ -296,7 +296,9 @@ class _Planner:
         self.plain: list[tuple[str, int, str]] = []
         self.skipped: list[str] = []
 
-    def add_list(self, block_list: BlockList, blocks: list[nn.Module]) -> None:
+    def add_list(self, block_list: BlockList, blocks: list[nn.Module], only: set[int] | None = None) -> None:
+        """Plan the blocks of one list (``only``: just these indices, the others belonging to another plan's
+        entry; a chunk never spans a block outside them)."""
         kind = self.strategy.kind
         group = self.config.interval if block_list.carry is not None and kind is not None and kind.chunks else 1
         if self.whole and group > 1:
@@ -305,6 +307,8 @@ class _Planner:
         chunk: list[int] = []
         declared_of: dict[int, BlockClass] = {}
         for index, block in enumerate(blocks):
+            if only is not None and index not in only:
+                continue
             where = f"{block_list.path}[{index}]"
             declared = declared_of[index] = _block_class(self.family, block, where)
             selected = self._selected(index, block, where)
@@ -385,21 +389,96 @@ class _Planner:
         )
 
 
-def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
-    """Decide every region, and how it runs, without touching the model."""
-    strategy = strategy_of(config)
-    _check_strategy(family, config, strategy)
-    lists = _blocks(model, family)
-    _warn_longer_than_lists(model, config, strategy, lists)
-    if strategy.backend is not None or strategy.attention_offload:
-        _refuse_shared(model, family, lists)
-    if strategy.backend is not None and strategy.kind is not None:
-        strategy.kind.refuse_model(strategy.backend, model, family)
-    planner = _Planner(model, family, config, strategy)
+def _selection(model: nn.Module, lists: list[tuple[BlockList, list[nn.Module]]], n: int,
+               selector: str) -> tuple[str, range]:
+    """The block list and the indices an entry of ``gradient_checkpointing_blocks`` names; a list the model
+    lacks or a range outside it is refused, naming the model's lists and lengths."""
+    text = selector.replace(" ", "")
+    path, _, rest = text.partition("[")
+    lengths = {bl.path: len(blocks) for bl, blocks in lists}
+    shown = ", ".join(f"{p} ({k} blocks)" for p, k in lengths.items())
+    if path not in lengths:
+        raise UnsupportedStrategyError(
+            f"{BLOCKS_KEY}[{n}] selects {selector!r}, but {type(model).__name__} has no block list {path!r}; its "
+            f"block lists: {shown}."
+        )
+    count = lengths[path]
+    if not rest:
+        return path, range(count)
+    inside = rest.rstrip("]")
+    if ":" in inside:
+        lo_text, _, hi_text = inside.partition(":")
+        lo, hi = int(lo_text or 0), int(hi_text) if hi_text else count
+    else:
+        lo = int(inside)
+        hi = lo + 1
+    if not lo < hi <= count:
+        raise UnsupportedStrategyError(
+            f"{BLOCKS_KEY}[{n}] selects {selector!r}, but {path} has {count} blocks (indices 0 to {count - 1}; a "
+            f"range [a:b] takes a <= i < b): select within them."
+        )
+    return path, range(lo, hi)
+
+
+def _block_groups(model: nn.Module, config: CheckpointConfig, lists: list[tuple[BlockList, list[nn.Module]]]
+                  ) -> list[tuple[CheckpointConfig, dict[str, set[int]]]]:
+    """Every block's config (the top-level keys with the entries that select it over them, later entries
+    winning), grouped: one config per group, with the blocks of each list that run it, in plan order."""
+    entries = config.gradient_checkpointing_blocks or ()
+    chosen: dict[tuple[str, int], list[BlockOverride]] = {}
+    for n, entry in enumerate(entries):
+        path, indices = _selection(model, lists, n, dict(entry)[SELECTOR])
+        for i in indices:
+            chosen.setdefault((path, i), []).append(entry)
+    groups: dict[CheckpointConfig, dict[str, set[int]]] = {}
+    resolved: dict[tuple[BlockOverride, ...], CheckpointConfig] = {}
     for block_list, blocks in lists:
-        planner.add_list(block_list, blocks)
-    planner.warn_skipped(model)
-    destinations = dict.fromkeys(r.destination for r in planner.regions if r.moves)
+        for i in range(len(blocks)):
+            own = tuple(chosen.get((block_list.path, i), ()))
+            if own not in resolved:
+                resolved[own] = config.for_blocks(own)
+            groups.setdefault(resolved[own], {}).setdefault(block_list.path, set()).add(i)
+    return list(groups.items())
+
+
+def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
+    """Decide every region, and how it runs, without touching the model.
+
+    With per-block entries (``gradient_checkpointing_blocks``) each group of blocks that runs one config is
+    planned as the whole model would be under it (its kind's checks included), and the regions merged in
+    block order: the run layer installs each region by its own spec."""
+    lists = _blocks(model, family)
+    groups = _block_groups(model, config, lists) if config.gradient_checkpointing_blocks else [(config, None)]
+    if len(groups) == 1:
+        groups = [(groups[0][0], None)]  # every block runs one config: plan it as the whole model
+    # the configs blocks run are what is checked (a top-level key no block runs is not refused for them)
+    strategy = strategy_of(groups[0][0]) if len(groups) == 1 else strategy_of(config)
+    _warn_longer_than_lists(model, config, strategy, lists)
+    regions: list[RegionSpec] = []
+    plain: list[tuple[str, int, str]] = []
+    strategies: list[Strategy] = []
+    shared_checked = False
+    for group_config, members in groups:
+        group = strategy_of(group_config)
+        _check_strategy(family, group_config, group)
+        if (group.backend is not None or group.attention_offload) and not shared_checked:
+            _refuse_shared(model, family, lists)
+            shared_checked = True
+        if group.backend is not None and group.kind is not None:
+            group.kind.refuse_model(group.backend, model, family)
+        planner = _Planner(model, family, group_config, group)
+        for block_list, blocks in lists:
+            planner.add_list(block_list, blocks, None if members is None else members.get(block_list.path, set()))
+        planner.warn_skipped(model)
+        regions += planner.regions
+        plain += planner.plain
+        strategies.append(group)
+    if len(groups) > 1:
+        order = {bl.path: n for n, (bl, _) in enumerate(lists)}
+        regions.sort(key=lambda r: (order[r.list_path], r.blocks[0]))  # stable: a block's regions keep their order
+        plain.sort(key=lambda p: (order[p[0]], p[1]))
+    destinations = dict.fromkeys(r.destination for r in regions if r.moves)
     stores = tuple(StoreSpec(d, config.pin_buckets) for d in destinations)
-    streamed = _streamed(model, config, strategy, lists)
-    return Plan(family, config, strategy, tuple(planner.regions), tuple(planner.plain), stores, streamed)
+    streamed = _streamed(model, config, strategy_of(config), lists)
+    return Plan(family, config, strategy, tuple(regions), tuple(plain), stores, streamed,
+                tuple(dict.fromkeys(strategies)))

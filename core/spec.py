@@ -149,6 +149,12 @@ class Plan:
     plain: tuple[tuple[str, int, str], ...] = ()  # blocks left as they are
     stores: tuple[StoreSpec, ...] = ()  # one per destination its regions move activations to
     streamed: tuple[tuple[str, int], ...] = ()  # (block list, index) of the blocks whose frozen weights stream
+    # every strategy its regions run: ``strategy`` alone, or one per config of gradient_checkpointing_blocks
+    strategies: tuple[Strategy, ...] = ()
+
+    def offloaded(self) -> list[str]:
+        """What moves activations off the device, in the config's words, over every strategy its blocks run."""
+        return list(dict.fromkeys(w for s in (self.strategies or (self.strategy,)) for w in s.offloaded()))
 
     @cached_property
     def kinds(self) -> tuple[RegionKind, ...]:

@@ -23,6 +23,7 @@ KEYS = (
     "gradient_checkpointing_memory_budget",
     "gradient_checkpointing_stream_weights",
     "gradient_checkpointing_stream_prefetch",
+    "gradient_checkpointing_blocks",
 )
 
 # One non-default value for every key, as a trainer would write it.
@@ -37,6 +38,7 @@ FULL = {
     "gradient_checkpointing_memory_budget": 0.3,
     "gradient_checkpointing_stream_weights": "all",
     "gradient_checkpointing_stream_prefetch": 2,
+    "gradient_checkpointing_blocks": [{"blocks": "blocks[0:2]", "gradient_checkpointing_backend": "torch"}],
 }
 
 
@@ -153,7 +155,7 @@ def test_config_is_frozen():
 
 def test_describe():
     assert CheckpointConfig(**FULL).describe() == ("unsloth-ffn, interval 2, stride 5, attention offload, memory budget 0.3, "
-                                                   "weights of all blocks streamed (prefetch 2)")
+                                                   "1 per-block entry, weights of all blocks streamed (prefetch 2)")
     assert CheckpointConfig(gradient_checkpointing=True).describe() == "torch"
 
 

@@ -62,6 +62,9 @@ GOOD = {
     "gradient_checkpointing_stream_weights": st.one_of(
         st.none(), st.integers(0, 10**20), st.sampled_from(["all", " ALL ", "8", "0"])),
     "gradient_checkpointing_stream_prefetch": st.one_of(st.integers(0, 10**6), st.sampled_from(["0", " 2 "])),
+    "gradient_checkpointing_blocks": st.one_of(st.none(), st.sampled_from([
+        [], [{"blocks": "blocks[0:2]", BACKEND: "unsloth"}],
+        '[{"blocks": "transformer_blocks", "gradient_checkpointing": false}]'])),
 }
 
 unknown_keys = st.one_of(
