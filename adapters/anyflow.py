@@ -36,9 +36,11 @@ again: a prefill block stores the same K/V again (recomputed exactly, in place),
 reads the cache as it is *then*. That is exact as long as the cache is not rewritten between a
 step's forward and its backward. AnyFlow's FAR pipeline rewrites it at every chunk (each chunk's
 prefill recomputes the whole prefix and slides the full-resolution window), so a backward through a
-decoding step taken after a later chunk's prefill recomputes against the new cache: silently wrong
-gradients, as with diffusers' own checkpointing flag, and nothing in this declaration can refuse
-it. Run each backward before the next prefill, or train through the training path.
+decoding step taken after a later chunk's prefill would recompute against the new cache (wrong
+gradients, as diffusers' own checkpointing flag gives them silently). gradseam's regions note the
+tensors of their state arguments as each forward leaves them and refuse such a recompute, naming the
+cache (:mod:`gradseam.run.chains`). Run each backward before the next prefill, or train through the
+training path.
 
 FFN seam: ``ffn`` (diffusers' ``FeedForward``: ``Linear`` to ``ffn_dim``, tanh-GELU, ``Linear``) is
 called on exactly ``norm3(x) * (1 + scale) + shift``, a fresh tensor nothing else uses, and its

@@ -315,6 +315,28 @@ def test_far_kv_cache_trains_exactly_and_chunks_fall_back(flex_on_cpu: None) -> 
     assert not torch.equal(cache[0]["full_cache"], cache[1]["full_cache"])  # one cache per block
 
 
+def test_far_backward_after_the_next_prefill_is_refused_naming_the_cache(flex_on_cpu: None) -> None:
+    # The pipeline refills the cache for every chunk. A decoding step's backward taken after the next prefill
+    # would recompute the decoding blocks against the new cache (wrong gradients, as diffusers' own flag
+    # gives); the recompute finds the layer cache changed since its forward and refuses, naming it.
+    model = FAR.fresh()
+    g = torch.Generator().manual_seed(1)
+    context, text = randn(g, 1, 3, 4, 8, 8), randn(g, 1, TEXT, 12)
+    noisy = randn(g, 1, 1, 4, 8, 8, grad=True)
+    cache, zeros = _cache(), torch.zeros(1, 3)
+    prefill = {"chunk_partition": CHUNKS[:3], "kv_cache": cache, "kv_cache_flag": {"num_cached_chunks": 0,
+                                                                                    "is_cache_step": True}}
+    with gradseam.patch(model, gradient_checkpointing=True):
+        with torch.no_grad():
+            model(context, zeros, zeros, text, **prefill)
+        out = model(noisy, torch.tensor([[700.0]]), torch.tensor([[300.0]]), text, chunk_partition=CHUNKS,
+                    kv_cache=cache, kv_cache_flag={"num_cached_chunks": 3, "is_cache_step": False}).sample
+        with torch.no_grad():  # the next chunk's prefill, before this step's backward
+            model(context * 2, zeros, zeros, text, **prefill)
+        with pytest.raises(RuntimeError, match=r"kv_cache\['(full|compressed)_cache'\] was written in place"):
+            out.square().mean().backward()
+
+
 # -- the compiled backends (run with -m compiled) ---------------------------------------------------
 
 

@@ -21,6 +21,11 @@ object the members were handed. So a head call holding a per-block state object 
 family declares ``per_block``: a KV-cache layer the attention writes into) does not run ahead at
 all: every member computes as its own region for that call.
 
+A recompute reads such state again, as it is at backward time. So each region notes the tensors of
+its state arguments (objects whose attributes hold tensors, dicts and lists of tensors) as its forward
+left them, ids and versions only, and a recompute that finds one written in place or replaced since
+raises, naming it: a cache refilled before backward would otherwise give wrong gradients, silently.
+
 The checks themselves live in :mod:`gradseam.run.links`. Any mismatch makes that member, and the rest
 of the chain in this call, compute on their own:
 exact either way. The next call tries the chunk again. Each cause warns once and is counted
@@ -118,15 +123,30 @@ class Runner:
             with _RegionScope(), recomputing(frontier):
                 return fn(*flat[:n], **dict(zip(names, flat[n:])))
 
-        if entry is not None and any(e is not None for e in entry):
+        # State objects (a KV-cache layer) are read again by the recompute, where they are then: if something
+        # rewrote them after this region's forward, the recompute would compute from other values and the
+        # gradients would be wrong without a word. Their tensors as the forward left them are noted (ids and
+        # versions only: holding them would keep memory) and checked before the recompute runs.
+        holders = None if torch.compiler.is_compiling() else _state_holders(flat, names, n, entry)
+        if holders:
+            holders = _named(fn, holders)
+        if (entry is not None and any(e is not None for e in entry)) or holders:
             forward = region
             runs = [0]
+            after: list[tuple[tuple[str, int, int], ...]] = []
 
             def region(*flat: Any) -> Any:  # the first call is the forward, later ones recompute
                 runs[0] += 1
                 if runs[0] > 1:
-                    flat = tuple(_shallow(e) if e is not None else f for e, f in zip(entry, flat))
-                return forward(*flat)
+                    if holders:
+                        _check_state(holders, after[0])
+                    if entry is not None:
+                        flat = tuple(_shallow(e) if e is not None else f for e, f in zip(entry, flat))
+                    return forward(*flat)
+                out = forward(*flat)
+                if holders:
+                    after.append(_state_of(holders))
+                return out
 
         if self.scope is None:
             return checkpoint(region, *flat, use_reentrant=False)
@@ -134,6 +154,81 @@ class Runner:
             if context_fn is None:
                 return checkpoint(region, *flat, use_reentrant=False)
             return checkpoint(region, *flat, use_reentrant=False, context_fn=context_fn)
+
+
+def _state_holders(flat: tuple[Any, ...], names: tuple[str, ...], n: int,
+                   entry: tuple[Any, ...] | None) -> list[tuple[str, Any]]:
+    """The arguments that hold state the recompute reads again: plain Python objects whose attributes hold
+    tensors (a KV-cache layer), and dicts or lists holding tensors (a layer cache as a dict, a mask in the
+    attention kwargs), each as the recompute will see it (a container: the copy ``entry`` made at the call);
+    with the argument's name for messages."""
+    found = []
+    for i, value in enumerate(flat):
+        name = names[i - n] if i >= n else f"argument {i}"
+        if isinstance(value, (dict, list)):
+            held = entry[i] if entry is not None and entry[i] is not None else value
+            if any(isinstance(v, torch.Tensor) for v in _values(held)):
+                found.append((name, held))
+            continue
+        if value is None or isinstance(value, (torch.Tensor, nn.Module, tuple, str, int, float, bool)):
+            continue
+        attributes = getattr(value, "__dict__", None)
+        if attributes and any(isinstance(v, torch.Tensor) for v in attributes.values()):
+            found.append((name, value))
+    return found
+
+
+def _named(fn: Call, holders: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Positional state arguments named by ``fn``'s parameters where its signature says (for messages)."""
+    import inspect
+
+    target = getattr(fn, "function", fn)  # an Original: the block class's forward, whose first parameter is self
+    try:
+        params = [p.name for p in inspect.signature(target).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1 if target is not fn else 0:]
+    except (TypeError, ValueError):
+        return holders
+    named = []
+    for name, holder in holders:
+        if name.startswith("argument "):
+            i = int(name.removeprefix("argument "))
+            name = params[i] if i < len(params) else name
+        named.append((name, holder))
+    return named
+
+
+def _values(holder: Any) -> list[tuple[str, Any]] | Any:
+    if isinstance(holder, dict):
+        return holder.values()
+    if isinstance(holder, list):
+        return holder
+    return vars(holder).values()
+
+
+def _items(holder: Any) -> Any:
+    if isinstance(holder, dict):
+        return ((f"[{k!r}]", v) for k, v in holder.items())
+    if isinstance(holder, list):
+        return ((f"[{i}]", v) for i, v in enumerate(holder))
+    return ((f".{k}", v) for k, v in vars(holder).items())
+
+
+def _state_of(holders: list[tuple[str, Any]]) -> tuple[tuple[str, int, int], ...]:
+    return tuple((f"{name}{where}", id(v), v._version) for name, obj in holders
+                 for where, v in _items(obj) if isinstance(v, torch.Tensor))
+
+
+def _check_state(holders: list[tuple[str, Any]], before: tuple[tuple[str, int, int], ...]) -> None:
+    now = {what: (ident, version) for what, ident, version in _state_of(holders)}
+    for what, ident, version in before:
+        if now.get(what) != (ident, version):
+            how = "written in place" if now.get(what, (None,))[0] == ident else "replaced"
+            raise RuntimeError(
+                f"gradseam: {what} was {how} after this checkpointed region's forward and before its recompute in "
+                "backward (a KV cache rewritten for the next chunk, say): the recompute would read the new values and "
+                "the gradients would be wrong. Run backward before the state is rewritten, or leave these blocks "
+                "without checkpointing (gradient_checkpointing_blocks with gradient_checkpointing: false)."
+            )
 
 
 def _shallow(value: Any) -> Any:

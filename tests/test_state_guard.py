@@ -1,0 +1,64 @@
+"""State read again by a recompute: a checkpointed region whose argument is a state object (a KV-cache layer)
+recomputes from that object as it is at backward time. Rewritten in between (a cache refilled for the next
+chunk before backward), the recompute would compute other values and the gradients would be wrong without a
+word: the runner notes the object's tensors as the forward left them and refuses a recompute that finds them
+changed, naming the attribute. A region that fills its own state in forward (the reference pass of a KV
+cache) recomputes as usual."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradseam.run.chains import Runner
+
+
+class Cache:
+    """A layer cache as diffusers' KV caches hold one: tensors as plain attributes."""
+
+    def __init__(self, key: torch.Tensor | None = None, mode: str = "cached") -> None:
+        self.key = key
+        self.mode = mode
+
+
+def block(x: torch.Tensor, cache: Cache) -> torch.Tensor:
+    if cache.mode == "extract":  # the reference pass: store, as a block's attention stores its K/V
+        cache.key = (x * 2).detach()
+        return x.sin()
+    return (x * cache.key).sin()
+
+
+def _step(cache: Cache, between=None) -> torch.Tensor:
+    x = torch.linspace(-1.0, 1.0, 8, requires_grad=True)
+    out = Runner()(block, (x,), {"cache": cache})
+    if between is not None:
+        between(cache)
+    out.sum().backward()
+    return x.grad
+
+
+def test_an_untouched_state_recomputes_exactly():
+    key = torch.linspace(0.5, 1.5, 8)
+    x = torch.linspace(-1.0, 1.0, 8, requires_grad=True)
+    block(x, Cache(key.clone())).sum().backward()
+    assert torch.equal(_step(Cache(key.clone())), x.grad)
+
+
+def test_a_region_that_fills_its_own_state_recomputes_as_usual():
+    cache = Cache(mode="extract")
+    grad = _step(cache)
+    assert cache.key is not None and torch.equal(grad, torch.linspace(-1.0, 1.0, 8).cos())
+    refilled = Cache(torch.zeros(8), mode="extract")  # a later step refills the cache it filled before
+    assert torch.equal(_step(refilled), grad) and torch.equal(refilled.key, torch.linspace(-2.0, 2.0, 8))
+
+
+@pytest.mark.parametrize(("rewrite", "how"), [
+    (lambda cache: cache.key.mul_(3), "written in place"),
+    (lambda cache: setattr(cache, "key", torch.ones(8)), "replaced"),
+])
+def test_a_state_rewritten_before_backward_is_refused_naming_it(rewrite, how):
+    with pytest.raises(RuntimeError) as info:
+        _step(Cache(torch.linspace(0.5, 1.5, 8)), between=rewrite)
+    message = str(info.value)
+    assert f"cache.key was {how} after this checkpointed region's forward" in message
+    assert "gradients would be wrong" in message and "gradient_checkpointing: false" in message
