@@ -252,3 +252,32 @@ def test_the_right_cuts_pass(declared):
     _suite(case).test_declaration_matches_the_model()
     for config in (KEEP, {**ON, "gradient_checkpointing_backend": "torch-ffn"}):
         check_strategy(case, config)
+
+
+# -- inputs in lists: their gradients are compared too ------------------------------------------------
+
+
+class _ListModel(nn.Module):
+    """Takes its latents as a list (as Cosmos 3 takes its vision tokens) and a dict of extra tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, tokens: list[torch.Tensor], extra: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.proj(torch.cat(tokens) * extra["scale"])
+
+
+def test_the_kits_step_compares_the_gradients_of_inputs_in_lists_and_dicts():
+    from gradseam.testing import assert_same_step, run_step
+
+    case = Case("list-inputs", _ListModel, lambda g: {
+        "tokens": [randn(g, 2, 4, grad=True), randn(g, 3, 4, grad=True)], "extra": {"scale": randn(g, 1, 4, grad=True)}}, output=lambda out: out)
+    model = case.fresh()
+    expected = run_step(model, case)
+    assert sorted(expected.input_grads) == ["extra['scale']", "tokens[0]", "tokens[1]"]
+    assert all(g.abs().sum() > 0 for g in expected.input_grads.values())
+    wrong = run_step(model, case)
+    wrong.input_grads["tokens[1]"] = wrong.input_grads["tokens[1]"] * 1.5  # a patch that got one of them wrong
+    with pytest.raises(AssertionError, match=r"gradient of input 'tokens\[1\]' differs"):
+        assert_same_step(expected, wrong)

@@ -83,6 +83,27 @@ def as_tuple(value: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tens
     return value if isinstance(value, tuple) else (value,)
 
 
+def _leaves(inputs: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of the inputs with its path: ``hidden_states``, and inside lists, tuples and dicts
+    ``vision_tokens[0]`` or ``cache['key']``, so a model that takes its latents in a list has their gradients
+    compared too."""
+    found: list[tuple[str, torch.Tensor]] = []
+
+    def walk(path: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            found.append((path, value))
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(f"{path}[{i}]", item)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{path}[{key!r}]", item)
+
+    for name, value in inputs.items():
+        walk(name, value)
+    return found
+
+
 def run_step(model: nn.Module, case: Case, *, seed: int = 1, count_bytes: bool = True) -> Step:
     """One forward + backward with ``sum(out.square().mean())`` as the loss; returns everything it touched.
 
@@ -97,8 +118,8 @@ def run_step(model: nn.Module, case: Case, *, seed: int = 1, count_bytes: bool =
     loss.backward()  # type: ignore[union-attr]
     input_grads = {
         k: v.grad.detach().clone()
-        for k, v in inputs.items()
-        if isinstance(v, torch.Tensor) and v.requires_grad and v.grad is not None
+        for k, v in _leaves(inputs)
+        if v.requires_grad and v.is_leaf and v.grad is not None
     }
     param_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     return Step(tuple(o.detach().clone() for o in outputs), input_grads, param_grads, saved[0])
