@@ -52,9 +52,9 @@ float64 RoPE and the attention call, all inside the processors). In the bidirect
 dispatched SDPA calls. In the FAR model ``attn2`` is SDPA and ``attn1`` one ``flex_attention`` call
 (the only backend its processor accepts), a higher-order op gradseam does not recognise as a kernel:
 whole-block regions recompute it. Attention offload works there beside the ``-ffn`` backends or
-without checkpointing; kept attention, and attention offload inside whole-block regions, fail in
-forward (flex attention compiles its call even in eager mode, and dynamo fails inside gradseam's
-attention gate). They raise; nothing is silently wrong. Declaring no attention side would not avoid
+without checkpointing; kept attention, and attention offload inside whole-block regions, are refused
+in forward with what to change (flex attention compiles its call even in eager mode, which cannot run
+under gradseam's attention gate). Declaring no attention side would not avoid
 it (kept attention would then keep kernels block-wide, through the same gate) and would refuse the
 offload that works.
 """

@@ -41,12 +41,11 @@ the denoising pass the self-attention is one ``flex_attention`` call over the pa
 ``[generation | reference]`` buffer, always on the flex backend: a higher-order op, not an operator
 gradseam can recognise, so it would be recomputed like any other op.
 
-Not this declaration's to fix, and refused by nothing yet (docs/families.md has the details): kept or
-offloaded attention fails in the denoising pass (flex attention compiles its call even when eager, and
-dynamo fails inside gradseam's attention gate); ``unsloth-compile`` computes wrong gradients (the
-compiled block saves the complex RoPE table as a conjugate view, which the offload engine rebuilds
-without its conjugate bit); ``compile`` cannot train through the cache (the reach probe's eager run of
-each compiled block stores K/V that cannot run backward). diffusers' own checkpointing flag cannot
+Not this declaration's to fix (docs/families.md has the details): kept or offloaded attention is refused
+in the denoising pass, with what to change (flex attention compiles its call even when eager, which cannot
+run under gradseam's attention gate); ``compile`` cannot train through the cache (the reach probe's eager
+run of each compiled block stores K/V that cannot run backward: it raises). ``unsloth-compile`` is exact
+since the offload engine keeps a saved conjugate view's bit (this family found that bug). diffusers' own checkpointing flag cannot
 train this model at all (its checkpoint function takes no keyword arguments); gradseam switches it off
 while patched.
 """

@@ -13,8 +13,8 @@ of milliseconds per call on this CPU. So the FAR tests are few and direct, on a 
 whose unpatched training step is computed once: the training path (compressed context, noisy chunks
 and their clean copy, the FAR block mask) exact for chunks, the FFN seam and the offload engine; the
 KV-cache prefill and decoding trained as one step through the cache, exact, chunks falling back block
-by block and the cache left as unpatched; and, as a strict xfail, kept attention (dynamo fails inside
-gradseam's attention gate). ``-m compiled`` adds the kit's compiled rows for the bidirectional model and,
+by block and the cache left as unpatched; and kept attention refused, saying what to change (flex
+attention compiles its own call, which cannot run under gradseam's attention gate). ``-m compiled`` adds the kit's compiled rows for the bidirectional model and,
 for the FAR model, ``unsloth-compile`` on the training path and ``compile`` through the KV cache.
 """
 
@@ -28,6 +28,7 @@ import pytest
 import torch
 
 import gradseam
+from gradseam.errors import UnsupportedStrategyError
 from gradseam.offload import cpu_test_mode
 from gradseam.patcher import family_for
 from gradseam.planning import plan
@@ -256,17 +257,14 @@ def test_far_training_step_is_exact(config: dict, flex_on_cpu: None) -> None:
         assert [r.label for r in regions] == ["blocks[0, 1]"]
 
 
-@pytest.mark.xfail(raises=RuntimeError, strict=True,
-                   reason="flex attention compiles its call even in eager mode, and dynamo fails inside "
-                          "gradseam's attention gate (InternalTorchDynamoError); see docs/families.md")
-def test_far_kept_attention(flex_on_cpu: None) -> None:
-    # Kept (and offloaded) attention inside whole-block regions fails loudly in forward; so does
-    # gradient_checkpointing_offload_attention with a whole-block backend, the same gate.
-    expected = _far_reference()
+def test_far_kept_attention_is_refused_saying_what_to_change(flex_on_cpu: None) -> None:
+    # Kept (and offloaded) attention inside whole-block regions cannot run flex attention, which compiles its own
+    # call even in eager mode (so does gradient_checkpointing_offload_attention with a whole-block backend, the
+    # same gate): refused in forward with what to change, not dynamo's internal error.
     model = FAR.fresh()
-    with gradseam.patch(model, gradient_checkpointing=True, gradient_checkpointing_keep_attention=True):
-        got = run_step(model, FAR)
-    assert_same_step(expected, got, what="attention kept")
+    with (gradseam.patch(model, gradient_checkpointing=True, gradient_checkpointing_keep_attention=True),
+          pytest.raises(UnsupportedStrategyError, match="calls torch.compile inside its forward")):
+        run_step(model, FAR)
 
 
 def _cache(batch: int = 1) -> dict[int, dict[str, torch.Tensor]]:

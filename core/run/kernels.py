@@ -372,8 +372,22 @@ class TapeSite:
         tape = current_tape()
         if tape is None or not tape.scoped or torch.compiler.is_compiling():
             return call(*args, **kwargs)
-        with tape.gate():
-            return call(*args, **kwargs)
+        try:
+            with tape.gate():
+                return call(*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as exc:
+            # flex attention compiles its own call even in eager mode, and dynamo cannot trace the gate's
+            # function mode: said as what to change instead of dynamo's internal error
+            from ..errors import UnsupportedStrategyError
+
+            raise UnsupportedStrategyError(
+                f"gradseam: an attention submodule ({getattr(call, '__qualname__', call)}) calls torch.compile inside "
+                "its forward (flex attention does, even in eager mode), which cannot run while gradseam keeps or "
+                "offloads its kernel outputs. Leave gradient_checkpointing_keep_attention and "
+                "gradient_checkpointing_offload_attention off for this model (or for these blocks, with "
+                "gradient_checkpointing_blocks); its blocks are then recomputed whole, exactly. Dynamo said: "
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            ) from exc
 
 
 def context_fn(kernels: KernelSet, pack: Callable[[torch.Tensor], Any] | None = None,
