@@ -35,6 +35,7 @@ exact either way. The next call tries the chunk again. Each cause warns once and
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
@@ -213,16 +214,18 @@ def _items(holder: Any) -> Any:
     return ((f".{k}", v) for k, v in vars(holder).items())
 
 
-def _state_of(holders: list[tuple[str, Any]]) -> tuple[tuple[str, int, int], ...]:
-    return tuple((f"{name}{where}", id(v), v._version) for name, obj in holders
+def _state_of(holders: list[tuple[str, Any]]) -> tuple[tuple[str, Any, int], ...]:
+    # weak references, not ids: a replaced tensor freed meanwhile could leave its id to the new one
+    return tuple((f"{name}{where}", weakref.ref(v), v._version) for name, obj in holders
                  for where, v in _items(obj) if isinstance(v, torch.Tensor))
 
 
-def _check_state(holders: list[tuple[str, Any]], before: tuple[tuple[str, int, int], ...]) -> None:
-    now = {what: (ident, version) for what, ident, version in _state_of(holders)}
-    for what, ident, version in before:
-        if now.get(what) != (ident, version):
-            how = "written in place" if now.get(what, (None,))[0] == ident else "replaced"
+def _check_state(holders: list[tuple[str, Any]], before: tuple[tuple[str, Any, int], ...]) -> None:
+    now = {what: ref() for what, ref, _ in _state_of(holders)}
+    for what, ref, version in before:
+        tensor = now.get(what)
+        if tensor is None or tensor is not ref() or tensor._version != version:
+            how = "written in place" if tensor is not None and tensor is ref() else "replaced"
             raise RuntimeError(
                 f"gradseam: {what} was {how} after this checkpointed region's forward and before its recompute in "
                 "backward (a KV cache rewritten for the next chunk, say): the recompute would read the new values and "
