@@ -39,6 +39,7 @@ from gradseam.testing import (
     assert_regions_whole,
     assert_same_step,
     check_bench_workload,
+    check_builtin_flag,
     config_id,
     preset_model,
     randn,
@@ -147,17 +148,8 @@ def test_the_ffn_seam_is_the_feedforward_alone() -> None:
 
 
 def test_the_builtin_flag_is_exact_and_owned_by_gradseam() -> None:
-    # diffusers' flag checkpoints every block with every argument, positionally: exact. Set before patching,
-    # gradseam switches it off while patched (one checkpointing layer) and gives it back on remove().
-    model = ANYFLOW.fresh()
-    reference = run_step(model, ANYFLOW)
-    model.enable_gradient_checkpointing()
-    assert_same_step(reference, run_step(model, ANYFLOW), what="diffusers' own checkpointing")
-    with gradseam.patch(model, CHUNKED):
-        assert model.gradient_checkpointing is False
-        patched = run_step(model, ANYFLOW)
-    assert model.gradient_checkpointing is True
-    assert_same_step(reference, patched, what="built-in flag set before patching")
+    # diffusers' flag checkpoints every block with every argument, positionally
+    check_builtin_flag(ANYFLOW, CHUNKED)
 
 
 # -- anyflow-far: the causal FAR model -------------------------------------------------------------

@@ -31,12 +31,11 @@ from gradseam.registry import REGISTRY
 from gradseam.testing import (
     Case,
     ConformanceSuite,
-    assert_same_step,
     check_bench_workload,
+    check_builtin_flag,
     check_strategy,
     preset_model,
     randn,
-    run_step,
 )
 
 TORCH = {"gradient_checkpointing": True}
@@ -274,16 +273,8 @@ def test_a_gate_proj_act_seam_would_be_exact_but_keep_most(monkeypatch: pytest.M
 
 
 def test_builtin_flag_is_exact_and_suspended_while_patched() -> None:
-    # The model's own path (_gradient_checkpointing_func(block.__call__, img, txt, vec, pe, mask),
-    # positional) is exact; gradseam takes the flag over while patched and gives it back on remove().
-    model = PRX_BATCH.fresh()
-    reference = run_step(model, PRX_BATCH)
-    model.enable_gradient_checkpointing()
-    assert_same_step(reference, run_step(model, PRX_BATCH), what="diffusers' flag")
-    with gradseam.patch(model, CHUNKED):
-        assert model.gradient_checkpointing is False
-        assert_same_step(reference, run_step(model, PRX_BATCH), what="patched over the flag")
-    assert model.gradient_checkpointing is True
+    # the model's own path: _gradient_checkpointing_func(block.__call__, img, txt, vec, pe, mask), positional
+    check_builtin_flag(PRX_BATCH, CHUNKED)
 
 
 # -- presets at full size -----------------------------------------------------------------------

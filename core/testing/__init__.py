@@ -40,6 +40,7 @@ from ..tools.measure import count_saved_bytes
 from .checks import (
     ParityReport,
     check_bench_workload,
+    check_builtin_flag,
     check_declared_sides,
     check_no_grad,
     check_strategy,
@@ -71,7 +72,7 @@ __all__ = [
     "COMPILED_MARK", "COMPILED_TOLERANCE", "MARKERS", "QUANTIZED_BASES", "Case", "ConformanceSuite", "Inputs",
     "KernelMap", "KernelSite", "ParityReport", "RegionView", "Step", "assert_attention_side_covers_kernels",
     "assert_regions_ran", "assert_regions_whole", "assert_same_step", "assert_seams_hold_no_attention",
-    "check_bench_workload", "check_declared_sides", "check_no_grad", "check_quantized", "check_strategy", "config_id",
+    "check_bench_workload", "check_builtin_flag", "check_declared_sides", "check_no_grad", "check_quantized", "check_strategy", "config_id",
     "count_kernels", "count_saved_bytes", "cpu_configs", "locate_kernels", "offload_configs", "pick",
     "preset_model", "pytest_collection_modifyitems", "pytest_configure", "pytest_terminal_summary", "quantized_case",
     "randn",

@@ -234,3 +234,21 @@ def check_bench_workload(
     half = build(tiny, "tiny", layers=2, device="cpu", dtype=torch.bfloat16)
     with torch.no_grad():
         half.model(**half.inputs())
+
+
+def check_builtin_flag(case: Case, config: dict[str, Any]) -> None:
+    """diffusers' own ``enable_gradient_checkpointing()`` on ``case``'s model: exact by itself, switched off
+    while gradseam patches the model with ``config`` (one checkpointing layer, exact, keeping less than the
+    plain model) and handed back on ``remove()``. A family whose flag path is broken upstream tests that alone."""
+    import gradseam
+
+    model = case.fresh()
+    reference = run_step(model, case)
+    model.enable_gradient_checkpointing()
+    assert_same_step(reference, run_step(model, case), what=f"{case.name}: diffusers' own checkpointing")
+    with gradseam.patch(model, config):
+        assert model.gradient_checkpointing is False, f"{case.name}: diffusers' flag stayed on under the patch"
+        patched = run_step(model, case)
+    assert model.gradient_checkpointing is True, f"{case.name}: remove() did not hand diffusers' flag back"
+    assert_same_step(reference, patched, what=f"{case.name}: patched over diffusers' flag")
+    assert patched.saved_bytes < reference.saved_bytes, f"{case.name}: the patch kept no less than the plain model"
