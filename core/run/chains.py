@@ -129,8 +129,6 @@ class Runner:
         # gradients would be wrong without a word. Their tensors as the forward left them are noted (ids and
         # versions only: holding them would keep memory) and checked before the recompute runs.
         holders = None if torch.compiler.is_compiling() else _state_holders(flat, names, n, entry)
-        if holders:
-            holders = _named(fn, holders)
         if (entry is not None and any(e is not None for e in entry)) or holders:
             forward = region
             runs = [0]
@@ -140,7 +138,7 @@ class Runner:
                 runs[0] += 1
                 if runs[0] > 1:
                     if holders:
-                        _check_state(holders, after[0])
+                        _check_state(holders, after[0], fn)
                     if entry is not None:
                         flat = tuple(_shallow(e) if e is not None else f for e, f in zip(entry, flat))
                     return forward(*flat)
@@ -220,12 +218,17 @@ def _state_of(holders: list[tuple[str, Any]]) -> tuple[tuple[str, Any, int], ...
                  for where, v in _items(obj) if isinstance(v, torch.Tensor))
 
 
-def _check_state(holders: list[tuple[str, Any]], before: tuple[tuple[str, Any, int], ...]) -> None:
+def _check_state(holders: list[tuple[str, Any]], before: tuple[tuple[str, Any, int], ...], fn: Call) -> None:
     now = {what: ref() for what, ref, _ in _state_of(holders)}
     for what, ref, version in before:
         tensor = now.get(what)
         if tensor is None or tensor is not ref() or tensor._version != version:
             how = "written in place" if tensor is not None and tensor is ref() else "replaced"
+            # a positional argument named by the block's signature, looked up only here (off the hot path)
+            for (plain, _), (named, _) in zip(holders, _named(fn, holders)):
+                if what.startswith(plain) and what[len(plain):len(plain) + 1] in (".", "["):
+                    what = named + what[len(plain):]
+                    break
             raise RuntimeError(
                 f"gradseam: {what} was {how} after this checkpointed region's forward and before its recompute in "
                 "backward (a KV cache rewritten for the next chunk, say): the recompute would read the new values and "
