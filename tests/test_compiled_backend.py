@@ -370,6 +370,36 @@ def test_more_shapes_than_the_recompile_limit_warn_once():
         assert not [w for w in caught if issubclass(w.category, GradseamWarning)]  # once
 
 
+def test_each_block_class_compiles_for_its_own_sizes_never_a_dynamic_graph(monkeypatch):
+    """Flux's double- and single-stream blocks see different token counts. Compiled through one function, the
+    third compile (a single block whose input is laid out unlike the first one's) made the token dimension
+    dynamic for every later single block; each class apart compiles static graphs only."""
+    import gradseam.run.compiler as compiler
+
+    graphs: list[tuple[str, bool]] = []
+    real = compiler._cpu_backend
+
+    def recording() -> object:
+        inner = real()
+
+        def backend(gm, example_inputs):
+            symbolic = any(isinstance(x, torch.SymInt) or (isinstance(x, torch.Tensor) and any(
+                isinstance(d, torch.SymInt) for d in x.shape)) for x in example_inputs)
+            graphs.append((gm.code.count("\n"), symbolic))
+            return inner(gm, example_inputs)
+
+        return backend
+
+    monkeypatch.setattr(compiler, "_cpu_backend", recording)
+    torch._dynamo.reset()
+    model = FLUX.build()
+    with gradseam.patch(model, COMPILE) as handle:
+        run_step(model, FLUX)
+        functions = [f for blocks in handle._installed.compiled.values() for f in blocks.functions()]
+    assert len(functions) == 2  # one per block class
+    assert len(graphs) >= 2 and not [g for g in graphs if g[1]], graphs
+
+
 def test_a_block_list_compiled_with_torch_compile_patches_with_eager_backends():
     """``blocks[i] = torch.compile(blocks[i])`` used to fail as 'no block class for OptimizedModule'."""
     torch._dynamo.reset()

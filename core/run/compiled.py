@@ -155,12 +155,13 @@ class CompiledBlocks:
         self.engine = engine
         self.backend = backend  # the catalog name, for messages
         self.unused = UnusedOutputs()  # an output the loss leaves unused: None gradients, as in eager
-        self._compiled: dict[tuple[str, bool, bool, bool], Callable[..., Any]] = {}
+        self._compiled: dict[tuple[str, bool, bool, bool, type | None], Callable[..., Any]] = {}
         # per block: subclass_weights(block), read again at each new input shape (a compile)
         self._subclass_weights: weakref.WeakKeyDictionary[nn.Module, tuple[bool, bool]] = weakref.WeakKeyDictionary()
         self._eager: dict[int, tuple[nn.Module, Any, Callable[..., Any]]] = {}  # id(sub) -> (sub, inner, wrapper)
-        self._shapes: set[tuple] = set()  # the input shapes seen with gradients, up to the recompile limit
-        self._past_limit = False
+        # the input shapes seen with gradients per block class (each class compiles apart), to the recompile limit
+        self._shapes: dict[type, set[tuple]] = {}
+        self._past_limit: set[type] = set()
         self._apart: dict[str, Any] = {}  # functions dynamo compiled on their own after a graph break
 
     def _check_apart(self, block: nn.Module) -> None:
@@ -183,7 +184,7 @@ class CompiledBlocks:
         drop_compiled(self._apart.values())
         self._apart.clear()
 
-    def _note_shapes(self, args: tuple, kwargs: dict) -> bool:
+    def _note_shapes(self, block_class: type, args: tuple, kwargs: dict) -> bool:
         """Warn once when the inputs have taken more shapes than dynamo keeps compiled versions of a function.
 
         Past ``torch._dynamo.config.recompile_limit`` dynamo runs the block eagerly: still exact, but with
@@ -193,15 +194,16 @@ class CompiledBlocks:
         """
         key = tuple(a.shape for a in args if isinstance(a, torch.Tensor)) + tuple(
             (k, v.shape) for k, v in kwargs.items() if isinstance(v, torch.Tensor))
-        if key in self._shapes:
+        shapes = self._shapes.setdefault(block_class, set())
+        if key in shapes:
             return False
-        self._shapes.add(key)
+        shapes.add(key)
         from torch._dynamo import config as dynamo_config
 
         limit = dynamo_config.recompile_limit
-        if len(self._shapes) > limit:
-            self._past_limit = True
-            self._shapes.clear()  # bounded: what matters from here on is that the limit was passed
+        if len(shapes) > limit:
+            self._past_limit.add(block_class)
+            shapes.clear()  # bounded: what matters from here on is that the limit was passed
             warn_once(
                 f"gradseam: the compiled blocks have seen more than {limit} input shapes "
                 "(torch._dynamo.config.recompile_limit). Past that limit dynamo runs a block eagerly, still "
@@ -211,13 +213,21 @@ class CompiledBlocks:
         return True
 
     def compiled(self, device: str, outside: bool = False, own_outputs: bool = False,
-                 int8_weights: bool = False) -> Callable[..., Any]:
+                 int8_weights: bool = False, block_class: type | None = None) -> Callable[..., Any]:
         """The compiled block function for ``device``; ``outside``: the one whose blocks run their attention
         eagerly; ``own_outputs``: the one that clones what the block returns (blocks with quantized weights,
         :func:`_block_forward_own_outputs`); ``int8_weights``: the one compiled without inductor's pattern
         matcher (:func:`gradseam.run.compiler.compile_block_function` says why). Each its own code object, so
-        their graphs never evict each other."""
-        key = (device, outside, own_outputs, int8_weights)
+        their graphs never evict each other.
+
+        ``block_class``: every block class has code objects of its own too, so each class counts against
+        dynamo's recompile limit apart (HunyuanVideo 1.5's token-refiner and trunk blocks, Flux's double- and
+        single-stream blocks, each with a first block whose input is laid out unlike the rest's, make four
+        graphs in one function) and its graphs never evict another class's. Through one function, dynamo's
+        automatic dynamic shapes also made the trunk's third graph symbolic in the token count for 53 of its
+        54 blocks (the ``[0/2]`` frame seen on the H200 with HunyuanVideo 1.5); the blocks now compile with
+        ``dynamic=False`` (:func:`gradseam.run.compiler.compile_block_function`)."""
+        key = (device, outside, own_outputs, int8_weights, block_class)
         found = self._compiled.get(key)
         if found is None:
             body = _block_forward_own_outputs if own_outputs else _block_forward
@@ -268,7 +278,8 @@ class CompiledBlocks:
             return original(*args, **kwargs)
         stats.member_calls[0] += 1
         stats.runs += 1
-        new_shape = not self._past_limit and self._note_shapes(args, kwargs)
+        block_class = type(original.module)
+        new_shape = block_class not in self._past_limit and self._note_shapes(block_class, args, kwargs)
         if new_shape:  # before a compile: weights cast or packed after patching are refused as at patch time
             refuse_uncompilable_weights(original.module, self.backend)
             warn_tuning_at_run_time(device_type(original.module))
@@ -281,7 +292,8 @@ class CompiledBlocks:
         subs = _attention_modules(original.module, attention) if attention and broadcast_mask(args, kwargs) else []
         if subs:
             stats.notes[ATTENTION_OUTSIDE] += 1
-        compiled = self.compiled(device, outside=bool(subs), own_outputs=weights[0], int8_weights=weights[1])
+        compiled = self.compiled(device, outside=bool(subs), own_outputs=weights[0], int8_weights=weights[1],
+                                 block_class=block_class)
         try:
             with compiling(self.budget), self._attention_eager(subs) if subs else contextlib.nullcontext():
                 if self.engine is None:

@@ -144,8 +144,14 @@ def compile_block_function(function: Callable[..., Any], device: str, *, pattern
     at budget 1 or with the pattern matcher off it compiled and ran (docs/benchmarks.md), and plain
     ``torch.compile`` of the same block ran too. The rewrites fuse and reorder ops: without them the kernels
     differ (rounding, speed), not what the block computes."""
+    # dynamic=False: every block class compiles static graphs, one per input layout (sizes and strides).
+    # Under dynamo's default, a function's second compile for a changed size or stride makes it symbolic:
+    # Flux's first single-stream block takes its tokens laid out unlike the later ones (views of the joint
+    # text and image tensor), so 37 of its 38 single blocks ran a dynamic-shape graph, planned by the
+    # partitioner from size hints. Static graphs plan the memory budget on the real sizes; new shapes
+    # (aspect buckets) recompile up to dynamo's recompile limit, which CompiledBlocks warns about.
     if device != "cuda":
-        return torch.compile(function, backend=_cpu_backend())
+        return torch.compile(function, backend=_cpu_backend(), dynamic=False)
     from torch._inductor import config as inductor_config
 
     options: dict[str, Any] = {"fallback_random": True}
@@ -155,7 +161,7 @@ def compile_block_function(function: Callable[..., Any], device: str, *, pattern
         options["custom_partitioner_fn"] = _inductor_partitioner()
     else:
         options["joint_custom_pre_pass"] = _inductor_pre_pass()
-    return torch.compile(function, backend="inductor", options=options)
+    return torch.compile(function, backend="inductor", options=options, dynamic=False)
 
 
 TUNING_AT_RUN_TIME = (
