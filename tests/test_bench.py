@@ -25,7 +25,7 @@ MEASURED = ["none", "ref: torch.utils.checkpoint", "ref: torch.utils.checkpoint 
 ROW_KEYS = {"workload", "tokens", "strategy", "peak_gib", "step_ms", "status", "pinned_allocations_after_warmup",
             "pinned_gib", "depth", "blocks", "vs_none", "vs_torch", "step_times_ms", "forward_peak_gib",
             "backward_peak_gib", "first_step_ms", "gpu_peak_gib",
-            "pinned_weights_gib"}
+            "pinned_weights_gib", "failure"}
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +197,38 @@ def test_a_pinned_host_allocation_failure_is_an_oom_row_not_an_error(monkeypatch
     by = {r.strategy: r for r in b.synthetic(TINY, steps=1, device="cpu")}
     assert by["torch"].status == "OOM"
     assert by["torch-ffn"].status == "ok"
+
+
+TORCH_OOM = ("CUDA out of memory. Tried to allocate 2.25 GiB. GPU 0 has a total capacity of 139.81 GiB of which "
+             "115.2 GiB is free. Including non-PyTorch memory, this process has 23.61 GiB memory in use. Of the "
+             "allocated memory 21.02 GiB is allocated by PyTorch, and 1.43 GiB is reserved by PyTorch but "
+             "unallocated. If reserved but unallocated memory is large try setting PYTORCH_CUDA_ALLOC_CONF=...")
+
+
+def test_an_oom_row_says_where_and_what_the_allocator_held(monkeypatch) -> None:
+    """A capped row that ran out of memory says GPU or host, forward or backward and torch's figures."""
+    from gradseam.tools.measure import oom_detail
+
+    def backward() -> None:  # named as autograd's frame is: the error was raised in the backward
+        raise torch.OutOfMemoryError(TORCH_OOM + "\n[gradseam] out of GPU memory while reloading offloaded "
+                                     "activations (12.0 MiB).")
+
+    try:
+        backward()
+    except torch.OutOfMemoryError as exc:
+        detail = oom_detail(exc)
+    assert detail == ("GPU, in the backward; Tried to allocate 2.25 GiB; this process has 23.61 GiB memory in use; "
+                      "21.02 GiB is allocated by PyTorch, and 1.43 GiB is reserved by PyTorch but unallocated; "
+                      "[gradseam] out of GPU memory while reloading offloaded activations (12.0 MiB).")
+
+    class AcceleratorError(RuntimeError):
+        pass
+
+    assert oom_detail(AcceleratorError("CUDA error: out of memory")) == "pinned host memory, in the forward"
+    _fail_on(monkeypatch, "torch", torch.OutOfMemoryError(TORCH_OOM))
+    by = {r.strategy: r for r in b.synthetic(TINY, steps=1, device="cpu")}
+    assert by["torch"].status == "OOM" and by["torch"].failure.startswith("GPU, in the forward; Tried to allocate 2.25")
+    assert by["torch-ffn"].status == "ok" and by["torch-ffn"].failure is None
 
 
 def test_a_row_that_breaks_the_device_ends_the_sweep_with_the_row_to_skip(monkeypatch):

@@ -242,7 +242,10 @@ def run_rows(
         try:
             result = _measure_row(sweep, name, config)
         except Exception as exc:  # one broken cell must not lose the sweep; the row says what broke
-            report(sweep.unmeasured(name, _failure(exc)))
+            failed = sweep.unmeasured(name, _failure(exc))
+            if measuring.is_oom(exc):
+                failed.failure = measuring.oom_detail(exc)
+            report(failed)
             if _context_lost(exc, device):
                 raise DeviceLostError(name, exc) from exc
             continue

@@ -40,6 +40,7 @@ The JSON written by ``gradseam bench`` (see :func:`payload`)::
          "first_step_ms": float | null,  # compiled rows: the first warm-up step, where they compile
          "gpu_peak_gib": float | null,  # GPU rows: the whole GPU's peak, weights included (streamed rows: loads)
          "pinned_weights_gib": float | null,  # rows that stream weights: their pinned host copies, also in pinned_gib
+         "failure": str | null,  # OOM rows: GPU or pinned host, forward or backward, the allocator's words
          "vs_none": float | null, "vs_torch": float | null,  # step-time ratios at the same workload and depth
          "step_times_ms": [float] | null}  # every timed step (step_ms is their median); null: not measured
       ]

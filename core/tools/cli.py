@@ -398,7 +398,9 @@ class _Sweep:
         where = f" at depth {result.depth}" if result.depth is not None else ""
         self.progress.update(self.task, description=f"{result.workload}{where}: {result.strategy}")
         if result.status != "ok" and result.status not in CPU_STATUS_WHY:
-            self.progress.console.print(f"{result.strategy}{where}: {result.status}", markup=False, highlight=False)
+            why = f" ({result.failure})" if result.failure else ""
+            self.progress.console.print(f"{result.strategy}{where}: {result.status}{why}", markup=False,
+                                        highlight=False)
 
 
 def _sweep_family(sweep: _Sweep, family: str, preset: str, *, depths: str | None, full: bool, depth: int | None,

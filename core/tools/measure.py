@@ -30,6 +30,7 @@ beside a number in another. Now the protocol is written once:
 from __future__ import annotations
 
 import gc
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -59,6 +60,34 @@ def is_oom(exc: BaseException) -> bool:
     if any(k.__name__ == "OutOfMemoryError" for k in type(exc).__mro__):
         return True
     return type(exc).__name__ == "AcceleratorError" and "out of memory" in str(exc).lower()
+
+
+_ALLOCATOR_WORDS = (
+    re.compile(r"Tried to allocate [\d.]+ [KMGT]?i?B"),
+    re.compile(r"this process has [\d.]+ [KMGT]?i?B memory in use"),
+    re.compile(r"[\d.]+ [KMGT]?i?B is allocated by PyTorch, and [\d.]+ [KMGT]?i?B is reserved by PyTorch but unallocated"),
+)
+
+
+def oom_detail(exc: BaseException) -> str:
+    """What an out-of-memory error says about where the memory went, in one line: GPU or pinned host, in the
+    forward or the backward, how much was asked for and how much the process held (torch's own words), and
+    gradseam's hint when it raised. A capped row that does not fit is then diagnosable from the JSON alone
+    (HunyuanVideo 1.5 under 24 GiB read only "OOM" twice)."""
+    text = str(exc)
+    where = "pinned host memory" if type(exc).__name__ == "AcceleratorError" else "GPU"
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    phase = "backward" if {"_engine_run_backward", "backward"} & set(frames) else "forward"
+    parts = [f"{where}, in the {phase}"]
+    parts += [m.group(0) for pattern in _ALLOCATOR_WORDS if (m := pattern.search(text))]
+    hint = next((line.strip() for line in text.splitlines() if line.strip().startswith("[gradseam]")), None)
+    if hint:
+        parts.append(hint)
+    return "; ".join(parts)
 
 
 def tensors(obj: Any) -> list[torch.Tensor]:

@@ -28,6 +28,7 @@ class Result:
     first_step_ms: float | None = None  # compiled rows: the first (warm-up) step, where they compile
     gpu_peak_gib: float | None = None  # GPU rows: the whole GPU peak (weights on it, inputs, activations, loads)
     pinned_weights_gib: float | None = None  # rows that stream weights: their pinned host copies (in pinned_gib too)
+    failure: str | None = None  # OOM rows: where and what the allocator said (measure.oom_detail)
 
 
 @dataclass
