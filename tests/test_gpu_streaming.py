@@ -63,3 +63,23 @@ def test_gpu_a_lora_added_after_patching_is_named_until_the_model_moves_again():
             run_step(model, gpu, count_bytes=False)
         model.to("cuda")
         run_step(model, gpu, count_bytes=False)
+
+
+def test_gpu_streaming_without_expandable_segments_warns_once_naming_the_setting(monkeypatch):
+    """Read from the environment at the first load, as the allocator cannot change once CUDA is in use."""
+    import warnings
+
+    from gradseam.offload import weights as weights_module
+
+    monkeypatch.setattr(weights_module, "expandable_segments", lambda: False)
+    weights_module._warned.discard(weights_module.FRAGMENTATION)
+    model = LORA[WAN.name].fresh()
+    gpu = _on_cuda(LORA[WAN.name])
+    with gradseam.patch(model, {**ON, "gradient_checkpointing_backend": "torch", STREAM: "all"}):
+        model.to("cuda")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run_step(model, gpu, count_bytes=False)
+            run_step(model, gpu, count_bytes=False)
+    said = [w for w in caught if "expandable_segments:True" in str(w.message)]
+    assert len(said) == 1, [str(w.message) for w in caught]

@@ -422,3 +422,21 @@ def test_a_model_loaded_under_gradseam_patching_streams_once_frozen(tmp_path):
         assert handle.weights.selected and handle.weights.loads > 0
         handle.remove()
     assert_same_step(want, got)
+
+
+@pytest.mark.parametrize(("env", "want"), [
+    ({}, False),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, True),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128, expandable_segments:True"}, True),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, False),
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:true"}, True),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "garbage_collection_threshold:0.6"}, False),
+])
+def test_whether_the_allocator_expands_its_segments_is_read_as_torch_reads_it(monkeypatch, env, want):
+    """Streaming on a GPU warns once without expandable segments (freed blocks' memory stays reserved in pieces)."""
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert weights_module.expandable_segments() is want
+    assert "expandable_segments:True" in weights_module.FRAGMENTATION
