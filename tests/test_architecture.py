@@ -28,7 +28,7 @@ LAYERS: dict[str, int] = {
     "offload": 0,
     "errors": 1, "family": 1, "hookspecs": 1, "inputs": 1, "modules": 1,
     "backends": 2, "config": 2, "registry": 2,
-    "kinds": 3, "planning": 3, "spec": 3,
+    "kinds": 3, "planning": 3, "plan_search": 3, "spec": 3,
     "run": 4,
     "summary": 5, "handle": 5, "patcher": 5, "loading": 5,
 }
