@@ -69,6 +69,22 @@ STRIDE_STEPS: list[tuple[str, dict[str, Any]]] = [
     ("1 of every 4 blocks", {"gradient_checkpointing_interval": 1, "gradient_checkpointing_segment_stride": 4}),
 ]
 
+@dataclass(frozen=True)
+class UnitCosts:
+    """What one unit of depth adds to a candidate, and what it costs at depth zero: the two-depth fit's lines.
+
+    A per-block plan (:mod:`gradseam.tools.mixed_plan`) adds these up unit by unit; a uniform plan of
+    ``units`` units is exactly the candidate's own prediction (``fixed + units * growth``)."""
+
+    units: int  # the depth predicted for
+    step_ms: float  # step time added per unit
+    step_fixed_ms: float
+    peak_gib: float  # activation peak added per unit (what each unit holds through the step)
+    peak_fixed_gib: float  # the peak at depth zero: the largest working set, which one block's run adds once
+    pinned_gib: float  # pinned host memory added per unit
+    pinned_fixed_gib: float
+
+
 @dataclass
 class Estimate:
     """One candidate at the depth planned for: predicted from two depths, or measured."""
@@ -78,6 +94,7 @@ class Estimate:
     pinned_gib: float = 0.0
     growth_gib: float | None = None  # activation peak added per unit of depth
     source: str = "measured"
+    unit_costs: UnitCosts | None = None  # predicted ones: the fit per unit of depth
 
 
 # measure(candidate) -> Estimate, or (activation peak GiB, step ms); raises torch.OutOfMemoryError
@@ -96,6 +113,7 @@ class Trial:
     pinned_gib: float | None = None
     growth_gib: float | None = None
     source: str = ""
+    unit_costs: UnitCosts | None = None
 
 
 @dataclass
@@ -107,6 +125,8 @@ class Advice:
     depth_note: str = ""  # the depth the advice was planned for, and how
     pinnable_gib: float | None = None  # pinned host memory the plan allowed
     streaming_tried: bool = False  # whether rungs with streamed weights were in the ladder
+    per_block: Any = None  # a gradseam.tools.mixed_plan.MixedPlan faster than the chosen rung, or None
+    per_block_note: str = ""  # why there is no per-block plan, or that none beat the chosen rung
 
     @property
     def budget_gib(self) -> float:
@@ -136,6 +156,11 @@ class Advice:
     def to_json(self) -> str:
         return json.dumps(self.config, indent=2)
 
+    @property
+    def per_block_config(self) -> dict[str, Any] | None:
+        """The per-block plan's keys (top-level keys and ``gradient_checkpointing_blocks``), or None."""
+        return self.per_block.config if self.per_block is not None else None
+
     def to_dict(self) -> dict[str, Any]:
         return dict(
             gpu_gib=round(self.gpu_gib, 3),
@@ -146,6 +171,8 @@ class Advice:
             depth=self.depth_note,
             pinnable_gib=round(self.pinnable_gib, 1) if self.pinnable_gib is not None else None,
             trials=[asdict(t) for t in self.trials],
+            per_block=self.per_block.to_dict() if self.per_block is not None else None,
+            per_block_note=self.per_block_note or None,
         )
 
     def no_fit_message(self) -> str:
@@ -196,6 +223,10 @@ class Advice:
             lines.append(self.to_json())
             if self.compile:
                 lines.append(f"and {self.compile}")
+        if self.per_block is not None:
+            lines.append(self.per_block.report())
+        elif self.per_block_note:
+            lines.append(f"per-block plan: {self.per_block_note}")
         return "\n".join(lines)
 
 
@@ -226,6 +257,7 @@ def _try(trial: Trial, measure: Measure, gpu_gib: float, static_gib: float,
     trial.peak_gib, trial.step_ms = round(float(got.peak_gib), 3), round(float(got.step_ms), 1)
     trial.pinned_gib, trial.source = round(max(float(got.pinned_gib), 0.0), 2), got.source
     trial.growth_gib = round(got.growth_gib, 3) if got.growth_gib is not None else None
+    trial.unit_costs = got.unit_costs
     over = static_gib + trial.peak_gib - gpu_gib
     if over > 0:
         trial.status, trial.reason = "over GPU memory", f"over the GPU size by {over:.2f} GiB"
@@ -429,7 +461,9 @@ def depth_measure(
         _, peak = highest(peak_lines(depths, a, b), target)  # each pass's own line too (depth.highest)
         ms = fit(depths, (a.step_ms, b.step_ms))
         pinned = fit(depths, (a.pinned_gib, b.pinned_gib))
-        return Estimate(peak.at(target), ms.at(target), pinned.at(target), peak.growth, f"predicted at depth {target}")
+        units = UnitCosts(target, ms.growth, ms.fixed, peak.growth, peak.fixed, pinned.growth, pinned.fixed)
+        return Estimate(peak.at(target), ms.at(target), pinned.at(target), peak.growth, f"predicted at depth {target}",
+                        units)
 
     return measure, note
 
@@ -515,6 +549,9 @@ def advise(
     advice.depth_note = note
     if advice.chosen is None:
         raise NoFitError(advice)
+    from . import mixed_plan
+
+    mixed_plan.attach(advice, model, plan)
     return advice
 
 

@@ -1,0 +1,175 @@
+"""A per-block plan from what ``advise`` measured: each unit of depth runs the candidate that makes the step
+fastest while the GPU's and the host's memory both hold (issue 41, the planner's first part).
+
+``advise`` measures every candidate of its ladder uniformly, at two depths, and predicts it at the real
+depth from a line per quantity (:class:`gradseam.tools.advise.UnitCosts`): what one unit of depth adds to
+the step time, to the activations held through the step and to the pinned host memory, and what is there
+at depth zero. A uniform plan has to fit its worst block into both budgets: on a 64 GB host,
+``unsloth-compile`` pins every block's activations and may not fit, while ``compile`` keeps them on a GPU
+that cannot hold them all. A mix can hold both budgets and run faster than any uniform candidate that fits.
+
+How the units add up, and why: a plan's **step time** is the sum over units of each candidate's time per
+unit, plus its time at depth zero spread evenly over the units (so a uniform plan predicts exactly what its
+candidate predicts, and a mix the weighted mean of their fixed parts); its **GPU memory** is the static
+memory (weights, inputs), plus what each unit holds through the step, plus the largest depth-zero peak among
+the candidates used (one block's recompute and backward working set, which the step's peak adds once, not
+per block); its **pinned host memory** adds up like the step time. The search itself is
+:func:`gradseam.plan_search.search` (exact under both budgets, deterministic, checked against brute force).
+
+Only candidates a block can run on its own take part: no checkpointing, and gradseam's backends with their
+memory budget and attention settings (the keys ``gradient_checkpointing_blocks`` takes). Intervals and
+strides group blocks, the compiler alone compiles every block the same way, and which blocks stream their
+weights is the model's choice: those stay uniform candidates. Units map onto blocks as the depth plan of
+:mod:`gradseam.tools.depth` cuts the model (Flux: one unit is one double-stream and two single-stream blocks);
+where its lists do not shrink in proportion (HunyuanVideo 1.5's two refiner blocks beside 54), only the
+longest list is planned per block and the others run the plan's top-level candidate.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from ..config import BLOCK_KEYS, CheckpointConfig
+from ..plan_search import Budget, Group, Option, Plan, search
+from .advise import Advice, Trial, UnitCosts
+from .compiled import gradseam_keys
+
+BLOCKS_KEY = "gradient_checkpointing_blocks"
+GROUP = "units"  # the one group the search plans: every unit of depth is alike
+FASTER = 0.005  # a mix is offered only when it is predicted at least this much faster than the chosen rung
+
+
+@dataclass
+class MixedPlan:
+    """A per-block plan, predicted: the keys to paste and what it beats."""
+
+    plan: Plan
+    config: dict[str, Any]  # top-level keys and gradient_checkpointing_blocks, as gradseam.patch takes them
+    ranges: list[tuple[str, int, int]]  # (candidate label, first unit, end unit), in unit order
+    beats: Trial  # the uniform candidate advise chose
+    units: int
+
+    @property
+    def step_ms(self) -> float:
+        return self.plan.time_ms
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"plan": self.plan.as_dict(), "config": self.config, "units": self.units,
+                "ranges": [{"candidate": label, "units": [a, b]} for label, a, b in self.ranges],
+                "beats": self.beats.label, "beats_step_ms": self.beats.step_ms}
+
+    def report(self) -> str:
+        import json
+
+        gain = 1 - self.plan.time_ms / (self.beats.step_ms or self.plan.time_ms)
+        lines = [
+            f"per-block plan (predicted): {self.plan.describe()}",
+            f"   GPU {self.plan.gpu_gib:.2f} GiB, pinned host {self.plan.host_gib:.1f} GiB, step {self.plan.time_ms:.1f} ms: "
+            f"{gain:.1%} faster than {self.beats.label} ({self.beats.step_ms:.1f} ms)",
+            json.dumps(self.config, indent=2),
+        ]
+        return "\n".join(lines)
+
+
+def per_block(trial: Trial) -> bool:
+    """Whether a block can run ``trial``'s candidate on its own (inside a per-block plan), and it was predicted."""
+    if trial.unit_costs is None or trial.peak_gib is None or trial.step_ms is None:
+        return False
+    if set(trial.config) - set(gradseam_keys(trial.config)):
+        return False  # the compiler alone (every block compiled by torch.compile), or a bench-only key
+    return set(trial.config) <= set(BLOCK_KEYS)
+
+
+def option(trial: Trial) -> Option:
+    """``trial``'s costs per unit for the search (see the module docstring for why they add up this way)."""
+    costs: UnitCosts = trial.unit_costs  # type: ignore[assignment]
+    units = max(costs.units, 1)
+    return Option(
+        trial.label,
+        time_ms=max(costs.step_ms + costs.step_fixed_ms / units, 0.0),
+        gpu_gib=max(costs.peak_gib, 0.0),
+        host_gib=max(costs.pinned_gib + costs.pinned_fixed_gib / units, 0.0),
+        transient_gib=max(costs.peak_fixed_gib, 0.0),
+    )
+
+
+def plan_units(advice: Advice, units: int) -> tuple[Plan, list[Trial]] | None:
+    """The fastest mix of advise's per-block candidates over ``units`` units within its GPU and host budgets."""
+    candidates = [t for t in advice.trials if per_block(t)]
+    if not candidates:
+        return None
+    host = advice.pinnable_gib if advice.pinnable_gib is not None else math.inf
+    found = search([Group(GROUP, units, tuple(option(t) for t in candidates))],
+                   Budget(advice.gpu_gib, max(host, 1e-9)), fixed_gpu_gib=max(advice.static_gib, 0.0))
+    return (found, candidates) if found is not None else None
+
+
+def attach(advice: Advice, model: Any, depth_plan: Any = None) -> None:
+    """Set ``advice.per_block`` to a mix predicted faster than the chosen rung, or say in ``per_block_note`` why
+    there is none. ``depth_plan``: how the model's lists shrink (read from ``model``'s family if not given)."""
+    if depth_plan is None:
+        try:
+            from ..patcher import family_for
+            from .depth import plan_for
+
+            depth_plan = plan_for(model, family_for(model))
+        except Exception as exc:  # noqa: BLE001 - a model without a family still gets its uniform advice
+            advice.per_block_note = f"not planned: the model's block lists are unknown ({exc})"
+            return
+    units = next((t.unit_costs.units for t in advice.trials if t.unit_costs is not None), None)
+    if units is None:
+        advice.per_block_note = "not planned: the candidates were measured at one depth, so no cost per block is known"
+        return
+    found = plan_units(advice, units)
+    chosen = advice.chosen
+    if found is None:
+        advice.per_block_note = "no mix of the per-block candidates fits both budgets"
+        return
+    plan, candidates = found
+    if chosen is not None and chosen.step_ms is not None and plan.time_ms > chosen.step_ms * (1 - FASTER):
+        advice.per_block_note = (f"the best mix ({plan.describe()}, {plan.time_ms:.1f} ms predicted) is not faster "
+                                 f"than {chosen.label}")
+        return
+    ranges = _ranges(plan, candidates)
+    config = config_for(ranges, {t.label: t for t in candidates}, depth_plan, units)
+    advice.per_block = MixedPlan(plan, config, ranges, chosen, units)  # type: ignore[arg-type]
+
+
+def _ranges(plan: Plan, candidates: list[Trial]) -> list[tuple[str, int, int]]:
+    """Consecutive units per candidate, in the candidates' (the ladder's) order."""
+    out, start = [], 0
+    for trial, count in zip(candidates, plan.counts[0]):
+        if count:
+            out.append((trial.label, start, start + count))
+            start += count
+    return out
+
+
+def config_for(ranges: list[tuple[str, int, int]], trials: dict[str, Trial], depth_plan: Any,
+               units: int) -> dict[str, Any]:
+    """The keys that run ``ranges``: the candidate with the most units at the top level, an entry of
+    ``gradient_checkpointing_blocks`` per other range, each setting every per-block key the top level sets
+    otherwise (an entry only overrides what it names)."""
+    top_label = max(ranges, key=lambda r: (r[2] - r[1], -r[1]))[0]
+    top = gradseam_keys(trials[top_label].config)
+    resolved_top = CheckpointConfig.from_dict(top)
+    entries = []
+    for label, a, b in ranges:
+        if label == top_label:
+            continue
+        resolved = CheckpointConfig.from_dict(gradseam_keys(trials[label].config))
+        keys = {k: getattr(resolved, k) for k in BLOCK_KEYS if getattr(resolved, k) != getattr(resolved_top, k)}
+        for selector in selectors(depth_plan, a, b, units):
+            entries.append({"blocks": selector, **keys})
+    return {**top, BLOCKS_KEY: entries} if entries else dict(top)
+
+
+def selectors(depth_plan: Any, start: int, end: int, units: int) -> list[str]:
+    """The block selectors of units ``start`` to ``end``: every list's share of them where the depth plan cuts
+    the lists in proportion, else the longest list's blocks (units count its blocks then)."""
+    if depth_plan.exact:
+        return [f"{path}[{start * n}:{end * n}]" for path, n in depth_plan.unit.items() if n]
+    longest = max(depth_plan.totals, key=lambda path: depth_plan.totals[path])
+    return [f"{longest}[{start}:{end}]"]

@@ -1,0 +1,149 @@
+"""The per-block plan advise offers (issue 41, first part: gradseam.tools.mixed_plan over gradseam.plan_search).
+
+A cost table goes in through advise's injectable measure, as two-depth fits would give it; out comes a mix
+that holds the GPU's and the host's memory where no uniform candidate that fits is as fast, with keys that
+patch the model into exactly that mix, and train it exactly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from cases import FLUX, WAN
+
+import gradseam
+from gradseam import UnsupportedStrategyError
+from gradseam.offload import cpu_test_mode
+from gradseam.testing import check_strategy
+from gradseam.tools.advise import LADDER, Estimate, Trial, UnitCosts, advise
+from gradseam.tools.depth import DepthPlan
+from gradseam.tools.mixed_plan import BLOCKS_KEY, config_for, option, selectors
+
+UNITS = 5  # the tiny Wan's blocks: one unit of depth each
+
+# per unit: (step ms, GPU GiB held, pinned GiB); at depth zero: (ms, peak GiB, pinned GiB)
+TABLE = {
+    "compile": ((10.0, 2.0, 0.0), (4.0, 1.0, 0.0)),  # fast, keeps its activations on the GPU
+    "unsloth-compile": ((11.0, 0.2, 2.0), (4.0, 1.5, 0.5)),  # about as fast, pins them in host memory
+    "torch": ((14.0, 0.4, 0.0), (4.0, 1.2, 0.0)),  # recomputes, holds little, pins nothing
+}
+STATIC = 1.0
+
+
+def _estimate(label: str) -> Estimate:
+    (ms, gpu, host), (ms0, peak0, host0) = TABLE[label]
+    costs = UnitCosts(UNITS, ms, ms0, gpu, peak0, host, host0)
+    return Estimate(peak0 + UNITS * gpu, ms0 + UNITS * ms, host0 + UNITS * host, gpu, "predicted", costs)
+
+
+def _measure(config):
+    for label, rung in LADDER:
+        if label in TABLE and rung == dict(config):
+            return _estimate(label)
+    raise UnsupportedStrategyError("not in this table")
+
+
+def _advise(gpu: float, host: float):
+    return advise(WAN.build(), {}, gpu, measure=_measure, static_gib=STATIC, pinnable_gib=host)
+
+
+def test_a_mix_holds_both_budgets_where_no_fast_uniform_candidate_does():
+    # compile needs 1 + 5 * 2 + 1 = 12 GiB; unsloth-compile pins 0.5 + 5 * 2 = 10.5 GiB; torch fits, slowest
+    advice = _advise(gpu=8.0, host=5.0)
+    assert advice.chosen.label == "torch"
+    mixed = advice.per_block
+    assert mixed is not None, advice.per_block_note
+    plan = mixed.plan
+    assert plan.gpu_gib <= 8.0 and plan.host_gib <= 5.0
+    assert plan.time_ms < advice.chosen.step_ms
+    used = plan.counts_of("units")
+    assert sum(used.values()) == UNITS and len(used) >= 2 and "torch" not in used or used.get("torch", 0) < UNITS
+    # the brute force over every count of the three candidates agrees on the best time
+    best = math.inf
+    for a in range(UNITS + 1):
+        for b in range(UNITS + 1 - a):
+            counts = {"compile": a, "unsloth-compile": b, "torch": UNITS - a - b}
+            used_now = [k for k, n in counts.items() if n]
+            gpu = STATIC + sum(n * TABLE[k][0][1] for k, n in counts.items()) + max(TABLE[k][1][1] for k in used_now)
+            host = sum(n * (TABLE[k][0][2] + TABLE[k][1][2] / UNITS) for k, n in counts.items())
+            time = sum(n * (TABLE[k][0][0] + TABLE[k][1][0] / UNITS) for k, n in counts.items())
+            if gpu <= 8.0 and host <= 5.0:
+                best = min(best, time)
+    assert plan.time_ms == pytest.approx(best)
+    assert "per-block plan (predicted)" in advice.report() and "faster than torch" in advice.report()
+    assert advice.to_dict()["per_block"]["config"] == mixed.config
+
+
+def test_the_keys_it_prints_patch_that_mix_and_train_exactly():
+    advice = _advise(gpu=8.0, host=5.0)
+    config = advice.per_block_config
+    assert BLOCKS_KEY in config
+    with cpu_test_mode():
+        report = check_strategy(WAN, config)  # outputs and every gradient against the unpatched model
+        with gradseam.patch(WAN.fresh(), config) as handle:
+            regions = [(r.kind, r.destination.value) for r in handle.regions()]
+    assert report.saved_ratio < 1.0
+    runs = {"compile": ("compiled-block", "device"), "unsloth-compile": ("compiled-block", "host"),
+            "torch": ("whole-block", "device")}
+    for label, n in advice.per_block.plan.counts_of("units").items():
+        assert regions.count(runs[label]) == n, (label, regions)
+
+
+def test_a_uniform_plan_adds_up_to_its_own_prediction():
+    for label in TABLE:
+        est = _estimate(label)
+        trial = Trial(label, dict(dict(LADDER)[label]), peak_gib=est.peak_gib, step_ms=est.step_ms,
+                      unit_costs=est.unit_costs)
+        opt = option(trial)
+        assert UNITS * opt.time_ms == pytest.approx(est.step_ms)
+        assert UNITS * opt.gpu_gib + opt.transient_gib == pytest.approx(est.peak_gib)
+        assert UNITS * opt.host_gib == pytest.approx(est.pinned_gib)
+
+
+def test_no_mix_is_offered_when_the_chosen_candidate_is_as_fast():
+    advice = _advise(gpu=64.0, host=64.0)  # compile fits whole: nothing beats it
+    assert advice.chosen.label == "compile"
+    assert advice.per_block is None and "not faster than compile" in advice.per_block_note
+
+
+def test_measured_at_one_depth_there_is_nothing_to_plan_per_block():
+    def flat(config):
+        got = _measure(config)
+        return Estimate(got.peak_gib, got.step_ms, got.pinned_gib)
+
+    advice = advise(WAN.build(), {}, 8.0, measure=flat, static_gib=STATIC, pinnable_gib=5.0)
+    assert advice.per_block is None and "one depth" in advice.per_block_note
+
+
+def test_units_map_onto_every_list_in_proportion_or_onto_the_longest():
+    flux = DepthPlan({"transformer_blocks": 19, "single_transformer_blocks": 38})
+    assert flux.exact and flux.full == 19
+    assert selectors(flux, 2, 5, 19) == ["transformer_blocks[2:5]", "single_transformer_blocks[4:10]"]
+    hv = DepthPlan({"context_embedder.token_refiner.refiner_blocks": 2, "transformer_blocks": 54})
+    assert not hv.exact
+    assert selectors(hv, 0, 20, 54) == ["transformer_blocks[0:20]"]
+
+
+def test_an_entry_resets_what_the_top_level_sets_and_it_does_not():
+    trials = {label: Trial(label, dict(config)) for label, config in LADDER}
+    plan = DepthPlan({"blocks": 4})
+    config = config_for([("torch + attention kept", 0, 3), ("unsloth-compile, budget 0.05", 3, 4)], trials, plan, 4)
+    assert config["gradient_checkpointing_keep_attention"] is True
+    (entry,) = config[BLOCKS_KEY]
+    assert entry == {"blocks": "blocks[3:4]", "gradient_checkpointing_backend": "unsloth-compile",
+                     "gradient_checkpointing_memory_budget": 0.05, "gradient_checkpointing_keep_attention": False}
+    two = config_for([("none", 0, 1), ("torch", 1, 3)], trials, DepthPlan({"transformer_blocks": 3,
+                                                                        "single_transformer_blocks": 6}), 3)
+    assert two["gradient_checkpointing_backend"] == "torch"
+    assert two[BLOCKS_KEY] == [{"blocks": "transformer_blocks[0:1]", "gradient_checkpointing": False},
+                               {"blocks": "single_transformer_blocks[0:2]", "gradient_checkpointing": False}]
+    with cpu_test_mode(), gradseam.patch(FLUX.build(), two) as handle:
+        assert len(handle.regions()) > 0
+
+
+def test_a_model_without_a_family_keeps_its_uniform_advice():
+    advice = advise(torch.nn.Linear(2, 2), {}, 8.0, measure=_measure, static_gib=STATIC, pinnable_gib=5.0)
+    assert advice.chosen.label == "torch" and advice.per_block is None
+    assert "block lists are unknown" in advice.per_block_note
