@@ -1,48 +1,61 @@
 """The fastest per-block plan under a GPU and a host memory budget: the pure search of the planner.
 
 A model has groups of identical blocks (Wan 2.1 14B: one group of 40; Flux: 19 double- and 38
-single-stream blocks), and every block of a group picks one of the group's :class:`Option`\\ s: a
-strategy with measured per-block costs. A :class:`Plan` says how many blocks of each group take each
+single-stream blocks), and every block of a group picks one of the group's options (:class:`Option`:
+a strategy, with what one block of it costs). A :class:`Plan` says how many blocks of each group take each
 option; its GPU total is the fixed memory, plus what every block holds through the step, plus the
 largest transient among the options it uses (one block's working set is above the held total at a
-time, never two). :func:`search` returns the plan of least step time whose totals are within a
-:class:`Budget`, or ``None``; :func:`least_memory` says how much GPU and host memory any plan needs
-at least, so a caller can say why nothing fits. Nothing here measures, imports torch or knows a
-backend: the options' labels are the caller's words.
+time, never two). :func:`search` returns the fastest plan whose totals are within a :class:`Budget`,
+or ``None``; :func:`least_memory` says how much GPU and host memory any plan needs at least, so that a
+caller can say which budget is short. Nothing here measures, imports torch or knows a backend: the
+options' labels are the caller's words.
 
-How it searches. A plan's maximum transient is one of the options' transients, so the search runs
-once per *cap* ``T`` (each distinct transient), allowing only the options whose transient is at
-most ``T`` and leaving ``T`` of the GPU budget free for them. Under a cap it is a multiple-choice
-knapsack with two capacities, solved exactly by dynamic programming over the blocks: a state is a
-partial plan's (GPU cells, host memory, cost), and a state that another beats in all three is
-dropped, since whatever completes it completes the other as well, no slower. GPU memory is counted
-in cells of ``resolution_gib``, each option's held memory rounded *up*, so a plan found is always
-within the budget; host memory and time are kept exactly (as integers over a power of two), so a
-sum does not depend on the order of its terms and reordering the groups cannot change the answer.
+**How it searches.** A plan's largest transient is one of the options' transients, so the search
+runs under each *cap* (each distinct transient), allowing the options whose transient is within it
+and leaving the cap's room free on the GPU. Under a cap it is a multiple-choice knapsack with two
+capacities, solved exactly over sets of states ``(GPU cells, host memory, cost)``: a state another
+matches or beats in all three is dropped, since whatever completes it completes the other, no
+slower. What keeps the sets small is a Lagrangian bound: for prices ``l, m >= 0`` of a GPU cell and a
+GiB of host memory, every plan that fits takes at least ``sum over blocks of min(time + l * cells + m
+* host) - l * C - m * H`` (``C``, ``H``: the rooms), and the prices are chosen to make it highest
+(the LP bound). An option's excess over its block's cheapest priced one (its reduced cost) is what
+choosing it spends of the gap between the bound and a target time; a state that has spent more
+cannot finish under the target and is never built. The target starts just above the lowest cap's
+bound and doubles (or jumps to the fastest plan found, once it is near) until a plan is found within
+it: every plan at least as fast was kept, so that one is the fastest. A cap is skipped in a round
+when none of its own options (those at its transient) is within the gap: a lower cap holds every
+such plan, with more room.
 
-What keeps that fast is a Lagrangian bound: for any prices ``l, m >= 0`` of a GPU cell and a GiB of
-host memory, a plan that fits takes at least ``sum over blocks of min(time + l*cells + m*host) -
-l*C - m*H``, and the prices that make this bound highest are found first (an exact search for the
-host price inside a golden-section search for the GPU price). Each option's excess over its
-block's cheapest priced option (its reduced cost) is then what choosing it spends of the gap between
-that bound and a target time; a state that has spent more than the gap cannot finish under the
-target and is dropped. The target starts just above the bound and grows (never past a plan already
-found, nor past the slowest possible plan, where nothing is left to prune) until a plan is found
-within it, which is then the fastest: every plan at least as fast passed every test. On the shapes
-the planner meets (3 groups x 60 blocks x 12 options, 100 GiB GPU, 128 GiB host) it takes well under
-a second in pure Python; without the bound the same search holds thousands of states per block.
+Under a cap, each group's undominated multisets are built block by block for each half of its
+blocks (and for all of them, where their number grows in proportion); each group goes whole to one
+of two sides or is cut between them, whichever makes the sides smallest; each side is the merge of
+its parts, and the two sides are joined by a sweep with a Fenwick tree of least costs, never pair by
+pair. Cutting matters where the best plans mix three options of one group: those multisets grow with
+the square of the blocks, so two halves hold a quarter of them each.
 
-What the rounding costs: each block's held GPU memory is rounded up to a whole cell, so a plan whose
-GPU total is within its own rounding of the budget (less than its block count times
-``resolution_gib``; nothing when the costs are multiples of the resolution) is not seen. A finer
-resolution loses less and merges fewer states. The plans that put every block on one option (when
-every group offers it) are checked exactly as well, so the answer is never slower than the fastest
-of them that fits.
+**What it costs.** Per cap and round: the states built times the options within the gap, a sort per
+block, the merges' pairs, and a join in ``n log n``. The states are the undominated partial plans
+within the gap, so their number is the instance's, not a polynomial's: it grows steeply with the gap
+(from the LP bound to the best plan), which tight budgets and coarse per-block costs widen. Measured
+(one core of the project's 2-core machine, pure Python): 3 groups x 60 blocks x 12 options shaped like
+measured strategies, 48 budget pairs from 24 GiB GPU / 32 GiB host to 140 / 256: median 0.2 s, at
+most 2.3 s, and 0.03-0.7 s at 100 / 128; one group (what advise plans) of 40-60 units x 20 options:
+median 7 ms, at most 1.2 s. The worst seen, 30 s: six block lists under tight budgets, two of them
+mixing three options freely.
 
-Ties: among plans of equal time the one with the most blocks on the earliest options wins (list the
-options from the least aggressive to the most): counts are compared group by group in name order
-and, within a group, in its options' order. This is a total order, so the same input always gives
-the same plan.
+**What the rounding costs.** GPU memory is counted in cells of ``resolution_gib``, each option's
+held memory rounded up, so a plan found always fits. A plan whose GPU total is within its own
+rounding of the budget is not seen: less than its block count times ``resolution_gib`` (at the
+default 1 MiB, under 0.2 GiB for 180 blocks), and nothing when the costs are multiples of the
+resolution. The uniform plans (every block of every group on the option of one label) are checked
+exactly besides, so the answer is never slower than the fastest of them that fits. Host memory and
+time are kept exactly, as integers over a power of two, so a sum does not depend on the order of its
+terms and reordering the groups cannot change the answer.
+
+**Ties.** Among plans of equal time, the one with the most blocks on the earliest options wins
+(options listed from the least aggressive to the most): counts are compared group by group in name
+order and, within a group, in its options' order. Every plan then has its own cost, so the same input
+always gives the same plan.
 """
 
 from __future__ import annotations
@@ -52,12 +65,13 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from itertools import islice, product
 from operator import itemgetter
 from typing import Any
 
-DEFAULT_RESOLUTION_GIB = 1 / 64
+DEFAULT_RESOLUTION_GIB = 1 / 1024  # 1 MiB: finer cells lose less to rounding and cost no more time
 _GOLDEN = (math.sqrt(5) - 1) / 2
-_PRICE_STEPS = 48  # golden-section steps for the GPU price: its range shrinks to 0.618**48 ~ 1e-10
+_PRICE_STEPS = 56  # golden-section steps over the GPU price's logarithm: 45 (its range) * 0.618**56 ~ 1e-10
 
 
 def _check_cost(owner: str, name: str, value: float) -> None:
@@ -172,7 +186,7 @@ def evaluate(groups: Sequence[Group], counts: Sequence[Sequence[int]], *, fixed_
     groups = _checked_groups(groups)
     for name, value in (("fixed_gpu_gib", fixed_gpu_gib), ("fixed_host_gib", fixed_host_gib),
                         ("fixed_time_ms", fixed_time_ms)):
-        _check_cost("search", name, value)
+        _check_cost("evaluate", name, value)
     counts = tuple(tuple(c) for c in counts)
     if len(counts) != len(groups) or any(
         len(c) != len(g.options) or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in c)
@@ -252,14 +266,31 @@ def search(groups: Sequence[Group], budget: Budget, *, fixed_gpu_gib: float = 0.
     if isinstance(resolution_gib, bool) or not isinstance(resolution_gib, (int, float)) or not (
             math.isfinite(resolution_gib) and resolution_gib > 0):
         raise ValueError(f"search: resolution_gib must be a finite number > 0, got {resolution_gib!r}")
+    if not any(g.count for g in groups):  # nothing to choose: the fixed costs fit or they do not
+        plan = evaluate(groups, [[0] * len(g.options) for g in groups], fixed_gpu_gib=fixed_gpu_gib,
+                        fixed_host_gib=fixed_host_gib, fixed_time_ms=fixed_time_ms)
+        return plan if plan.gpu_gib <= budget.gpu_gib and plan.host_gib <= budget.host_gib else None
     problem = _Problem(groups, budget, fixed_gpu_gib, fixed_host_gib, fixed_time_ms, resolution_gib)
     best = problem.best_uniform()
-    for cap in problem.caps():
-        if best is not None and cap.bound_ms > problem.time_ms(best[0]) + cap.margin:
-            continue  # even its Lagrangian bound is slower than a plan in hand
-        found = cap.solve(None if best is None else problem.time_ms(best[0]))
-        if found is not None and (best is None or found[0] < best[0]):
-            best = found
+    caps = problem.caps()
+    if caps:
+        low = caps[0].bound_ms
+        top = max(cap.slowest_ms for cap in caps) + fixed_time_ms
+        step = max(caps[0].margin, (top - low) / 65536)
+        while True:
+            # every cap whose bound is within the target is searched at it; once the best plan found is
+            # within the target, no plan of any cap is faster (each was kept up to the target)
+            target = min(low + step, top, math.inf if best is None else problem.time_ms(best[0]))
+            for cap in caps:
+                if cap.bound_ms <= target + cap.margin:
+                    found = cap.cheapest_within(target - cap.bound_ms + cap.margin)
+                    if found is not None and (best is None or found[0] < best[0]):
+                        best = found
+            if target >= top or (best is not None and problem.time_ms(best[0]) <= target):
+                break
+            step *= 2
+            if best is not None and problem.time_ms(best[0]) - low <= 1.5 * step:
+                step = problem.time_ms(best[0]) - low  # the plan in hand is near: prove it at once
     if best is None:
         return None
     return evaluate(groups, problem.in_callers_order(best[1]), fixed_gpu_gib=fixed_gpu_gib,
@@ -314,7 +345,7 @@ class _Problem:
         host_room = most_host if math.isinf(budget.host_gib) else Fraction(budget.host_gib)
         self.host_room = math.floor((host_room - Fraction(fixed_host)) * host_scale)
         self.host_room_gib = float(host_room - Fraction(fixed_host))
-        self.host_scale = host_scale
+        self.lowest: _Cap | None = None  # set by caps(): the cap of the smallest transient
 
     def time_ms(self, cost: int) -> float:
         """A plan's time outside the fixed part, in ms, from its cost (the key is below one time unit)."""
@@ -363,17 +394,20 @@ class _Problem:
                 continue
             if cells is None:  # no GPU limit: room for every block on its largest option
                 cells = sum(n * max(r[2] for r in rows) for n, rows in allowed if n)
-            searched = _Cap(self, [(n, rows) for n, rows in allowed if n], cells)
+            searched = _Cap(self, [(n, rows) for n, rows in allowed if n], cells,
+                            {r[0] for _, rows in allowed for r in rows if Fraction(r[1].transient_gib) == cap})
             if searched.possible:
                 found.append(searched)
+        self.lowest = found[0] if found else None  # transients ascend: no other cap holds its plans
         return sorted(found, key=lambda c: c.bound_ms)
 
 
 class _Cap:
     """The search under one transient cap: the options within it, its GPU cells, its prices and bound."""
 
-    def __init__(self, problem: _Problem, table: list[tuple[int, list[tuple]]], cells: int) -> None:
+    def __init__(self, problem: _Problem, table: list[tuple[int, list[tuple]]], cells: int, newest: set[int]) -> None:
         self.problem, self.cells = problem, cells
+        self.newest = newest  # the positions of the options whose transient is the cap: what no lower cap allows
         # per group: (count, [(cells, host, cost, time ms, host GiB, position)])
         self.table = [(n, [(r[2], r[3], r[4], r[1].time_ms, r[1].host_gib, r[0]) for r in rows])
                       for n, rows in table]
@@ -422,137 +456,146 @@ class _Cap:
         return host_price, value - cell_price * self.cells - host_price * room
 
     def _prices(self) -> tuple[float, float, float]:
-        """The GPU and host prices that make the Lagrangian bound highest (it is concave in both)."""
+        """The GPU and host prices that make the Lagrangian bound highest.
+
+        The bound is concave in the GPU price, so unimodal in its logarithm too: a golden-section
+        search over the logarithm finds a price of any scale (per cell, it shrinks with the resolution)
+        to the same relative precision. The host price is exact for each GPU price.
+        """
         top = 1.0 + max(max(r[3] for r in rows) - min(r[3] for r in rows) for _, rows in self.table)
         while top < 1e12 and self._lagrangian(2 * top)[1] > self._lagrangian(top)[1]:  # still rising: widen
             top *= 2
-        low, high = 0.0, 2 * top
+        low, high = math.log(top) - 64 * math.log(2), math.log(2 * top)
         x1, x2 = high - _GOLDEN * (high - low), low + _GOLDEN * (high - low)
-        f1, f2 = self._lagrangian(x1)[1], self._lagrangian(x2)[1]
+        f1, f2 = self._lagrangian(math.exp(x1))[1], self._lagrangian(math.exp(x2))[1]
         for _ in range(_PRICE_STEPS):
             if f1 < f2:
                 low, x1, f1 = x1, x2, f2
                 x2 = low + _GOLDEN * (high - low)
-                f2 = self._lagrangian(x2)[1]
+                f2 = self._lagrangian(math.exp(x2))[1]
             else:
                 high, x2, f2 = x2, x1, f1
                 x1 = high - _GOLDEN * (high - low)
-                f1 = self._lagrangian(x1)[1]
-        best = max((0.0, x1, x2), key=lambda x: self._lagrangian(x)[1])
+                f1 = self._lagrangian(math.exp(x1))[1]
+        best = max((0.0, math.exp(x1), math.exp(x2)), key=lambda x: self._lagrangian(x)[1])
         host_price, value = self._lagrangian(best)
         return best, host_price, value
 
-    def solve(self, incumbent_ms: float | None) -> tuple[int, list[int]] | None:
-        """The cheapest plan under this cap, or ``None`` when none is faster than ``incumbent_ms`` or fits."""
-        fixed = self.problem.fixed_time
-        bound = self.bound_ms - fixed
-        target_ceiling = self.slowest_ms if incumbent_ms is None else min(self.slowest_ms, incumbent_ms - fixed)
-        step = max(self.margin, (self.slowest_ms - bound) / 4096)
-        found = None
-        while True:
-            target = min(bound + step, target_ceiling)
-            result = self._descend(target - bound + self.margin)
-            if result is not None and (found is None or result[0] < found[0]):
-                found = result
-            if found is not None:
-                target_ceiling = min(target_ceiling, self.problem.time_ms(found[0]) - fixed)
-            if target >= target_ceiling:
-                return found
-            step *= 4
-
-    def _descend(self, gap: float) -> tuple[int, list[int]] | None:
-        """The cheapest plan whose reduced costs stay within ``gap``, met in the middle.
-
-        Every group's blocks are cut in two halves; each half of the model (one half of every group)
-        is searched on its own: the undominated multisets of each group's half, block by block,
-        then merged group by group. The two halves' states are then joined by a range-minimum sweep,
-        never pair by pair. Searching halves matters: where the best plans mix three options of one
-        group (or two options in each of two groups), the undominated states grow with the square of
-        the blocks searched, so two halves hold a quarter of the states each, and are built in an
-        eighth of the work.
-        """
+    def cheapest_within(self, gap: float) -> tuple[int, list[int]] | None:
+        """The cheapest plan among those whose reduced costs add up to at most ``gap`` (every plan that
+        fits within the bound plus ``gap``), or ``None``. The halves, the sides and the join: see the
+        module's docstring."""
         cp, hp = self.cell_price, self.host_price
-        priced = []
+        groups = []
         for n, rows in self.table:
             prices = [r[3] + cp * r[0] + hp * r[4] for r in rows]
             least = min(prices)
             choices = sorted((max(0.0, p - least), c, h, k, pos) for p, (c, h, k, _, _, pos) in zip(prices, rows)
                              if p - least <= gap)
-            priced.append((n, choices, min(r[0] for r in rows), min(r[1] for r in rows)))
-        least_cells = sum(n * c for n, _, c, _ in priced)
-        least_host = sum(n * h for n, _, _, h in priced)
-        halves: tuple[list, list] = ([], [])
-        for n, choices, cells, host in priced:
-            # either half of a group may meet every other block at its least: prune against that room
-            room_cells = self.cells - least_cells
-            room_host = self.problem.host_room - least_host
-            smaller, larger = self._fronts(n, choices, cells, host, room_cells, room_host, gap)
+            groups.append((n, choices, min(r[0] for r in rows), min(r[1] for r in rows)))
+        if self is not self.problem.lowest and not any(c[4] in self.newest for _, choices, _, _ in groups for c in choices):
+            return None  # a plan within the gap uses no option only this cap allows: the lower caps hold them all
+        least_cells = sum(n * c for n, _, c, _ in groups)
+        least_host = sum(n * h for n, _, _, h in groups)
+        # a part of a group may meet every block outside it at its least: pruned against that room
+        room = (self.cells - least_cells, self.problem.host_room - least_host)
+        parts = []  # per group: {"A": whole, "S": (larger half, smaller half)} with their least cells, host
+        for n, choices, cells, host in groups:
+            quarter = _grow([(0, 0, 0, 0.0, None)], 0, n // 4, choices, cells, host, room, gap)
+            smaller = _grow(quarter, n // 4, n // 2, choices, cells, host, room, gap)
+            larger = _grow(smaller, n // 2, n - n // 2, choices, cells, host, room, gap)
             if not larger:
                 return None
-            halves[0].append((len(larger), larger, (n - n // 2) * cells, (n - n // 2) * host))
-            halves[1].append((len(smaller), smaller, n // 2 * cells, n // 2 * host))
-        sides = []
-        for parts in halves:
-            parts.sort(key=itemgetter(0))  # stable: equal sizes stay in name order
+            whole = None
+            if len(smaller) + 8 <= 2.5 * (len(quarter) + 8):  # growing in proportion: worth keeping whole
+                whole = _grow(larger, n - n // 2, n, choices, cells, host, room, gap, linear=len(larger))
+            half = n // 2
+            parts.append({
+                "S": ((larger, (n - half) * cells, (n - half) * host), (smaller, half * cells, half * host)),
+                **({"A": (whole, n * cells, n * host)} if whole is not None else {}),
+            })
+        sides = _split(parts)
+        built = []
+        for side in sides:
             states: list[tuple] = [(0, 0, 0, 0.0, None)]
             left_cells, left_host = least_cells, least_host
-            for _, front, cells, host in parts:
+            for front, cells, host in sorted(side, key=lambda part: len(part[0])):
                 left_cells -= cells
                 left_host -= host
-                states = self._merge(states, front, self.cells - left_cells, self.problem.host_room - left_host, gap)
+                states = _merge(states, front, self.cells - left_cells, self.problem.host_room - left_host, gap)
                 if not states:
                     return None
-            sides.append(states)
-        best = _join(sides[0], sides[1], self.cells, self.problem.host_room)
+            built.append(states)
+        best = _join(built[0], built[1], self.cells, self.problem.host_room)
         if best is None:
             return None
         cost, nodes = best
         return cost, _positions(nodes)
 
-    def _fronts(self, n: int, choices: list[tuple], least_cells: int, least_host: int, room_cells: int,
-                room_host: int, gap: float) -> tuple[list[tuple], list[tuple]]:
-        """A group's undominated multisets of ``n // 2`` and of ``n - n // 2`` options, as
-        (cells, host, cost, reduced, node) states; ``room_*`` is what is left with every block at its least."""
-        states: list[tuple] = [(0, 0, 0, 0.0, None)]
-        smaller = states
-        by_key = itemgetter(0, 1, 2)
-        for done in range(1, n - n // 2 + 1):
-            cell_room = room_cells + done * least_cells
-            host_room = room_host + done * least_host
-            grown = []
-            add = grown.append
-            for cells, host, cost, spent, node in states:
-                for reduced, dc, dh, dk, pos in choices:
-                    total = spent + reduced
-                    if total > gap:
-                        break
-                    c = cells + dc
-                    h = host + dh
-                    if c <= cell_room and h <= host_room:
-                        add((c, h, cost + dk, total, (node, pos)))
-            if not grown:
-                return [], []
-            grown.sort(key=by_key)
-            states = _undominated(grown)
-            if done == n // 2:
-                smaller = states
-        return smaller, states
 
-    @staticmethod
-    def _merge(states: list[tuple], front: list[tuple], cell_room: int, host_room: int, gap: float) -> list[tuple]:
-        """Every pair of a state and a group's multiset that can still fit and stay within ``gap``, undominated."""
-        front = sorted(front, key=itemgetter(3))
+def _grow(states: list[tuple], start: int, until: int, choices: list[tuple], least_cells: int, least_host: int,
+          room: tuple[int, int], gap: float, linear: int | None = None) -> list[tuple] | None:
+    """A group's undominated multisets of ``until`` blocks from those of ``start`` blocks, one block at a
+    time. With ``linear`` (their number at ``start``), ``None`` as soon as they grow faster than in
+    proportion to the blocks: the group mixes more than two options freely, and the caller cuts it in
+    two instead of paying for the square."""
+    by_key = itemgetter(0, 1, 2)
+    for done in range(start + 1, until + 1):
+        cell_room = room[0] + done * least_cells
+        host_room = room[1] + done * least_host
         grown = []
         add = grown.append
         for cells, host, cost, spent, node in states:
-            for c, h, k, reduced, other in front:
+            for reduced, dc, dh, dk, pos in choices:
                 total = spent + reduced
                 if total > gap:
                     break
-                if cells + c <= cell_room and host + h <= host_room:
-                    add((cells + c, host + h, cost + k, total, (node, other, None)))
-        grown.sort(key=itemgetter(0, 1, 2))
-        return _undominated(grown)
+                c = cells + dc
+                h = host + dh
+                if c <= cell_room and h <= host_room:
+                    add((c, h, cost + dk, total, (node, pos)))
+        grown.sort(key=by_key)
+        states = _undominated(grown)
+        if linear is not None and len(states) > linear * done / start + linear / 4 + 32:
+            return None
+    return states
+
+
+def _split(parts: list[dict]) -> tuple[list, list]:
+    """Which side each group goes to, or cut between both: the choice with the smallest estimated sides
+    (the product of their parts' sizes, an upper bound on what merging them holds)."""
+    choices = [sorted(p) for p in parts]  # "A" (whole on the first side), "B" (whole on the second), "S" (cut)
+    choices = [c + ["B"] if "A" in c else c for c in choices]
+    if math.prod(len(c) for c in choices) > 6561:
+        choices = [["S"] for _ in parts]
+    best = None
+    for pick in product(*choices):
+        sides: tuple[list, list] = ([], [])
+        for part, where in zip(parts, pick):
+            if where == "S":
+                sides[0].append(part["S"][0])
+                sides[1].append(part["S"][1])
+            else:
+                sides[where == "B"].append(part["A"])
+        size = sum(math.prod(len(front) for front, _, _ in side) for side in sides)
+        if best is None or size < best[0]:
+            best = (size, sides)
+    return best[1]
+
+
+def _merge(states: list[tuple], front: list[tuple], cell_room: int, host_room: int, gap: float) -> list[tuple]:
+    """Every pair of a state and a part's multiset that can still fit and stay within ``gap``, undominated."""
+    front = sorted(front, key=itemgetter(3))
+    spent_of = [f[3] for f in front]
+    grown = []
+    add = grown.append
+    for cells, host, cost, spent, node in states:
+        cells_left, host_left = cell_room - cells, host_room - host
+        for c, h, k, reduced, other in islice(front, bisect_right(spent_of, gap - spent)):
+            if c <= cells_left and h <= host_left:
+                add((cells + c, host + h, cost + k, spent + reduced, (node, other, None)))
+    grown.sort(key=itemgetter(0, 1, 2))
+    return _undominated(grown)
 
 
 def _join(states: list[tuple], front: list[tuple], cell_room: int, host_room: int) -> tuple[int, tuple] | None:
@@ -582,7 +625,7 @@ def _join(states: list[tuple], front: list[tuple], cell_room: int, host_room: in
             if tree[i][0] < found[0]:
                 found = tree[i]
             i -= i & -i
-        if found[1] is not None and (best is None or cost + found[0] < best[0]):
+        if found[0] != math.inf and (best is None or cost + found[0] < best[0]):
             best = (cost + found[0], (node, found[1], None))
     return best
 
