@@ -17,7 +17,7 @@ import gradseam
 from gradseam import UnsupportedStrategyError
 from gradseam.offload import cpu_test_mode
 from gradseam.testing import check_strategy
-from gradseam.tools.advise import LADDER, Estimate, Trial, UnitCosts, advise
+from gradseam.tools.advise import LADDER, Estimate, NoFitError, Trial, UnitCosts, advise
 from gradseam.tools.depth import DepthPlan
 from gradseam.tools.mixed_plan import BLOCKS_KEY, config_for, option, selectors
 
@@ -89,6 +89,24 @@ def test_the_keys_it_prints_patch_that_mix_and_train_exactly():
             "torch": ("whole-block", "device")}
     for label, n in advice.per_block.plan.counts_of("units").items():
         assert regions.count(runs[label]) == n, (label, regions)
+
+
+def test_where_no_uniform_candidate_fits_the_mix_is_the_advice():
+    """Without torch (refused here), compile is over the GPU and unsloth-compile over the host: only a mix fits."""
+    def without_torch(config):
+        if dict(config) == dict(LADDER)["torch"]:
+            raise UnsupportedStrategyError("not in this run")
+        return _measure(config)
+
+    with pytest.raises(NoFitError, match=r"nothing fits both budgets: .*pinned host memory than the 5.0 GiB"):
+        advise(WAN.build(), {}, 8.0, measure=without_torch, static_gib=STATIC, pinnable_gib=5.0)  # no mix either
+    # 2 x compile + 3 x unsloth-compile: 7.1 GiB of GPU memory, 6.3 GiB pinned
+    advice = advise(WAN.build(), {}, 8.0, measure=without_torch, static_gib=STATIC, pinnable_gib=6.5)
+    assert advice.chosen is None and advice.per_block is not None
+    assert set(advice.per_block.plan.counts_of("units")) == {"compile", "unsloth-compile"}
+    assert advice.config == advice.per_block.config and BLOCKS_KEY in advice.config
+    assert "no uniform candidate fits both budgets" in advice.report()
+    assert advice.to_dict()["per_block"]["beats"] is None
 
 
 def test_a_uniform_plan_adds_up_to_its_own_prediction():

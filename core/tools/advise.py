@@ -137,8 +137,11 @@ class Advice:
 
     @property
     def config(self) -> dict[str, Any]:
-        """The recommended gradseam config keys, ready to paste into a trainer config."""
+        """The recommended gradseam config keys, ready to paste into a trainer config: the per-block plan's
+        when no uniform candidate fits and a mix does."""
         if self.chosen is None:
+            if self.per_block is not None:
+                return dict(self.per_block.config)
             raise GradseamError(self.no_fit_message())
         return gradseam_keys(self.chosen.config)
 
@@ -186,6 +189,17 @@ class Advice:
         best = min(measured, key=lambda t: t.peak_gib or 0.0)
         total = self.static_gib + (best.peak_gib or 0.0)
         over = total - self.gpu_gib
+        if over <= 0 and self.pinnable_gib is not None:
+            # the GPU would hold one: what is short is the host's pinned memory
+            least = min((t for t in measured if t.pinned_gib is not None), key=lambda t: t.pinned_gib or 0.0,
+                        default=best)
+            return (
+                f"nothing fits both budgets: {best.label} fits {self.gpu_gib:.2f} GiB of GPU memory, but every "
+                f"candidate that fits needs more pinned host memory than the {self.pinnable_gib:.1f} GiB allowed "
+                f"(the least: {least.label}, {least.pinned_gib or 0.0:.1f} GiB). Allow more host memory "
+                "(--host-memory), lower gradient_checkpointing_memory_budget with the compiled backends, or use a "
+                "backend that keeps its activations on the GPU."
+            )
         message = (
             f"nothing fits in {self.gpu_gib:.2f} GiB of GPU memory: the smallest activation peak seen was "
             f"{best.peak_gib:.2f} GiB ({best.label}), which with {self.static_gib:.2f} GiB of static memory "
@@ -216,7 +230,9 @@ class Advice:
             ms = f"{t.step_ms:9.1f} ms" if t.step_ms is not None else "        -   "
             mark = "->" if t is self.chosen else "  "
             lines.append(f"{mark} {t.label:<42} {peak} {ms}  {t.status}{': ' + t.reason if t.reason else ''}")
-        if self.chosen is None:
+        if self.chosen is None and self.per_block is not None:
+            lines.append("no uniform candidate fits both budgets; recommended: the per-block plan below")
+        elif self.chosen is None:
             lines.append(self.no_fit_message())
         else:
             lines.append(f"recommended ({self.chosen.label}):")
@@ -547,11 +563,11 @@ def advise(
     advice = run_ladder(measure, gpu_gib, static_gib or 0.0, supports_interval=supports_interval,
                         pinnable_gib=pinnable_gib, block_gib=block_gib)
     advice.depth_note = note
-    if advice.chosen is None:
-        raise NoFitError(advice)
     from . import mixed_plan
 
-    mixed_plan.attach(advice, model, plan)
+    mixed_plan.attach(advice, model, plan)  # a mix can hold both budgets where no uniform candidate does
+    if advice.chosen is None and advice.per_block is None:
+        raise NoFitError(advice)
     return advice
 
 

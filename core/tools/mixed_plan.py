@@ -48,7 +48,7 @@ class MixedPlan:
     plan: Plan
     config: dict[str, Any]  # top-level keys and gradient_checkpointing_blocks, as gradseam.patch takes them
     ranges: list[tuple[str, int, int]]  # (candidate label, first unit, end unit), in unit order
-    beats: Trial  # the uniform candidate advise chose
+    beats: Trial | None  # the uniform candidate advise chose (None: none fits both budgets)
     units: int
 
     @property
@@ -58,16 +58,21 @@ class MixedPlan:
     def to_dict(self) -> dict[str, Any]:
         return {"plan": self.plan.as_dict(), "config": self.config, "units": self.units,
                 "ranges": [{"candidate": label, "units": [a, b]} for label, a, b in self.ranges],
-                "beats": self.beats.label, "beats_step_ms": self.beats.step_ms}
+                "beats": self.beats.label if self.beats else None,
+                "beats_step_ms": self.beats.step_ms if self.beats else None}
 
     def report(self) -> str:
         import json
 
-        gain = 1 - self.plan.time_ms / (self.beats.step_ms or self.plan.time_ms)
+        if self.beats is not None:
+            gain = 1 - self.plan.time_ms / (self.beats.step_ms or self.plan.time_ms)
+            against = f"{gain:.1%} faster than {self.beats.label} ({self.beats.step_ms:.1f} ms)"
+        else:
+            against = "no uniform candidate fits both budgets"
         lines = [
             f"per-block plan (predicted): {self.plan.describe()}",
             f"   GPU {self.plan.gpu_gib:.2f} GiB, pinned host {self.plan.host_gib:.1f} GiB, step {self.plan.time_ms:.1f} ms: "
-            f"{gain:.1%} faster than {self.beats.label} ({self.beats.step_ms:.1f} ms)",
+            + against,
             json.dumps(self.config, indent=2),
         ]
         return "\n".join(lines)
@@ -134,7 +139,7 @@ def attach(advice: Advice, model: Any, depth_plan: Any = None) -> None:
         return
     ranges = _ranges(plan, candidates)
     config = config_for(ranges, {t.label: t for t in candidates}, depth_plan, units)
-    advice.per_block = MixedPlan(plan, config, ranges, chosen, units)  # type: ignore[arg-type]
+    advice.per_block = MixedPlan(plan, config, ranges, chosen, units)
 
 
 def _ranges(plan: Plan, candidates: list[Trial]) -> list[tuple[str, int, int]]:
