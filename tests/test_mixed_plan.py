@@ -59,7 +59,7 @@ def test_a_mix_holds_both_budgets_where_no_fast_uniform_candidate_does():
     assert plan.gpu_gib <= 8.0 and plan.host_gib <= 5.0
     assert plan.time_ms < advice.chosen.step_ms
     used = plan.counts_of("units")
-    assert sum(used.values()) == UNITS and len(used) >= 2 and "torch" not in used or used.get("torch", 0) < UNITS
+    assert sum(used.values()) == UNITS and len(used) >= 2  # a mix, not a uniform plan
     # the brute force over every count of the three candidates agrees on the best time
     best = math.inf
     for a in range(UNITS + 1):
@@ -138,22 +138,22 @@ def test_measured_at_one_depth_there_is_nothing_to_plan_per_block():
 def test_units_map_onto_every_list_in_proportion_or_onto_the_longest():
     flux = DepthPlan({"transformer_blocks": 19, "single_transformer_blocks": 38})
     assert flux.exact and flux.full == 19
-    assert selectors(flux, 2, 5, 19) == ["transformer_blocks[2:5]", "single_transformer_blocks[4:10]"]
+    assert selectors(flux, 2, 5) == ["transformer_blocks[2:5]", "single_transformer_blocks[4:10]"]
     hv = DepthPlan({"context_embedder.token_refiner.refiner_blocks": 2, "transformer_blocks": 54})
     assert not hv.exact
-    assert selectors(hv, 0, 20, 54) == ["transformer_blocks[0:20]"]
+    assert selectors(hv, 0, 20) == ["transformer_blocks[0:20]"]
 
 
 def test_an_entry_resets_what_the_top_level_sets_and_it_does_not():
     trials = {label: Trial(label, dict(config)) for label, config in LADDER}
     plan = DepthPlan({"blocks": 4})
-    config = config_for([("torch + attention kept", 0, 3), ("unsloth-compile, budget 0.05", 3, 4)], trials, plan, 4)
+    config = config_for([("torch + attention kept", 0, 3), ("unsloth-compile, budget 0.05", 3, 4)], trials, plan)
     assert config["gradient_checkpointing_keep_attention"] is True
     (entry,) = config[BLOCKS_KEY]
     assert entry == {"blocks": "blocks[3:4]", "gradient_checkpointing_backend": "unsloth-compile",
                      "gradient_checkpointing_memory_budget": 0.05, "gradient_checkpointing_keep_attention": False}
     two = config_for([("none", 0, 1), ("torch", 1, 3)], trials, DepthPlan({"transformer_blocks": 3,
-                                                                        "single_transformer_blocks": 6}), 3)
+                                                                        "single_transformer_blocks": 6}))
     assert two["gradient_checkpointing_backend"] == "torch"
     assert two[BLOCKS_KEY] == [{"blocks": "transformer_blocks[0:1]", "gradient_checkpointing": False},
                                {"blocks": "single_transformer_blocks[0:2]", "gradient_checkpointing": False}]

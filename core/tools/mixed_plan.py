@@ -138,7 +138,7 @@ def attach(advice: Advice, model: Any, depth_plan: Any = None) -> None:
                                  f"than {chosen.label}")
         return
     ranges = _ranges(plan, candidates)
-    config = config_for(ranges, {t.label: t for t in candidates}, depth_plan, units)
+    config = config_for(ranges, {t.label: t for t in candidates}, depth_plan)
     advice.per_block = MixedPlan(plan, config, ranges, chosen, units)
 
 
@@ -152,8 +152,7 @@ def _ranges(plan: Plan, candidates: list[Trial]) -> list[tuple[str, int, int]]:
     return out
 
 
-def config_for(ranges: list[tuple[str, int, int]], trials: dict[str, Trial], depth_plan: Any,
-               units: int) -> dict[str, Any]:
+def config_for(ranges: list[tuple[str, int, int]], trials: dict[str, Trial], depth_plan: Any) -> dict[str, Any]:
     """The keys that run ``ranges``: the candidate with the most units at the top level, an entry of
     ``gradient_checkpointing_blocks`` per other range, each setting every per-block key the top level sets
     otherwise (an entry only overrides what it names)."""
@@ -166,12 +165,12 @@ def config_for(ranges: list[tuple[str, int, int]], trials: dict[str, Trial], dep
             continue
         resolved = CheckpointConfig.from_dict(gradseam_keys(trials[label].config))
         keys = {k: getattr(resolved, k) for k in BLOCK_KEYS if getattr(resolved, k) != getattr(resolved_top, k)}
-        for selector in selectors(depth_plan, a, b, units):
+        for selector in selectors(depth_plan, a, b):
             entries.append({"blocks": selector, **keys})
     return {**top, BLOCKS_KEY: entries} if entries else dict(top)
 
 
-def selectors(depth_plan: Any, start: int, end: int, units: int) -> list[str]:
+def selectors(depth_plan: Any, start: int, end: int) -> list[str]:
     """The block selectors of units ``start`` to ``end``: every list's share of them where the depth plan cuts
     the lists in proportion, else the longest list's blocks (units count its blocks then)."""
     if depth_plan.exact:
