@@ -27,6 +27,19 @@ if TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
+
+def _plan_auto(request: Any) -> Any:
+    """``gradient_checkpointing_backend: "auto"``'s planner, a tool (it measures): loaded on first use and handed
+    to the runtime here, since the runtime never imports the tools (:mod:`gradseam.auto`)."""
+    from .tools.auto_planner import plan
+
+    return plan(request)
+
+
+from .auto import use_planner as _use_planner  # noqa: E402 - after __version__, which the planner's cache key reads
+
+_use_planner(_plan_auto)
+
 __all__ = [
     "BACKENDS",
     "BlockClass",

@@ -11,6 +11,7 @@ import contextlib
 import difflib
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
@@ -21,8 +22,44 @@ from .errors import ConfigFileNotFoundError, warn_once
 
 BACKENDS: tuple[str, ...] = tuple(CATALOG)
 DEFAULT_BACKEND = "torch"  # what a left-out gradient_checkpointing_backend reads as
+AUTO = "auto"  # not a backend: each block's backend and settings planned at the first training step (gradseam.auto)
+# The keys "auto" decides for each block itself: given beside it, they would be silently overruled.
+AUTO_DECIDES = (
+    "gradient_checkpointing_interval", "gradient_checkpointing_segment_stride",
+    "gradient_checkpointing_offload_attention", "gradient_checkpointing_keep_attention",
+    "gradient_checkpointing_memory_budget", "gradient_checkpointing_blocks",
+)
+AUTO_BUDGETS = ("gradient_checkpointing_gpu_memory", "gradient_checkpointing_host_memory")
 DEFAULT_PIN_BUCKETS = 12
 DEFAULT_MEMORY_BUDGET = 0.1  # the compiled backends' activation memory budget when none is given
+
+_GiB = 1 << 30
+_SIZE_UNITS = {
+    "": _GiB, "g": _GiB, "gb": 10**9, "gib": _GiB, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+    "t": 1 << 40, "tb": 10**12, "tib": 1 << 40, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10,
+}
+
+
+def parse_size(value: str | float | int, what: str = "GPU memory size") -> float:
+    """A memory size in GiB: ``42.5`` (GiB), ``"40GiB"``, ``"40 GB"`` (10^9 bytes), ``"40960MiB"``; ``what`` begins
+    an error's message."""
+    if isinstance(value, bool):
+        raise ValueError(f"{what}: expected a size like '40GiB' or a number of GiB, got {value!r}.")
+    if isinstance(value, (int, float)):
+        gib = float(value)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+        unit = match.group(2).lower() if match else ""
+        if not match or unit not in _SIZE_UNITS:
+            raise ValueError(
+                f"{what}: cannot read {value!r}; write a number with a unit, e.g. '40GiB', '40 GB', "
+                "'40960MiB', or a plain number of GiB like 42.5."
+            )
+        gib = float(match.group(1)) * _SIZE_UNITS[unit] / _GiB
+    if not gib > 0 or gib == float("inf"):
+        raise ValueError(f"{what}: must be a positive finite size, got {value!r}.")
+    return gib
+
 
 _TRUE_STRINGS = {"true": True, "false": False}
 
@@ -118,13 +155,24 @@ def _parse_streamed(key: str, value: Any, nullable: bool = True) -> int | str | 
 
 
 def _parse_backend(key: str, value: Any, nullable: bool = False) -> str:
+    allowed = [*BACKENDS, AUTO]
     if not isinstance(value, str):
-        raise ValueError(f"{_where(key)}: expected one of {list(BACKENDS)}, got {value!r} ({type(value).__name__}).")
-    if value in BACKENDS:
+        raise ValueError(f"{_where(key)}: expected one of {allowed}, got {value!r} ({type(value).__name__}).")
+    if value in allowed:
         return value
-    close = difflib.get_close_matches(value.strip().lower().replace("_", "-"), BACKENDS, n=1, cutoff=0.5)
+    close = difflib.get_close_matches(value.strip().lower().replace("_", "-"), allowed, n=1, cutoff=0.5)
     hint = f" Did you mean '{close[0]}'?" if close else ""
-    raise ValueError(f"{_where(key)}: {value!r} is not a backend; allowed: {list(BACKENDS)}.{hint}")
+    raise ValueError(f"{_where(key)}: {value!r} is not a backend; allowed: {allowed}.{hint}")
+
+
+def _parse_memory(key: str, value: Any, nullable: bool = True) -> float | None:
+    """A memory size in GiB (a number, or text like ``"24GiB"``, ``"24 GB"``), or None for the default."""
+    if value is None:
+        return None
+    try:
+        return parse_size(value, _where(key))
+    except ValueError as exc:
+        raise ValueError(str(exc)) from None
 
 
 # -- what gradseam says about each key, stated once: beside its field ------------------------------
@@ -193,6 +241,10 @@ def _parse_block_overrides(key: str, value: Any, nullable: bool = True) -> tuple
                 stored.append((k, KEY_SPECS[k].read(k, entry[k])))
             except ValueError as exc:
                 raise ValueError(f"{where} ({selector!r}): {exc}") from None
+            if k == BACKEND_KEY and entry[k] == AUTO:
+                raise ValueError(
+                    f"{where} ({selector!r}): \"{AUTO}\" plans every block of the model, so it is a top-level "
+                    f"gradient_checkpointing_backend, not a block's; name a backend for these blocks.")
         entries.append(tuple(stored))
     return tuple(entries)
 
@@ -201,6 +253,7 @@ GROUP_CHECKPOINTING = "Checkpointing"
 GROUP_ATTENTION = "Attention"
 GROUP_COMPILED = "Compiled backends"
 GROUP_WEIGHTS = "Weight streaming"
+GROUP_AUTO = "Planning"  # the keys of gradient_checkpointing_backend "auto"
 DEFAULT_STREAM_PREFETCH = 1  # one block ahead hides the copy wherever a block computes longer than it copies
 NEEDS_CHECKPOINTING_WORDS = "{needs_checkpointing}"  # in a doc cell: the keys that need checkpointing, listed
 
@@ -444,10 +497,12 @@ class CheckpointConfig:
     gradient_checkpointing_backend: str | None = _key(None, KeySpec(  # None: left out, read as DEFAULT_BACKEND
         flag="--backend", value=str, metavar="NAME", parse=_parse_backend, group=GROUP_CHECKPOINTING,
         needs_checkpointing=True,  # counts when given at all, "torch" included
-        help=f"what each region covers and keeps: {' | '.join(BACKENDS)} (default {DEFAULT_BACKEND})",
-        doc_type=", ".join(f'`"{name}"`' for name in BACKENDS), doc_default=f'`"{DEFAULT_BACKEND}"`',
+        help=f"what each region covers and keeps: {' | '.join(BACKENDS)}, or {AUTO} to plan each block (default "
+             f"{DEFAULT_BACKEND})",
+        doc_type=", ".join(f'`"{name}"`' for name in [*BACKENDS, AUTO]), doc_default=f'`"{DEFAULT_BACKEND}"`',
         doc="what each region covers, what it keeps and whether that goes to CPU memory "
-            "([Strategies](strategies.md))"))
+            "([Strategies](strategies.md)); `\"auto\"` plans each block within the GPU and host memory below "
+            "([auto](strategies.md#auto-each-block-planned-for-your-gpu-and-host))"))
     gradient_checkpointing_interval: int | None = _key(None, KeySpec(
         flag="--interval", value=int, metavar="N", parse=_parse_count, group=GROUP_CHECKPOINTING,
         nullable=True, needs_checkpointing=True,
@@ -506,6 +561,19 @@ class CheckpointConfig:
             "stream while it computes (the GPU holds 1 + N streamed blocks' weights); 0 copies each block when "
             "it runs and waits for it (no overlap: the reference the overlap is measured against)"))
 
+    gradient_checkpointing_gpu_memory: float | None = _key(None, KeySpec(
+        flag="--gpu-memory", value=str, metavar="SIZE", parse=_parse_memory, group=GROUP_AUTO, nullable=True,
+        help='with backend auto: the GPU memory the step may use, e.g. "24GiB" (default: what the GPU has free '
+             "and this process holds, less 5%)",
+        doc_type='size (`"24GiB"`, `"24 GB"`, GiB as a number) or null',
+        doc_default="null (the GPU's free memory plus what this process holds, within its memory fraction, less 5%)",
+        doc='with `\"auto\"` only: the GPU memory the planned step may use, weights and inputs included'))
+    gradient_checkpointing_host_memory: float | None = _key(None, KeySpec(
+        flag="--host-memory", value=str, metavar="SIZE", parse=_parse_memory, group=GROUP_AUTO, nullable=True,
+        help="with backend auto: the pinned host memory the plan may use (default: 3/4 of the host's available memory)",
+        doc_type='size or null', doc_default="null (three quarters of the host's available memory)",
+        doc='with `\"auto\"` only: the pinned host memory the plan may use for what it offloads'))
+
     gradient_checkpointing_blocks: tuple[BlockOverride, ...] | None = _key(None, KeySpec(
         flag="--blocks", value=str, metavar="JSON", parse=_parse_block_overrides, group=GROUP_CHECKPOINTING,
         nullable=True,
@@ -540,6 +608,29 @@ class CheckpointConfig:
                 getattr(self, key) not in (None, False) for key in NEEDS_CHECKPOINTING))
         if BACKEND_KEY in left_out:
             set_(self, BACKEND_KEY, DEFAULT_BACKEND)
+        self._check_auto_keys()
+
+    def _check_auto_keys(self) -> None:
+        """``"auto"`` decides :data:`AUTO_DECIDES` for each block, and its budgets mean nothing to a named backend:
+        either given where it cannot act would be silently ignored, so both are refused, naming the keys."""
+        if self.backend != AUTO:
+            budgets = [key for key in AUTO_BUDGETS if getattr(self, key) is not None]
+            if budgets:
+                raise ValueError(
+                    f"{_where(budgets[0])}: read only with gradient_checkpointing_backend \"{AUTO}\" (the budgets it "
+                    f"plans each block within), but the backend is {self.backend!r}. Set the backend to \"{AUTO}\", or "
+                    "leave the key out (gradseam advise --gpu-memory SIZE finds the fastest backend for a GPU).")
+            return
+        decided = [key for key in AUTO_DECIDES if getattr(self, key) not in (None, False)]
+        if decided:
+            raise ValueError(
+                f"{_where(decided[0])}: gradient_checkpointing_backend \"{AUTO}\" chooses {', '.join(decided)} for each "
+                "block itself, so the value given would be overruled. Leave it out, or name a backend and keep it.")
+        if self.stream_weights is not None:
+            raise ValueError(
+                f"{_where('gradient_checkpointing_stream_weights')}: gradient_checkpointing_backend \"{AUTO}\" does not "
+                "plan weight streaming yet. Name a backend beside it (gradseam advise --gpu-memory SIZE finds the "
+                "fastest one with streamed weights), or leave the key out.")
 
     def warn_if_idle(self, entry: str) -> None:
         """Warn (once) where this config, given to ``entry``, sets what cannot act: checkpointing is off.
@@ -725,6 +816,9 @@ class CheckpointConfig:
             parts.append("attention kept")
         if self.enabled and self.gradient_checkpointing_memory_budget is not None:
             parts.append(f"memory budget {self.memory_budget:g}")
+        for key, what in zip(AUTO_BUDGETS, ("GPU", "host")):
+            if getattr(self, key) is not None:
+                parts.append(f"{what} memory {getattr(self, key):g} GiB")
         if self.gradient_checkpointing_blocks:
             parts.append(f"{len(self.gradient_checkpointing_blocks)} per-block "
                          f"entr{'y' if len(self.gradient_checkpointing_blocks) == 1 else 'ies'}")

@@ -22,6 +22,8 @@ from .spec import Plan
 from .summary import RegionView, Summary
 
 if TYPE_CHECKING:
+    from .auto import AutoPlanning
+    from .config import CheckpointConfig
     from .run.install import Installation
 
 
@@ -70,6 +72,8 @@ class _ModelHooks:
     def __call__(self, module: nn.Module, args: tuple) -> None:
         """Before the forward."""
         handle = self.handle
+        if not handle.active:
+            return  # "auto" is measuring this model under other patches (gradseam.auto): they run, not this one
         for chain in handle._chains:
             chain.reset()
         if handle._blocks_replaced() or handle._changed_under_kinds():
@@ -111,6 +115,7 @@ class PatchHandle:
         self.deferred_device = False  # load-time patching: offload starts once the model is on a GPU
         self.active = False
         self.replaced_by: PatchHandle | None = None  # the later patch() of the same model that replaced this one
+        self.auto: AutoPlanning | None = None  # with gradient_checkpointing_backend "auto": its planning hook
 
     @property
     def engine(self) -> Any:
@@ -125,20 +130,43 @@ class PatchHandle:
             if getattr(module, "gradient_checkpointing", False) is True:
                 self._flags.append((module, True))
                 module.gradient_checkpointing = False
+        self._guard_enable()
+        self._make_engines()
+        self._install_regions()
+        self._stream_weights()
+        hooks = _ModelHooks(self)
+        self._hooks = [model.register_forward_pre_hook(hooks), model.register_forward_hook(hooks.after, always_call=True)]
+        if self.auto is not None:  # first among the pre-hooks: the handle's own then sees the planned regions
+            self._hooks.append(model.register_forward_pre_hook(self.auto, with_kwargs=True, prepend=True))
+        self.active = True
+
+    def _guard_enable(self) -> None:
         for name, enable in (("enable_gradient_checkpointing", True), ("disable_gradient_checkpointing", False)):
-            if hasattr(model, name):
-                setattr(model, name, _GuardedEnable(self, enable))
+            if hasattr(self.model, name):
+                setattr(self.model, name, _GuardedEnable(self, enable))
+
+    def _make_engines(self) -> None:
         if self.plan.stores:
             from .offload import engine_for  # only offload configs pay for it
 
             for store in self.plan.stores:
                 engine = self.engines[store.destination] = engine_for(store.destination.value, store.max_buckets)
-                engine.watch(model)
+                engine.watch(self.model)
+
+    def adopt(self, config: CheckpointConfig) -> None:
+        """Run ``config`` from now on (``"auto"``'s plan, :mod:`gradseam.auto`): planned first, so a refused
+        config raises before anything changes, then installed as ``patch()`` would, in this handle."""
+        new_plan = plan(self.model, self.family, config)
+        self._unstream_weights()
+        self._uninstall_regions()
+        for engine in self.engines.values():
+            engine.close()
+        self.engines = {}
+        self.config, self.plan = config, new_plan
+        self._guard_enable()  # a patch made while planning (to measure) took the model's methods back on removal
+        self._make_engines()
         self._install_regions()
         self._stream_weights()
-        hooks = _ModelHooks(self)
-        self._hooks = [model.register_forward_pre_hook(hooks), model.register_forward_hook(hooks.after, always_call=True)]
-        self.active = True
 
     def _install_regions(self) -> None:
         from .run.install import Installation
@@ -290,6 +318,8 @@ class PatchHandle:
                 f"({'pinned' if w.pinned_bytes == w.host_bytes else 'pageable' if not w.pinned_bytes else 'partly pinned'})"
                 f", copied to the GPU {ahead}; {w.loads} block loads so far. Pinned host memory now: weights "
                 f"{w.pinned_bytes / 2**30:.2f} GiB, offloaded activations {activations / 2**30:.2f} GiB")
+        if self.auto is not None:
+            summary.notes.insert(0, self.auto.describe())
         if not self.active and self.replaced_by is not None:
             summary.notes.append(f"replaced by a later gradseam.patch() of this model ({self.replaced_by!r}): "
                                  "this patch no longer runs; the model's summary is that handle's")
@@ -297,7 +327,8 @@ class PatchHandle:
 
     def __repr__(self) -> str:
         state = "active" if self.active else "replaced by a later patch" if self.replaced_by is not None else "removed"
-        return f"<gradseam patch {self.family.name} [{self.config.describe()}] {state}>"
+        what = self.config.describe() if self.auto is None or self.auto.planned is not None else "auto, not planned yet"
+        return f"<gradseam patch {self.family.name} [{what}{', planned by auto' if self.auto is not None and self.auto.planned else ''}] {state}>"
 
 
 class PipelineHandle:

@@ -13,7 +13,8 @@ from typing import Any
 
 from torch import nn
 
-from .config import CheckpointConfig
+from .auto import UNPLANNED, AutoPlanning
+from .config import AUTO, CheckpointConfig
 from .errors import PLUGIN_GUIDE, UnsupportedModelError, UnsupportedStrategyError
 from .family import Family
 from .handle import PatchHandle, PipelineHandle, handle_of
@@ -176,6 +177,9 @@ def patch_models(
     CPU before the user moves them; the offload engine only moves CUDA tensors, so that is safe,
     and the handle says offload is pending until the model is on a GPU.
     """
+    requested = config
+    if config.backend == AUTO:  # each block is planned at the first training step (gradseam.auto)
+        config = UNPLANNED
     plans = {name: plan(model, family_for(model), config) for name, model in models.items()}
     for name, model in models.items():
         _check_group_offloading(model, plans[name])
@@ -192,6 +196,8 @@ def patch_models(
                 replaced.append(previous)
             handle = PatchHandle(model, plans[name])
             handle.deferred_device = not check_device
+            if requested is not config:
+                handle.auto = AutoPlanning(handle, requested)
             if previous is not None:
                 previous.replaced_by = handle  # its remove() says so, and which handle to remove
             handle.install()

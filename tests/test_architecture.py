@@ -30,7 +30,7 @@ LAYERS: dict[str, int] = {
     "backends": 2, "config": 2, "registry": 2,
     "kinds": 3, "planning": 3, "plan_search": 3, "spec": 3,
     "run": 4,
-    "summary": 5, "handle": 5, "patcher": 5, "loading": 5,
+    "summary": 5, "auto": 5, "handle": 5, "patcher": 5, "loading": 5,
 }
 
 

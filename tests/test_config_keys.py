@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 from gradseam import CheckpointConfig
 from gradseam.config import (
     GROUP_ATTENTION,
+    GROUP_AUTO,
     GROUP_CHECKPOINTING,
     GROUP_COMPILED,
     GROUP_WEIGHTS,
@@ -50,6 +51,13 @@ SET = {
     "gradient_checkpointing_stream_prefetch": "2",
     "gradient_checkpointing_blocks": '[{"blocks": "blocks[0:2]", "gradient_checkpointing_backend": "unsloth"}]',
 }
+# The budgets of "auto" act with it alone (beside another backend they are refused), so they are set beside it.
+AUTO_SET = {
+    "gradient_checkpointing_backend": "auto",
+    "gradient_checkpointing_gpu_memory": "24GiB",
+    "gradient_checkpointing_host_memory": "48",
+}
+AUTO_ONLY = {"gradient_checkpointing_gpu_memory", "gradient_checkpointing_host_memory"}
 # Per-block entries are written as JSON text on the command line (the spec's value type) and held as tuples
 # (hashable, as the frozen config is); an empty list is no entries, as null is.
 STRUCTURED = {"gradient_checkpointing_blocks": tuple}
@@ -71,14 +79,15 @@ def _run_command() -> Any:
 def test_every_field_carries_its_spec():
     fields = dataclasses.fields(CheckpointConfig)
     assert tuple(KEY_SPECS) == CheckpointConfig.keys() == tuple(f.name for f in fields)
-    assert set(SET) == set(KEY_SPECS)
+    assert set(SET) | AUTO_ONLY == set(KEY_SPECS) and set(AUTO_SET) >= AUTO_ONLY
     for f in fields:
         spec = key_spec(f.name)
         assert isinstance(spec, KeySpec) and spec is KEY_SPECS[f.name]
-        assert spec.group in (GROUP_CHECKPOINTING, GROUP_ATTENTION, GROUP_COMPILED, GROUP_WEIGHTS), f.name
+        assert spec.group in (GROUP_CHECKPOINTING, GROUP_ATTENTION, GROUP_COMPILED, GROUP_WEIGHTS, GROUP_AUTO), f.name
         assert spec.help and "\n" not in spec.help and spec.doc and spec.doc_type and spec.doc_default, f.name
         # the value type is the field's, besides null; a bool is a switch and takes no metavar
-        assert spec.value.__name__ in str(f.type) or f.name in STRUCTURED, (f.name, f.type)
+        # (a size is command-line text, held as GiB: a float)
+        assert spec.value.__name__ in str(f.type) or f.name in STRUCTURED or f.name in AUTO_ONLY, (f.name, f.type)
         assert (spec.value is bool) == (spec.metavar == "") == (spec.negative_flag is not None), f.name
         if spec.nullable:
             assert f.default is None and "None" in str(f.type), f.name
@@ -134,9 +143,11 @@ def test_null_is_a_value_exactly_for_the_nullable_keys(key):
 @pytest.mark.parametrize("key", list(KEY_SPECS))
 def test_a_keys_parser_is_its_specs(key):
     spec = KEY_SPECS[key]
-    value = spec.read(key, SET[key])
-    assert type(value) is STRUCTURED.get(key, spec.value)
-    assert getattr(CheckpointConfig.from_dict({"gradient_checkpointing": True, key: SET[key]}), key) == value
+    given = AUTO_SET if key in AUTO_ONLY else SET
+    value = spec.read(key, given[key])
+    assert type(value) is STRUCTURED.get(key, float if key in AUTO_ONLY else spec.value)
+    beside = {"gradient_checkpointing_backend": "auto"} if key in AUTO_ONLY else {}
+    assert getattr(CheckpointConfig.from_dict({"gradient_checkpointing": True, **beside, key: given[key]}), key) == value
     with pytest.raises(ValueError, match=f"^gradseam config key '{key}': "):
         spec.read(key, [] if key not in STRUCTURED else 7)
 
@@ -170,7 +181,7 @@ def test_run_help_lists_every_option_with_its_help_under_its_group():
     sections: dict[str, str] = {}
     for match in re.finditer(r"^(\w[\w ]*):\n((?:  .*\n|\n(?=  ))*)", out, re.MULTILINE):
         sections[match.group(1)] = match.group(2)
-    assert list(sections)[:6] == ["Arguments", GROUP_CHECKPOINTING, GROUP_ATTENTION, GROUP_COMPILED, GROUP_WEIGHTS,
+    assert list(sections)[:7] == ["Arguments", GROUP_CHECKPOINTING, GROUP_ATTENTION, GROUP_COMPILED, GROUP_WEIGHTS, GROUP_AUTO,
                                   "Options"]
     flat = {name: " ".join(text.split()) for name, text in sections.items()}
     for key, spec in KEY_SPECS.items():
@@ -188,18 +199,19 @@ def test_every_key_option_reaches_the_config(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "prog.py").write_text("pass\n")
-    values = {**SET, "gradient_checkpointing_offload_attention": False, "gradient_checkpointing_memory_budget": None}
-    args = []
-    for key, value in values.items():
-        spec = KEY_SPECS[key]
-        if spec.value is bool:
-            args.append(spec.flag if value else spec.negative_flag)
-        else:
-            args += [spec.flag, "null" if value is None else str(value)]
-    result = _invoke("run", *args, "--report", "run.json", "--", "prog.py")
-    assert result.exit_code == 0, result.output
-    config = json.loads((tmp_path / "run.json").read_text())["config"]
-    assert config == CheckpointConfig.from_dict(values).to_dict()
+    for values in ({**SET, "gradient_checkpointing_offload_attention": False,
+                    "gradient_checkpointing_memory_budget": None}, AUTO_SET):
+        args = []
+        for key, value in values.items():
+            spec = KEY_SPECS[key]
+            if spec.value is bool:
+                args.append(spec.flag if value else spec.negative_flag)
+            else:
+                args += [spec.flag, "null" if value is None else str(value)]
+        result = _invoke("run", *args, "--report", "run.json", "--", "prog.py")
+        assert result.exit_code == 0, result.output
+        config = json.loads((tmp_path / "run.json").read_text())["config"]
+        assert config == CheckpointConfig.from_dict(values).to_dict()
 
 
 def test_a_mistyped_option_is_matched_against_every_spelling(tmp_path):

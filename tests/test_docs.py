@@ -120,7 +120,8 @@ def test_messages_point_at_existing_sections():
 
 # -- what a newcomer reads first: the pages agree with the code and with each other ------------------
 
-NUMBER_WORDS = {5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine", 10: "ten", 11: "eleven"}
+NUMBER_WORDS = {5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine", 10: "ten", 11: "eleven", 12: "twelve",
+                13: "thirteen"}
 
 
 def _table_first_cells(page: str, header: str) -> list[str]:

@@ -286,7 +286,7 @@ def test_unknown_key_errors_speak_the_command_lines_words(tmp_path, monkeypatch)
     (["--interval", "3", "--segment-stride", "2"], "--segment-stride: must be >= --interval (3), got 2"),
     (["--offload-pin-memory-max-buckets", "-2"], "--offload-pin-memory-max-buckets -2: must be >= 0"),
     (["--backend", "unsloth_ffn"], "--backend unsloth_ffn: 'unsloth_ffn' is not a backend; allowed: ['torch', "
-                                   "'torch-ffn', 'unsloth', 'unsloth-ffn', 'compile', 'unsloth-compile']. "
+                                   "'torch-ffn', 'unsloth', 'unsloth-ffn', 'compile', 'unsloth-compile', 'auto']. "
                                    "Did you mean 'unsloth-ffn'?"),
     (["--memory-budget", "2"], "--memory-budget 2: must be > 0 and <= 1, got 2.0."),
     (["--memory-budget", "0"], "--memory-budget 0: must be > 0 and <= 1, got 0.0."),

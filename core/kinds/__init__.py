@@ -36,8 +36,9 @@ def kind_of(backend: Backend | None) -> RegionKind | None:
 
 
 def backend_of(config: CheckpointConfig) -> Backend | None:
-    """The catalog entry a config runs, or None when checkpointing is off."""
-    return CATALOG[config.backend] if config.enabled else None
+    """The catalog entry a config runs, or None when checkpointing is off or ``"auto"`` has yet to plan it (the
+    patcher plans nothing until then: :mod:`gradseam.auto`)."""
+    return CATALOG.get(config.backend) if config.enabled else None
 
 
 def check_config(config: CheckpointConfig) -> None:

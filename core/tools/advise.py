@@ -289,10 +289,10 @@ def _try(trial: Trial, measure: Measure, gpu_gib: float, static_gib: float,
 def run_ladder(
     measure: Measure, gpu_gib: float, static_gib: float = 0.0, *, supports_interval: bool = True,
     pinnable_gib: float | None = None, ladder: list[tuple[str, dict[str, Any]]] | None = None,
-    block_gib: Sequence[float] | None = None,
+    block_gib: Sequence[float] | None = None, win_back: bool = True,
 ) -> Advice:
     """Walk the ladder with ``measure`` within ``gpu_gib`` of GPU memory and return the advice (``chosen``
-    is None when nothing fits): every rung, then the win-back steps on the fastest one that fits. With
+    is None when nothing fits): every rung, then (``win_back``) the win-back steps on the fastest one that fits. With
     ``block_gib`` (each block's frozen weights at full depth, in forward order), rungs that are over the GPU
     only because the weights are too are tried again with some weights streamed (:func:`_streamed`)."""
     advice = Advice(gpu_gib, static_gib, pinnable_gib=pinnable_gib, streaming_tried=bool(block_gib))
@@ -305,8 +305,9 @@ def run_ladder(
         fits = _streamed(advice, list(block_gib), measure)
     if not fits:
         return advice
-    base = min(fits, key=lambda t: t.step_ms or 0.0)
-    fits += _win_back(advice, base, try_one, supports_interval)
+    if win_back:
+        base = min(fits, key=lambda t: t.step_ms or 0.0)
+        fits += _win_back(advice, base, try_one, supports_interval)
     chosen = min(fits, key=lambda t: t.step_ms or 0.0)
     advice.chosen = chosen
     for t in fits:

@@ -22,14 +22,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..config import parse_size
 from ..errors import GradseamError
 from ..family import Family, Preset, class_name
 
+__all__ = ["parse_size"]  # read here by the tools; it lives with the config keys that take sizes
+
 GiB = 1 << 30
-_UNITS = {
-    "": GiB, "g": GiB, "gb": 10**9, "gib": GiB, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
-    "t": 1 << 40, "tb": 10**12, "tib": 1 << 40, "k": 1 << 10, "kb": 10**3, "kib": 1 << 10,
-}
 
 
 DEVICES = ("cpu", "cuda")
@@ -43,27 +42,6 @@ class OptionError(ValueError):
     def __init__(self, message: str, option: str | None = None) -> None:
         super().__init__(message)
         self.option = option
-
-
-def parse_size(value: str | float | int, what: str = "GPU memory size") -> float:
-    """A memory size in GiB: ``42.5`` (GiB), ``"40GiB"``, ``"40 GB"`` (10^9 bytes), ``"40960MiB"``; ``what`` begins
-    an error's message."""
-    if isinstance(value, bool):
-        raise ValueError(f"{what}: expected a size like '40GiB' or a number of GiB, got {value!r}.")
-    if isinstance(value, (int, float)):
-        gib = float(value)
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
-        unit = match.group(2).lower() if match else ""
-        if not match or unit not in _UNITS:
-            raise ValueError(
-                f"{what}: cannot read {value!r}; write a number with a unit, e.g. '40GiB', '40 GB', "
-                "'40960MiB', or a plain number of GiB like 42.5."
-            )
-        gib = float(match.group(1)) * _UNITS[unit] / GiB
-    if not gib > 0 or gib == float("inf"):
-        raise ValueError(f"{what}: must be a positive finite size, got {value!r}.")
-    return gib
 
 
 def parse_depths(text: str | None, full: int) -> tuple[int, int]:

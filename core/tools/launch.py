@@ -61,7 +61,7 @@ from pathlib import Path
 from types import CodeType, ModuleType
 from typing import TYPE_CHECKING, Any, TextIO
 
-from ..config import KEY_SPECS, CheckpointConfig
+from ..config import AUTO, AUTO_BUDGETS, BACKEND_KEY, KEY_SPECS, CheckpointConfig
 from .launch_report import Patched
 
 if TYPE_CHECKING:
@@ -140,8 +140,8 @@ def _read_config(
         key = FLAG_KEYS[flag]
         if key in _NULLABLE and isinstance(value, str) and value.strip().lower() in ("null", "none"):
             value = None
-        try:
-            CheckpointConfig.from_dict({key: value})
+        try:  # the value alone (a budget of "auto" beside it, the only backend it is read with)
+            CheckpointConfig.from_dict({BACKEND_KEY: AUTO, key: value} if key in AUTO_BUDGETS else {key: value})
         except ValueError as exc:
             raise LaunchError(f"{flag} {value}: {str(exc).removeprefix(f'gradseam config key {key!r}: ')}") from None
         keys[key] = value

@@ -1,0 +1,156 @@
+"""``gradient_checkpointing_backend: "auto"``: each block's strategy chosen at the first training step.
+
+Why at the first training step, not at patch time: the plan depends on what the step costs, and that
+depends on the shapes of the batch (resolution, frames, sequence length) and on where the model runs,
+neither of which ``patch()`` knows (load-time patching builds the model on the CPU before it moves). So a
+model patched with ``"auto"`` runs unpatched until its first forward with gradients enabled and a
+trainable parameter (an evaluation or inference forward before it needs no checkpointing). That forward's
+pre-hook asks the planner for an explicit config (top-level keys and ``gradient_checkpointing_blocks``),
+installs it through the handle, and lets the forward run: from then on the model runs exactly as if that
+explicit config had been given to ``patch()``, which is how the plan is reproduced or saved
+(``handle.auto.config``, printed in ``summary()``).
+
+The planner is a tool (it measures, caches and searches: :mod:`gradseam.tools.auto_planner`), and the runtime never
+imports the tools: the package's entry point hands it over through :func:`use_planner`, so this module
+knows only its signature. A planner may run the model (forward and backward at shallow depths) inside
+the pre-hook; while it does, the handle is inactive (a patch it makes does not replace this one) and this
+hook does nothing, and everything the user can see is put back: parameter and input gradients, and the
+random number generators' states.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .config import CheckpointConfig
+from .errors import GradseamError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+# What a model patched with "auto" runs until it is planned: itself (nothing to checkpoint without gradients).
+UNPLANNED = CheckpointConfig(gradient_checkpointing=False)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the planner is asked: plan ``model`` for a step called with ``inputs`` within the budgets."""
+
+    model: nn.Module
+    inputs: Mapping[str, Any]  # the step's forward arguments, by name
+    gpu_gib: float | None  # gradient_checkpointing_gpu_memory (None: the planner's default)
+    host_gib: float | None  # gradient_checkpointing_host_memory (None: the planner's default)
+    family: Any
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The planner's answer: the explicit config every block then runs, and how it was arrived at."""
+
+    config: CheckpointConfig
+    source: str  # "measured", "cached" or "default" (nothing could be measured)
+    report: str  # what was measured or read, the plan and what it beat, in a few lines
+
+
+Planner = Callable[[Request], Planned]
+_planner: Planner | None = None
+
+
+def use_planner(planner: Planner | None) -> Planner | None:
+    """Make ``planner`` the one ``"auto"`` calls; returns the previous one (tests put it back)."""
+    global _planner
+    previous, _planner = _planner, planner
+    return previous
+
+
+class AutoPlanning:
+    """The pre-hook (with keyword arguments) that plans a model patched with ``"auto"`` at its first training
+    forward; registered first among the model's pre-hooks, so the handle's own pre-hook sees the planned
+    regions."""
+
+    def __init__(self, handle: Any, config: CheckpointConfig) -> None:  # a gradseam.handle.PatchHandle
+        self.handle = handle
+        self.requested = config  # the keys as given, "auto" among them
+        self.planned: Planned | None = None
+        self._busy = False
+
+    @property
+    def config(self) -> CheckpointConfig | None:
+        """The explicit config the model runs since it was planned (None before): give it to ``patch()`` to
+        run the same plan without planning."""
+        return self.planned.config if self.planned is not None else None
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        import torch
+
+        if self.planned is not None or self._busy or not self.handle.active or not torch.is_grad_enabled():
+            return
+        if not any(p.requires_grad for p in module.parameters()):
+            return  # nothing trains through this forward: plan when something does
+        planner = _planner
+        if planner is None:
+            raise GradseamError(
+                "gradient_checkpointing_backend \"auto\" has no planner: import gradseam (its package entry point "
+                "installs it) rather than its modules alone, or pass an explicit config."
+            )
+        request = Request(module, _by_name(module, args, kwargs), self.requested.gradient_checkpointing_gpu_memory,
+                          self.requested.gradient_checkpointing_host_memory, self.handle.family)
+        self._busy = True
+        self.handle.active = False  # a patch the planner makes to measure must not replace this one
+        try:
+            with _untouched(module, request.inputs):
+                planned = planner(request)
+        finally:
+            self._busy = False
+            self.handle.active = True
+        self.handle.adopt(planned.config)
+        self.planned = planned
+
+    def describe(self) -> str:
+        if self.planned is None:
+            return ("gradient_checkpointing_backend \"auto\": not planned yet; every block is planned at the first "
+                    "forward with gradients, from its inputs' shapes")
+        return f"gradient_checkpointing_backend \"auto\" ({self.planned.source}): {self.planned.report}"
+
+
+def _by_name(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The forward's arguments as keywords (the measurement calls ``model(**inputs)``)."""
+    if not args:
+        return dict(kwargs)
+    import inspect
+
+    try:
+        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    except TypeError as exc:
+        raise GradseamError(f"gradient_checkpointing_backend \"auto\" could not name the forward's arguments of "
+                            f"{type(module).__name__} ({exc}); call the model with keyword arguments.") from None
+    return dict(bound.arguments)
+
+
+class _untouched:
+    """Puts back what a planner's measuring steps change that the user sees: every parameter's and input
+    leaf's ``.grad`` (a measured backward accumulates into them) and the CPU and CUDA generators' states
+    (a measured forward draws from them: dropout, noise)."""
+
+    def __init__(self, model: nn.Module, inputs: Mapping[str, Any]) -> None:
+        import torch
+
+        leaves = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
+        self.grads = [(t, t.grad) for t in [*model.parameters(), *leaves]]
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def __enter__(self) -> None:
+        for tensor, _ in self.grads:
+            tensor.grad = None
+
+    def __exit__(self, *exc: object) -> None:
+        import torch
+
+        for tensor, grad in self.grads:
+            tensor.grad = grad
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)

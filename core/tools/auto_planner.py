@@ -1,0 +1,204 @@
+"""The planner behind ``gradient_checkpointing_backend: "auto"``: measure, cache, search, answer a config.
+
+:mod:`gradseam.auto` calls :func:`plan` at a model's first training forward with that forward's inputs.
+What it does, and why each step is where it is:
+
+1. **The costs.** Every candidate a block can run on its own (:data:`CANDIDATES`: no checkpointing and
+   gradseam's backends with their attention settings and compiler budgets, the rungs of advise's ladder
+   that ``gradient_checkpointing_blocks`` can name) is measured on this model, with these inputs, at two
+   shallow depths, exactly as ``gradseam advise`` measures it (:func:`gradseam.tools.advise.depth_measure`):
+   the line through the two depths says what each unit of depth adds to the step time, to the GPU memory
+   held through the step and to the pinned host memory. A few seconds per candidate, one line of progress
+   each on stderr.
+2. **The cache.** The table is written to disk (:mod:`gradseam.tools.cost_cache`), keyed by everything that
+   changes it: the model's class, config and block classes, the inputs' shapes and dtypes, the parameters'
+   dtypes and how many train, the GPU's name, torch's and gradseam's versions. The next run with the same key
+   (a restart, another budget, another rank) reads it and measures nothing.
+3. **The plan.** Within the GPU budget (``gradient_checkpointing_gpu_memory``, default: what the GPU has free
+   plus what this process holds, within its memory fraction, less 5%) and the host budget
+   (``gradient_checkpointing_host_memory``, default: three quarters of the host's available memory), the
+   fastest uniform candidate that fits (advise's rule) and the fastest per-block mix
+   (:mod:`gradseam.tools.mixed_plan`, an exact search) are found; the mix is the plan when it is predicted at
+   least 0.5% faster, or when no uniform candidate fits. The same table and budgets give the same plan.
+
+Without a CUDA model and with no cached table nothing can be measured (the CPU has no allocator peak to
+read): every block then runs :data:`DEFAULT` (whole-block recompute, ``"torch"``), and a warning says what
+would have been measured. Under ``torch.distributed`` with several processes, measuring is refused (each
+rank would time a different machine's noise and could plan differently, and a measured backward would fire
+the data-parallel wrapper's gradient hooks): the cached table is used, so run one step in a single process
+first (or ``gradseam advise`` on the same shapes), as the error says.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ..auto import Planned, Request
+from ..config import BLOCK_KEYS, CheckpointConfig
+from ..errors import GradseamError, UnsupportedStrategyError, warn_once
+from . import cost_cache
+from .advise import LADDER, Advice, Estimate, Measure, NoFitError, run_ladder
+from .compiled import gradseam_keys
+
+GiB = 1 << 30
+DEFAULT: dict[str, Any] = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch"}
+GPU_MARGIN = 0.05  # of the default GPU budget, left to the allocator's fragmentation and the optimizer's first step
+
+
+def blockwise(config: Mapping[str, Any]) -> bool:
+    """Whether one block can run ``config`` on its own: only keys an entry of gradient_checkpointing_blocks sets."""
+    return set(gradseam_keys(config)) == set(config) and set(config) <= set(BLOCK_KEYS)
+
+
+CANDIDATES: list[tuple[str, dict[str, Any]]] = [(label, config) for label, config in LADDER if blockwise(config)]
+
+# (request) -> (measure, a sentence on the depths it measures at, the static GPU memory in GiB)
+MeasureOn = Callable[[Request], "tuple[Measure, str, float]"]
+
+
+def plan(request: Request, *, measure_on: MeasureOn | None = None, cache_dir: str | None = None) -> Planned:
+    """The explicit config ``request.model`` runs from its first training step (see the module docstring)."""
+    import torch
+
+    cuda = _device(request.model).type == "cuda"
+    key = cost_cache.key_of(request, CANDIDATES)
+    table = cost_cache.load(key, cache_dir)
+    source = "cached"
+    if table is None:
+        if measure_on is None and not cuda:
+            return _default(request, cost_cache.directory(cache_dir))
+        if torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() > 1:
+            raise GradseamError(
+                "gradient_checkpointing_backend \"auto\" found no measured costs for this model and these shapes, "
+                f"and does not measure under torch.distributed ({torch.distributed.get_world_size()} processes): "
+                "each rank would plan from its own timing noise, and a measured backward would fire the data-parallel "
+                "gradient hooks. Run one step in a single process first (the costs are cached in "
+                f"{cost_cache.directory(cache_dir)} and every rank reads them), or name a backend.")
+        table = measure(request, measure_on or gpu_measure_on)
+        cost_cache.save(key, table, cache_dir)
+        source = "measured"
+    static = torch.cuda.memory_allocated(_device(request.model)) / GiB if cuda else table.static_gib
+    gpu = request.gpu_gib if request.gpu_gib is not None else default_gpu_gib(request.model) if cuda else None
+    if gpu is None:
+        raise GradseamError(
+            "gradient_checkpointing_backend \"auto\": the model is not on a CUDA GPU, so its memory cannot be read; "
+            "set gradient_checkpointing_gpu_memory (e.g. \"24GiB\").")
+    host = request.host_gib if request.host_gib is not None else _host_default()
+    advice = choose(table, gpu, static, host, request.model)
+    config = advice.per_block.config if advice.per_block is not None else gradseam_keys(advice.chosen.config)
+    return Planned(CheckpointConfig.from_dict(config), source, _report(advice, table, source))
+
+
+def choose(table: cost_cache.Table, gpu_gib: float, static_gib: float, host_gib: float | None, model: Any) -> Advice:
+    """advise's choice among the table's candidates, then the fastest mix (raises :class:`NoFitError`)."""
+    from . import mixed_plan
+
+    def from_table(config: Mapping[str, Any]) -> Estimate:
+        found = table.lookup(config)
+        if isinstance(found, str):
+            if found.startswith("OOM"):
+                raise torch_oom(found)
+            raise UnsupportedStrategyError(found)
+        return found
+
+    advice = run_ladder(from_table, gpu_gib, static_gib, pinnable_gib=host_gib, ladder=table.ladder(),
+                        win_back=False)
+    advice.depth_note = table.depth_note
+    mixed_plan.attach(advice, model)
+    if advice.chosen is None and advice.per_block is None:
+        raise NoFitError(advice)
+    return advice
+
+
+def torch_oom(reason: str) -> BaseException:
+    import torch
+
+    return torch.OutOfMemoryError(reason)
+
+
+def measure(request: Request, measure_on: MeasureOn) -> cost_cache.Table:
+    """Every candidate measured (a failure recorded with its reason), with a line of progress each."""
+    from .measure import is_oom
+
+    run, note, static = measure_on(request)
+    results: dict[str, Estimate | str] = {}
+    name = type(request.model).__name__
+    for i, (label, config) in enumerate(CANDIDATES, 1):
+        print(f"gradseam auto: {name}: measuring {i}/{len(CANDIDATES)} {label} ({note})", file=sys.stderr, flush=True)
+        try:
+            got = run(dict(config))
+            results[label] = got if isinstance(got, Estimate) else Estimate(*got)
+        except UnsupportedStrategyError as exc:
+            results[label] = f"unsupported: {exc}"
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+            results[label] = f"OOM while measuring: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+    return cost_cache.Table(CANDIDATES, results, static, note)
+
+
+def gpu_measure_on(request: Request) -> tuple[Measure, str, float]:
+    """advise's two-depth measurement on the model's GPU, with the step's own inputs."""
+    import torch
+
+    from .advise import depth_measure
+
+    device = _device(request.model)
+    torch.cuda.synchronize(device)
+    static = torch.cuda.memory_allocated(device) / GiB
+    run, note = depth_measure(request.model, request.inputs, family=request.family)
+    return run, note, static
+
+
+def default_gpu_gib(model: Any) -> float:
+    """What the GPU has free plus what this process holds, within its per-process memory fraction, less 5%."""
+    import torch
+
+    device = _device(model)
+    free, total = torch.cuda.mem_get_info(device)
+    usable = free + torch.cuda.memory_reserved(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if fraction is not None:
+        usable = min(usable, fraction(device) * total)
+    return usable * (1 - GPU_MARGIN) / GiB
+
+
+def _host_default() -> float | None:
+    from .host import pinnable_gib
+
+    return pinnable_gib()
+
+
+def _device(model: Any) -> Any:
+    import torch
+
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+def _default(request: Request, where: str) -> Planned:
+    name = type(request.model).__name__
+    labels = ", ".join(label for label, _ in CANDIDATES)
+    why = (f"{name} is on {_device(request.model)}, not a CUDA GPU, and no measured costs for it and these shapes are "
+           f"cached in {where}")
+    warn_once(f"gradseam: gradient_checkpointing_backend \"auto\" measures each candidate ({labels}) at two shallow "
+              "depths of the model on its CUDA GPU (one forward and backward each, a few seconds) and plans each block "
+              f"within the GPU and host memory; {why}. Every block runs the default, backend 'torch' (whole-block "
+              "recompute), instead.")
+    return Planned(CheckpointConfig.from_dict(DEFAULT), "default", f"{why}: backend 'torch' on every block")
+
+
+def _report(advice: Advice, table: cost_cache.Table, source: str) -> str:
+    how = "measured now" if source == "measured" else "read from the cost cache"
+    if advice.per_block is not None:
+        mix = advice.per_block
+        what = (f"a per-block plan, {mix.plan.describe()}: GPU {mix.plan.gpu_gib:.2f} GiB, pinned host "
+                f"{mix.plan.host_gib:.1f} GiB, step {mix.plan.time_ms:.1f} ms predicted")
+        if advice.chosen is not None:
+            what += f" (the best uniform candidate, {advice.chosen.label}: {advice.chosen.step_ms:.1f} ms)"
+    else:
+        chosen = advice.chosen
+        what = f"{chosen.label} on every block: step {chosen.step_ms:.1f} ms predicted ({advice.per_block_note})"
+    return f"{what}; costs {how} ({len(table.results)} candidates, {table.depth_note}), GPU budget {advice.gpu_gib:.2f} GiB"

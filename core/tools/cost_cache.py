@@ -1,0 +1,162 @@
+"""What each per-block candidate costs on one model, inputs and GPU, kept on disk so a run does not re-measure.
+
+The key is everything that changes a measurement and nothing that does not: the model's class and config,
+its block lists (classes and counts), the inputs' shapes and dtypes (and plain values, such as a
+``return_dict`` flag), the parameters' dtypes and how many of them train (a LoRA's rank changes the
+backward), the device's name, and torch's and gradseam's versions. The budgets are not in it: one
+table serves every budget. A file is ``<directory>/costs/<hash of the key>.json`` and holds its key, so
+a reader can see what it is for, and a file whose key does not match (a hash collision, a hand edit) is
+ignored rather than trusted.
+
+The directory is ``$GRADSEAM_CACHE_DIR``, else ``$XDG_CACHE_HOME/gradseam``, else ``~/.cache/gradseam``.
+Deleting it costs one measurement on the next run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from .advise import Estimate, UnitCosts
+
+FORMAT = 1  # bumped when what a table means changes: older files are then measured again
+
+
+@dataclass
+class Table:
+    """Each candidate's estimate at the model's depth, or why it has none (``"unsupported: ..."``, ``"OOM ..."``)."""
+
+    candidates: Sequence[tuple[str, Mapping[str, Any]]]
+    results: dict[str, Estimate | str]
+    static_gib: float  # weights and inputs on the GPU when measured
+    depth_note: str
+
+    def ladder(self) -> list[tuple[str, dict[str, Any]]]:
+        return [(label, dict(config)) for label, config in self.candidates if label in self.results]
+
+    def lookup(self, config: Mapping[str, Any]) -> Estimate | str:
+        for label, known in self.candidates:
+            if dict(known) == dict(config):
+                return self.results.get(label, f"unsupported: {label} was not measured")
+        return f"unsupported: {dict(config)} is not a measured candidate"
+
+    def to_json(self, key: Mapping[str, Any]) -> dict[str, Any]:
+        return {
+            "format": FORMAT, "key": dict(key), "static_gib": self.static_gib, "depth_note": self.depth_note,
+            "candidates": [{"label": label, "config": dict(config),
+                            "result": asdict(r) if isinstance(r, Estimate) else r}
+                           for label, config in self.candidates if (r := self.results.get(label)) is not None],
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Table:
+        candidates, results = [], {}
+        for item in data["candidates"]:
+            candidates.append((item["label"], dict(item["config"])))
+            result = item["result"]
+            if isinstance(result, Mapping):
+                units = result.get("unit_costs")
+                result = Estimate(**{**result, "unit_costs": UnitCosts(**units) if units else None})
+            results[item["label"]] = result
+        return cls(candidates, results, float(data["static_gib"]), str(data["depth_note"]))
+
+
+def directory(override: str | os.PathLike[str] | None = None) -> Path:
+    if override is not None:
+        return Path(override)
+    if os.environ.get("GRADSEAM_CACHE_DIR"):
+        return Path(os.environ["GRADSEAM_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "gradseam"
+
+
+def key_of(request: Any, candidates: Sequence[tuple[str, Mapping[str, Any]]]) -> dict[str, Any]:
+    """The cache key of ``request`` (a :class:`gradseam.auto.Request`): see the module docstring."""
+    import torch
+
+    import gradseam
+
+    from ..modules import resolve
+
+    model = request.model
+    blocks = {}
+    for block_list in request.family.block_lists:
+        found = resolve(model, block_list.path)
+        if found is not None:
+            blocks[block_list.path] = [len(found), sorted({type(b).__name__ for b in found})]
+    params = list(model.parameters())
+    device = next((p.device for p in params), torch.device("cpu"))
+    return {
+        "model": f"{type(model).__module__}.{type(model).__qualname__}",
+        "family": request.family.name,
+        "config": _plain(dict(getattr(model, "config", {}) or {})),
+        "blocks": blocks,
+        "inputs": {name: _describe(value) for name, value in sorted(request.inputs.items())},
+        "dtypes": sorted({str(p.dtype) for p in params}),
+        "trainable": sum(p.numel() for p in params if p.requires_grad),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        "torch": torch.__version__,
+        "gradseam": gradseam.__version__,
+        "candidates": [label for label, _ in candidates],
+    }
+
+
+def _describe(value: Any) -> Any:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return {"shape": list(value.shape), "dtype": str(value.dtype), "grad": value.requires_grad}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_describe(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _describe(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    return type(value).__name__
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON can hold it, deterministically (a diffusers config has tuples, dtypes, nested dicts)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0])) if not str(k).startswith("_")}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return str(value)
+
+
+def _path(key: Mapping[str, Any], override: str | os.PathLike[str] | None) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return directory(override) / "costs" / f"{digest}.json"
+
+
+def load(key: Mapping[str, Any], override: str | os.PathLike[str] | None = None) -> Table | None:
+    """The table cached for ``key``, or None (none, unreadable, another format or another key)."""
+    path = _path(key, override)
+    try:
+        data = json.loads(path.read_text())
+        if data.get("format") != FORMAT or data.get("key") != json.loads(json.dumps(key)):
+            return None
+        return Table.from_json(data)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def save(key: Mapping[str, Any], table: Table, override: str | os.PathLike[str] | None = None) -> Path | None:
+    """Write ``table`` for ``key`` (atomically: a reader never sees half a file); None if it cannot be written,
+    which costs a measurement next time, never the run."""
+    path = _path(key, override)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table.to_json(key), indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        return None
+    return path

@@ -1,0 +1,225 @@
+"""``gradient_checkpointing_backend: "auto"`` (issue 41): each block planned at the first training step.
+
+The planner's answer is an explicit config, and a model planned by it must train exactly like a model
+patched with that config from the start, whether the costs were read from the cache or measured inside
+the first forward (the measuring steps then leave no trace: gradients and random states are put back).
+The costs here are a table written into the cache (GPU figures cannot be measured on a CPU) or, for
+the measuring path, advise's own two-depth measurement run on the CPU in the offload test mode.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import warnings
+
+import pytest
+import torch
+from cases import WAN
+
+import gradseam
+from gradseam import CheckpointConfig, GradseamError, UnsupportedStrategyError
+from gradseam.auto import Request, use_planner
+from gradseam.offload import cpu_test_mode
+from gradseam.patcher import family_for
+from gradseam.testing import assert_same_step
+from gradseam.testing.steps import Step
+from gradseam.tools import auto_planner, cost_cache
+from gradseam.tools.advise import Estimate, NoFitError, UnitCosts
+
+UNITS = 5  # the tiny Wan's blocks
+# per unit: (step ms, GPU GiB held, pinned GiB); at depth zero: (ms, peak GiB, pinned GiB)
+TABLE = {
+    "torch + attention kept": ((10.0, 2.0, 0.0), (4.0, 1.0, 0.0)),  # fast, keeps attention on the GPU
+    "unsloth": ((11.0, 0.2, 2.0), (4.0, 1.5, 0.5)),  # about as fast, pins the block inputs in host memory
+    "torch": ((14.0, 0.4, 0.0), (4.0, 1.2, 0.0)),  # recomputes, holds little, pins nothing
+}
+STATIC = 1.0
+AUTO = {"gradient_checkpointing_backend": "auto"}
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRADSEAM_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def _inputs(seed: int = 1) -> dict:
+    return WAN.inputs(torch.Generator().manual_seed(seed))
+
+
+def _estimate(label: str) -> Estimate:
+    (ms, gpu, host), (ms0, peak0, host0) = TABLE[label]
+    costs = UnitCosts(UNITS, ms, ms0, gpu, peak0, host, host0)
+    return Estimate(peak0 + UNITS * gpu, ms0 + UNITS * ms, host0 + UNITS * host, gpu, "predicted", costs)
+
+
+def _write_table(model: torch.nn.Module, inputs: dict) -> None:
+    """The cache entry a GPU run of this model on these inputs would have left: the three candidates above."""
+    family = family_for(model)
+    key = cost_cache.key_of(Request(model, inputs, None, None, family), auto_planner.CANDIDATES)
+    results = {label: _estimate(label) if label in TABLE else "unsupported: not in this table"
+               for label, _ in auto_planner.CANDIDATES}
+    cost_cache.save(key, cost_cache.Table(auto_planner.CANDIDATES, results, STATIC, "depth 5, from a table"))
+
+
+def _step(model: torch.nn.Module, inputs: dict, grads_before: dict[str, torch.Tensor] | None = None) -> Step:
+    """A training step that accumulates onto ``grads_before`` (as gradient accumulation would)."""
+    for name, p in model.named_parameters():
+        p.grad = grads_before[name].clone() if grads_before else None
+    out = model(**inputs).sample
+    out.square().mean().backward()
+    return Step((out.detach(),), {k: v.grad.clone() for k, v in inputs.items() if getattr(v, "grad", None) is not None},
+                {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, 0)
+
+
+def test_a_plan_from_cached_costs_trains_exactly_like_the_explicit_config_it_prints():
+    model, inputs = WAN.fresh(), _inputs()
+    _write_table(model, inputs)
+    with cpu_test_mode():
+        handle = gradseam.patch(model, {**AUTO, "gradient_checkpointing_gpu_memory": 8, "gradient_checkpointing_host_memory": 5})
+        assert handle.auto.planned is None and not handle.regions()  # nothing planned before the first training step
+        got = _step(model, inputs)
+        planned = handle.auto.planned
+        assert planned.source == "cached"
+        config = handle.auto.config
+        assert config.gradient_checkpointing_blocks, config  # a mix: attention kept beside unsloth or torch
+        kinds = {(r.kind, r.destination.value) for r in handle.regions()}
+        assert len(kinds) >= 2, kinds
+        summary = str(handle.summary())
+        assert "\"auto\" (cached): a per-block plan" in summary and "GPU budget 8.00 GiB" in summary
+        explicit = WAN.fresh()
+        with gradseam.patch(explicit, config.given_keys()) as again:
+            expected = _step(explicit, _inputs())
+            assert [r.kind for r in again.regions()] == [r.kind for r in handle.regions()]
+    assert_same_step(expected, got, what="auto vs the config it printed")
+    assert_same_step(_step(WAN.fresh(), _inputs()), got, what="auto vs unpatched")
+    json.dumps(config.to_dict())  # the plan saves as plain keys
+
+
+def test_budgets_choose_the_plan_and_a_budget_nothing_fits_says_so_at_the_first_step():
+    model, inputs = WAN.fresh(), _inputs()
+    _write_table(model, inputs)
+    with cpu_test_mode():
+        # generous budgets: attention kept everywhere is fastest and fits, so no mix
+        handle = gradseam.patch(model, {**AUTO, "gradient_checkpointing_gpu_memory": 40, "gradient_checkpointing_host_memory": 64})
+        _step(model, inputs)
+        config = handle.auto.config
+        assert config.keep_attention and config.backend == "torch" and not config.gradient_checkpointing_blocks
+        handle.remove()
+        small = WAN.fresh()
+        gradseam.patch(small, {**AUTO, "gradient_checkpointing_gpu_memory": "2GiB", "gradient_checkpointing_host_memory": 64})
+        with pytest.raises(NoFitError, match=r"nothing fits in 2.00 GiB of GPU memory"):
+            _step(small, _inputs())
+
+
+def test_the_same_costs_and_budgets_give_the_same_plan():
+    model, inputs = WAN.fresh(), _inputs()
+    _write_table(model, inputs)
+    request = Request(model, inputs, 8.0, 5.0, family_for(model))
+    planned = [auto_planner.plan(request) for _ in range(3)]
+    assert planned[0].config == planned[1].config == planned[2].config
+    assert planned[0].config.gradient_checkpointing_blocks and planned[0].report == planned[2].report
+
+
+def _cpu_measure_on(request: Request):
+    """advise's two-depth measurement on the CPU (saved bytes for the peak), of the whole-block candidates only."""
+    from gradseam.tools.advise import depth_measure
+
+    run, note = depth_measure(request.model, request.inputs, family=request.family, device="cpu", depths=(1, 2))
+
+    def measure(config):
+        if config.get("gradient_checkpointing_backend", "torch") not in ("torch", "unsloth"):
+            raise UnsupportedStrategyError("left out of this test (compiling on a 2-core runner takes minutes)")
+        torch.rand(1)  # what a model with dropout draws in each measured forward (the tiny Wan draws nothing)
+        return run(config)
+
+    return measure, note, 0.0
+
+
+def test_measured_inside_the_first_step_it_leaves_no_trace_and_the_next_run_reads_the_cache(_cache, capsys):
+    previous = use_planner(functools.partial(auto_planner.plan, measure_on=_cpu_measure_on))
+    try:
+        torch.manual_seed(0)
+        base = WAN.fresh()
+        grads = {n: torch.full_like(p, 0.5) for n, p in base.named_parameters()}  # accumulated before this step
+        with cpu_test_mode():
+            model = WAN.fresh()
+            handle = gradseam.patch(model, {**AUTO, "gradient_checkpointing_gpu_memory": 40})
+            torch.manual_seed(7)
+            got = _step(model, _inputs(), grads)
+            after_auto = torch.rand(3)
+            assert handle.auto.planned.source == "measured"
+            progress = capsys.readouterr().err
+            assert "gradseam auto: WanTransformer3DModel: measuring 1/" in progress and "torch" in progress
+            assert list(_cache.glob("costs/*.json")), "the measured costs were not cached"
+            config = handle.auto.config
+            explicit = WAN.fresh()
+            with gradseam.patch(explicit, config.given_keys()):
+                torch.manual_seed(7)
+                expected = _step(explicit, _inputs(), grads)
+                assert torch.equal(after_auto, torch.rand(3)), "measuring drew from the random generator"
+            assert_same_step(expected, got, what="auto (measured in the step) vs its config")
+            # a second run of the same model and shapes reads the table: same plan, nothing measured
+            again = WAN.fresh()
+            with gradseam.patch(again, {**AUTO, "gradient_checkpointing_gpu_memory": 40}) as second:
+                _step(again, _inputs())
+                assert second.auto.planned.source == "cached" and second.auto.config == config
+            assert "measuring" not in capsys.readouterr().err
+    finally:
+        use_planner(previous)
+
+
+def test_without_cuda_or_cached_costs_every_block_runs_torch_and_a_warning_says_what_auto_would_measure():
+    model = WAN.fresh()
+    handle = gradseam.patch(model, AUTO)
+    with torch.no_grad():  # an evaluation forward plans nothing
+        model(**_inputs())
+    assert handle.auto.planned is None
+    with pytest.warns(gradseam.errors.GradseamWarning, match=r"measures each candidate \(none, torch-ffn, torch.*on its "
+                      r"CUDA GPU.*is on cpu, not a CUDA GPU.*Every block runs the default, backend 'torch'"):
+        got = _step(model, _inputs())
+    assert handle.auto.planned.source == "default" and handle.auto.config.backend == "torch"
+    assert {r.kind for r in handle.regions()} == {"whole-block"}
+    assert_same_step(_step(WAN.fresh(), _inputs()), got)
+    handle.remove()
+    assert gradseam.handle_of(model) is None and not model._forward_pre_hooks
+
+
+def test_under_distributed_with_nothing_cached_measuring_is_refused_naming_the_fix(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 2)
+    request = Request(WAN.fresh(), _inputs(), 8.0, 5.0, family_for(WAN.fresh()))
+    with pytest.raises(GradseamError, match=r"does not measure under torch.distributed \(2 processes\).*Run one step in "
+                       r"a single process first"):
+        auto_planner.plan(request, measure_on=_cpu_measure_on)
+
+
+@pytest.mark.parametrize(("keys", "message"), [
+    ({**AUTO, "gradient_checkpointing_interval": 2}, r"'gradient_checkpointing_interval'.*\"auto\" chooses"),
+    ({**AUTO, "gradient_checkpointing_offload_attention": True}, r"\"auto\" chooses gradient_checkpointing_offload_attention"),
+    ({**AUTO, "gradient_checkpointing_stream_weights": 2}, r"does not plan weight streaming yet"),
+    ({"gradient_checkpointing_gpu_memory": "24GiB"}, r"read only with gradient_checkpointing_backend \"auto\".*'torch'"),
+    ({**AUTO, "gradient_checkpointing_host_memory": "lots"}, r"'gradient_checkpointing_host_memory': cannot read 'lots'"),
+    ({"gradient_checkpointing_blocks": [{"blocks": "blocks[0:2]", "gradient_checkpointing_backend": "auto"}]},
+     r"entry 0 \('blocks\[0:2\]'\): \"auto\" plans every block"),
+])
+def test_what_auto_cannot_honour_is_refused_naming_the_key(keys, message):
+    with pytest.raises(ValueError, match=message):
+        CheckpointConfig.from_dict(keys)
+
+
+def test_the_cache_key_follows_the_shapes_and_a_damaged_file_is_measured_again(_cache):
+    model = WAN.fresh()
+    family = family_for(model)
+    key = cost_cache.key_of(Request(model, _inputs(), None, None, family), auto_planner.CANDIDATES)
+    wider = cost_cache.key_of(Request(model, WAN.inputs(torch.Generator().manual_seed(1), side=8), None, None, family),
+                              auto_planner.CANDIDATES)
+    assert key != wider and key["inputs"]["hidden_states"]["shape"] == [1, 4, 2, 4, 4]
+    _write_table(model, _inputs())
+    assert cost_cache.load(key) is not None and cost_cache.load(wider) is None
+    path = next(_cache.glob("costs/*.json"))
+    path.write_text("{not json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert cost_cache.load(key) is None
