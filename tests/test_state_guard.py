@@ -62,3 +62,34 @@ def test_a_state_rewritten_before_backward_is_refused_naming_it(rewrite, how):
     message = str(info.value)
     assert f"cache.key was {how} after this checkpointed region's forward" in message
     assert "gradients would be wrong" in message and "gradient_checkpointing: false" in message
+
+
+class Appending:
+    """A cache that appends what a block stores, as GLM-Image's layer cache does in "write" mode."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.slot: torch.Tensor | None = None
+
+
+def appending_block(x: torch.Tensor, cache: Appending) -> torch.Tensor:
+    cache.keys.append(x.detach() * 2)
+    cache.slot = x.detach()  # a capture slot, as SANA-WM's refiner fills one
+    return x.sin()
+
+
+@pytest.mark.parametrize("inside_a_dict", [False, True])
+def test_what_a_recompute_does_to_a_state_object_is_undone(inside_a_dict):
+    """The unpatched block ran once: its cache holds one entry, and a slot the caller emptied after the forward
+    stays empty. A recompute runs the block again; what it stores is put back when it returns."""
+    cache = Appending()
+    x = torch.linspace(-1.0, 1.0, 8, requires_grad=True)
+    if inside_a_dict:
+        out = Runner()(lambda x, kw: appending_block(x, kw["cache"]), (x,), {"kw": {"cache": cache}})
+    else:
+        out = Runner()(appending_block, (x,), {"cache": cache})
+    assert len(cache.keys) == 1
+    cache.slot = None  # read back by the caller before backward
+    out.sum().backward()
+    assert len(cache.keys) == 1 and cache.slot is None
+    assert torch.equal(x.grad, torch.linspace(-1.0, 1.0, 8).cos())

@@ -25,6 +25,8 @@ A recompute reads such state again, as it is at backward time. So each region no
 its state arguments (objects whose attributes hold tensors, dicts and lists of tensors) as its forward
 left them, ids and versions only, and a recompute that finds one written in place or replaced since
 raises, naming it: a cache refilled before backward would otherwise give wrong gradients, silently.
+And what a recompute itself assigns to such an object (a cache layer appending its K/V again, a capture
+slot filled again) is put back when it returns: the unpatched model ran the block once.
 
 The checks themselves live in :mod:`gradseam.run.links`. Any mismatch makes that member, and the rest
 of the chain in this call, compute on their own:
@@ -129,7 +131,11 @@ class Runner:
         # gradients would be wrong without a word. Their tensors as the forward left them are noted (ids and
         # versions only: holding them would keep memory) and checked before the recompute runs.
         holders = None if torch.compiler.is_compiling() else _state_holders(flat, names, n, entry)
-        if (entry is not None and any(e is not None for e in entry)) or holders:
+        # What a recompute does to those objects is undone once it returns: the unpatched model ran the block
+        # once, so a cache layer that appends its K/V in "write" mode (GLM-Image), or refills a slot the
+        # caller emptied after the forward (SANA-WM's refiner), must not hold them twice or again.
+        objects = None if torch.compiler.is_compiling() else _plain_objects(flat)
+        if (entry is not None and any(e is not None for e in entry)) or holders or objects:
             forward = region
             runs = [0]
             after: list[tuple[tuple[str, int, int], ...]] = []
@@ -141,7 +147,8 @@ class Runner:
                         _check_state(holders, after[0], fn)
                     if entry is not None:
                         flat = tuple(_shallow(e) if e is not None else f for e, f in zip(entry, flat))
-                    return forward(*flat)
+                    with _undone(objects):
+                        return forward(*flat)
                 out = forward(*flat)
                 if holders:
                     after.append(_state_of(holders))
@@ -175,6 +182,49 @@ def _state_holders(flat: tuple[Any, ...], names: tuple[str, ...], n: int,
         if attributes and any(isinstance(v, torch.Tensor) for v in attributes.values()):
             found.append((name, value))
     return found
+
+
+_PLAIN = (torch.Tensor, nn.Module, tuple, str, int, float, bool, type, torch.dtype, torch.device)
+
+
+def _plain_objects(flat: tuple[Any, ...]) -> list[Any]:
+    """The arguments, and the values one level inside dict and list arguments, that are plain Python objects
+    with attributes a block may assign to (a KV-cache layer, a cache of layers): what :class:`_undone` restores."""
+    found: list[Any] = []
+    for value in flat:
+        inner = value.values() if isinstance(value, dict) else value if isinstance(value, list) else (value,)
+        for v in inner:
+            if v is not None and not isinstance(v, (*_PLAIN, dict, list)) and isinstance(getattr(v, "__dict__", None), dict) \
+                    and not callable(v) and all(v is not f for f in found):
+                found.append(v)
+    return found
+
+
+class _undone:
+    """Puts back, when a recompute returns, the attributes of ``objects`` as they were when it began, and the
+    contents of the lists and dicts they hold (one level: a cache's per-sample list of K/V tensors).
+
+    Only for recomputes: the forward's own effects on the state are the model's and stay. Objects without a
+    ``__dict__`` (slots) and deeper nesting are not covered; the state check above still refuses a recompute
+    that would read state changed since the forward."""
+
+    def __init__(self, objects: list[Any] | None) -> None:
+        self.saved = [(obj, dict(vars(obj)), [(v, _shallow(v)) for v in vars(obj).values() if isinstance(v, (dict, list))])
+                      for obj in objects or ()]
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        for obj, attributes, containers in self.saved:
+            for container, contents in containers:
+                if isinstance(container, list):
+                    container[:] = contents
+                else:
+                    container.clear()
+                    container.update(contents)
+            vars(obj).clear()
+            vars(obj).update(attributes)
 
 
 def _named(fn: Call, holders: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
