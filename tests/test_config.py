@@ -23,6 +23,8 @@ KEYS = (
     "gradient_checkpointing_memory_budget",
     "gradient_checkpointing_stream_weights",
     "gradient_checkpointing_stream_prefetch",
+    "gradient_checkpointing_gpu_memory",
+    "gradient_checkpointing_host_memory",
     "gradient_checkpointing_blocks",
 )
 
@@ -38,6 +40,9 @@ FULL = {
     "gradient_checkpointing_memory_budget": 0.3,
     "gradient_checkpointing_stream_weights": "all",
     "gradient_checkpointing_stream_prefetch": 2,
+    # the budgets of backend "auto", which the keys above exclude (test_auto.py sets them beside it)
+    "gradient_checkpointing_gpu_memory": None,
+    "gradient_checkpointing_host_memory": None,
     "gradient_checkpointing_blocks": [{"blocks": "blocks[0:2]", "gradient_checkpointing_backend": "torch"}],
 }
 
@@ -182,7 +187,7 @@ def test_backend_nonsense_has_no_suggestion_but_lists_allowed():
         CheckpointConfig(gradient_checkpointing_backend="deepspeed")
     msg = str(info.value)
     assert "'deepspeed'" in msg and "Did you mean" not in msg
-    assert str(list(BACKENDS)) in msg
+    assert str([*BACKENDS, "auto"]) in msg
 
 
 @pytest.mark.parametrize("value", [None, 1, True, ["torch"]])
