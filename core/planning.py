@@ -16,6 +16,7 @@ at a backend's name.
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -441,6 +442,20 @@ def _block_groups(model: nn.Module, config: CheckpointConfig, lists: list[tuple[
     return list(groups.items())
 
 
+def _as_seen_by(family: Family, lists: list[tuple[BlockList, list[nn.Module]]],
+                members: dict[str, set[int]] | None) -> Family:
+    """``family`` with only the block classes of the blocks a per-block group covers (``members``; None: every
+    block), so what a kind asks of every block class (an FFN seam for the ``-ffn`` backends) is asked of the
+    blocks that run it: Ovis-Image's double blocks have seams, its single blocks none, and an ``-ffn`` entry for
+    the double blocks alone is exact."""
+    if members is None:
+        return family
+    covered = {family.block_class_for(type(blocks[i])) for block_list, blocks in lists
+               for i in members.get(block_list.path, ())}
+    kept = tuple(bc for bc in family.block_classes if bc in covered)
+    return replace(family, block_classes=kept) if kept and len(kept) < len(family.block_classes) else family
+
+
 def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
     """Decide every region, and how it runs, without touching the model.
 
@@ -460,7 +475,7 @@ def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
     shared_checked = False
     for group_config, members in groups:
         group = strategy_of(group_config)
-        _check_strategy(family, group_config, group)
+        _check_strategy(_as_seen_by(family, lists, members), group_config, group)
         if (group.backend is not None or group.attention_offload) and not shared_checked:
             _refuse_shared(model, family, lists)
             shared_checked = True
