@@ -178,11 +178,13 @@ def _parse_memory(key: str, value: Any, nullable: bool = True) -> float | None:
 # -- what gradseam says about each key, stated once: beside its field ------------------------------
 
 # The groups keys are listed under in `gradseam run --help`, in this order.
-# The keys one entry of gradient_checkpointing_blocks may set for its blocks: what a region does. The interval,
-# the stride, the pinned pool and weight streaming are the model's (how blocks group, which stream), not a block's.
+# The keys one entry of gradient_checkpointing_blocks may set for its blocks: what a region does, and whether
+# (or how many of) its blocks' weights stream. The interval, the stride, the pinned pool and the stream's prefetch
+# are the model's (how blocks group, how far ahead copies run), not a block's.
 BLOCK_KEYS = (
     "gradient_checkpointing", "gradient_checkpointing_backend", "gradient_checkpointing_memory_budget",
     "gradient_checkpointing_keep_attention", "gradient_checkpointing_offload_attention",
+    "gradient_checkpointing_stream_weights",
 )
 BLOCKS_KEY = "gradient_checkpointing_blocks"
 SELECTOR = "blocks"  # an entry's block selector: "list", "list[i]" or "list[a:b]" (b exclusive, as in Python)
@@ -582,7 +584,8 @@ class CheckpointConfig:
         doc_type='list of `{"blocks": ..., key: value}` or null', doc_default="null (every block as the keys above)",
         doc="settings for some blocks: each entry names a block list and a range (`\"blocks[0:10]\"`, the end "
             "excluded) and sets any of `gradient_checkpointing`, `..._backend`, `..._memory_budget`, "
-            "`..._keep_attention`, `..._offload_attention` for them, over the keys above; later entries win "
+            "`..._keep_attention`, `..._offload_attention`, `..._stream_weights` (N of its blocks, `\"all\"` or "
+            "0) for them, over the keys above; later entries win "
             "([per-block plans](strategies.md#per-block-plans))"))
 
     def __post_init__(self) -> None:

@@ -197,23 +197,20 @@ def _warn_longer_than_lists(model: nn.Module, config: CheckpointConfig, strategy
 STREAM_KEY = "gradient_checkpointing_stream_weights"
 
 
-def _streamed(model: nn.Module, config: CheckpointConfig, strategy: Strategy,
-              lists: list[tuple[BlockList, list[nn.Module]]]) -> tuple[tuple[str, int], ...]:
-    """The blocks whose frozen weights stream from host memory (:mod:`gradseam.offload.weights`): N spread
-    evenly over the blocks in forward order across the block lists (:func:`spread`), or all; each refusal
-    names what to do instead."""
-    wanted = config.stream_weights
-    if not wanted:
+def _streamed(model: nn.Module, config: CheckpointConfig, lists: list[tuple[BlockList, list[nn.Module]]],
+              unchecked: set[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
+    """The blocks whose frozen weights stream from host memory (:mod:`gradseam.offload.weights`), in forward
+    order. The top-level N spreads evenly over the blocks no entry of gradient_checkpointing_blocks sets it for
+    (:func:`spread`; ``"all"``: every one); an entry's value does the same over the blocks it decides (the
+    later entry wins, as for every key). Each refusal names what to do instead."""
+    groups = _stream_groups(model, config, lists)
+    if not any(wanted for wanted, _ in groups.values()):
         if config.gradient_checkpointing_stream_prefetch != DEFAULT_STREAM_PREFETCH:
             warn_once(f"gradient_checkpointing_stream_prefetch={config.gradient_checkpointing_stream_prefetch} set, "
                       f"but no weights stream ({STREAM_KEY} is {config.stream_weights!r}): it does nothing. Set "
                       f"{STREAM_KEY} too, or leave the prefetch out.")
         return ()
-    if strategy.backend is None:
-        raise UnsupportedStrategyError(
-            f"{STREAM_KEY}={wanted!r} needs checkpointing: without it autograd keeps every block's weights for "
-            "backward, so streaming them frees nothing. Turn gradient_checkpointing on (any backend)."
-        )
+    wanted = next(w for w, _ in groups.values() if w)
     if config.gradient_checkpointing_interval and config.interval > 1:
         raise UnsupportedStrategyError(
             f"{STREAM_KEY} with gradient_checkpointing_interval={config.interval}: a chunk runs its later blocks "
@@ -228,17 +225,51 @@ def _streamed(model: nn.Module, config: CheckpointConfig, strategy: Strategy,
             "block runs, and no CUDA GPU is available here. Leave the key out on this machine (on the CPU the "
             "weights are in host memory already)."
         )
-    entries = [(bl.path, i, block) for bl, blocks in lists for i, block in enumerate(blocks)]
-    count = len(entries) if wanted == "all" else int(wanted)
-    if count > len(entries):
-        raise UnsupportedStrategyError(
-            f"{STREAM_KEY}={count}, but {type(model).__name__} has {len(entries)} blocks "
-            f"({', '.join(f'{bl.path}: {len(b)}' for bl, b in lists)}). Stream at most {len(entries)}, or \"all\"."
-        )
-    chosen = [entries[i] for i in spread(count, len(entries))]
+    chosen: list[tuple[str, int, nn.Module]] = []
+    for (where, _), (wanted, entries) in groups.items():
+        if not wanted:
+            continue
+        count = len(entries) if wanted == "all" else int(wanted)
+        if count > len(entries):
+            among = (f"{type(model).__name__} has {len(entries)} blocks "
+                     f"({', '.join(f'{bl.path}: {len(b)}' for bl, b in lists)})" if where == "top" else
+                     f"{where} decides it for {len(entries)} blocks")
+            raise UnsupportedStrategyError(f"{STREAM_KEY}={count}, but {among}. Stream at most {len(entries)}, "
+                                           "or \"all\".")
+        chosen += [entries[i] for i in spread(count, len(entries))]
+    order = {bl.path: n for n, (bl, _) in enumerate(lists)}
+    chosen.sort(key=lambda e: (order[e[0]], e[1]))
     for path, index, block in chosen:
+        if (path, index) in unchecked:
+            raise UnsupportedStrategyError(
+                f"{STREAM_KEY}={wanted!r} needs checkpointing, and {path}[{index}] runs without it: autograd then "
+                "keeps its weights for backward, so streaming them frees nothing. Turn gradient_checkpointing on "
+                "(any backend) where weights stream.")
         _refuse_unstreamable(model, f"{path}[{index}]", block)
     return tuple((path, index) for path, index, _ in chosen)
+
+
+def _stream_groups(model: nn.Module, config: CheckpointConfig, lists: list[tuple[BlockList, list[nn.Module]]],
+                   ) -> dict[tuple[str, int], tuple[int | str | None, list[tuple[str, int, nn.Module]]]]:
+    """The blocks by what decides whether they stream: the top level, or the last entry of
+    gradient_checkpointing_blocks that sets the key for them; each with its value and its blocks in forward
+    order."""
+    decided: dict[tuple[str, int], tuple[str, int]] = {}
+    values: dict[tuple[str, int], int | str | None] = {("top", 0): config.stream_weights}
+    for n, entry in enumerate(config.gradient_checkpointing_blocks or ()):
+        keys = dict(entry)
+        if STREAM_KEY in keys:
+            where = (f"{BLOCKS_KEY}[{n}] ({keys[SELECTOR]!r})", n)
+            values[where] = keys[STREAM_KEY]
+            path, indices = _selection(model, lists, n, keys[SELECTOR])
+            for i in indices:
+                decided[(path, i)] = where
+    groups: dict[tuple[str, int], tuple[int | str | None, list[tuple[str, int, nn.Module]]]] = {}
+    for block_list, blocks in lists:
+        for i, block in enumerate(blocks):
+            where = decided.get((block_list.path, i), ("top", 0))
+            groups.setdefault(where, (values[where], []))[1].append((block_list.path, i, block))
+    return groups
 
 
 def spread(count: int, total: int) -> list[int]:
@@ -494,6 +525,10 @@ def plan(model: nn.Module, family: Family, config: CheckpointConfig) -> Plan:
         plain.sort(key=lambda p: (order[p[0]], p[1]))
     destinations = dict.fromkeys(r.destination for r in regions if r.moves)
     stores = tuple(StoreSpec(d, config.pin_buckets) for d in destinations)
-    streamed = _streamed(model, config, strategy_of(config), lists)
+    # blocks whose config turns checkpointing off (not those a stride leaves out: they reload like the others)
+    unchecked = {(bl.path, i) for group_config, members in groups if not group_config.enabled
+                 for bl, blocks in lists for i in range(len(blocks))
+                 if members is None or i in members.get(bl.path, set())}
+    streamed = _streamed(model, config, lists, unchecked)
     return Plan(family, config, strategy, tuple(regions), tuple(plain), stores, streamed,
                 tuple(dict.fromkeys(strategies)))

@@ -165,3 +165,46 @@ def test_a_model_without_a_family_keeps_its_uniform_advice():
     advice = advise(torch.nn.Linear(2, 2), {}, 8.0, measure=_measure, static_gib=STATIC, pinnable_gib=5.0)
     assert advice.chosen.label == "torch" and advice.per_block is None
     assert "block lists are unknown" in advice.per_block_note
+
+
+# -- streamed units -------------------------------------------------------------------------------------------------
+
+STREAM = "gradient_checkpointing_stream_weights"
+WEIGHTS = [1.0] * UNITS  # each block's frozen weights, GiB
+# per unit: (step ms, GPU GiB held, pinned GiB); at depth zero: (ms, peak GiB with two blocks' weights in flight, pinned)
+STREAMED_TABLE = {
+    "torch": ((14.0, 0.4, 0.0), (4.0, 1.2, 0.0)),
+    "torch + stream all": ((16.0, 0.4, 0.0), (4.0, 3.2, 0.0)),  # copies cost 2 ms a unit; weights out of the peak
+}
+
+
+def _streamed_measure(config):
+    torch_config = dict(LADDER)["torch"]
+    for label, rung in (("torch", torch_config), ("torch + stream all", {**torch_config, STREAM: "all"})):
+        if dict(config) == rung:
+            (ms, gpu, host), (ms0, peak0, host0) = STREAMED_TABLE[label]
+            costs = UnitCosts(UNITS, ms, ms0, gpu, peak0, host, host0)
+            return Estimate(peak0 + UNITS * gpu, ms0 + UNITS * ms, host0 + UNITS * host, gpu, "predicted", costs)
+    raise UnsupportedStrategyError("not in this table")
+
+
+def test_a_mix_streams_the_fewest_units_that_free_the_gpu_and_trains_exactly():
+    """1 GiB of inputs + 5 GiB of weights under 9 GiB: resident torch needs 9.2, every block streamed 6.2 GiB at a
+    slower step; streaming three units of five fits (8.2 GiB) and is faster than streaming all."""
+    from test_weight_streaming import LORA
+
+    advice = advise(WAN.build(), {}, 9.0, measure=_streamed_measure, static_gib=STATIC + sum(WEIGHTS),
+                    pinnable_gib=64.0, block_gib=WEIGHTS)
+    # torch is over the GPU, torch + stream 3 (a spread count) is not measured here: every block streamed fits
+    assert advice.chosen.label == "torch + stream all" and advice.chosen.step_ms == pytest.approx(84.0)
+    assert advice.chosen.pinned_gib == pytest.approx(sum(WEIGHTS))
+    mixed = advice.per_block
+    assert mixed is not None, advice.per_block_note
+    assert mixed.plan.counts_of("units") == {"torch + stream all": 3, "torch": 2}
+    assert mixed.plan.gpu_gib == pytest.approx(STATIC + 5 * 0.4 + 2 * 1.0 + 3.2)
+    assert mixed.plan.host_gib == pytest.approx(3 * 1.0) and mixed.plan.time_ms == pytest.approx(80.0)
+    assert "4.8% faster than torch + stream all" in advice.report()
+    with cpu_test_mode():
+        check_strategy(LORA[WAN.name], mixed.config)  # outputs and every gradient, against the unpatched model
+        with gradseam.patch(LORA[WAN.name].fresh(), mixed.config) as handle:
+            assert len(handle.plan.streamed) == 3

@@ -440,3 +440,37 @@ def test_whether_the_allocator_expands_its_segments_is_read_as_torch_reads_it(mo
         monkeypatch.setenv(name, value)
     assert weights_module.expandable_segments() is want
     assert "expandable_segments:True" in weights_module.FRAGMENTATION
+
+
+# -- which blocks stream, per block --------------------------------------------------------------------------------
+
+BLOCKS = "gradient_checkpointing_blocks"
+
+
+@pytest.mark.parametrize(("keys", "want"), [
+    # an entry streams every block it selects; the others stay resident
+    ({BLOCKS: [{"blocks": "blocks[1:3]", STREAM: "all"}]}, [1, 2]),
+    # the top-level N spreads over the blocks no entry decides; an entry's 0 keeps its blocks resident
+    ({STREAM: 2, BLOCKS: [{"blocks": "blocks[0:1]", STREAM: 0}]}, [2, 4]),
+    # an entry's N spreads over its own blocks, the later entry winning where two select a block
+    ({BLOCKS: [{"blocks": "blocks", STREAM: 1}, {"blocks": "blocks[4]", STREAM: "all"}]}, [2, 4]),
+])
+def test_an_entry_chooses_which_of_its_blocks_stream_and_they_train_exactly(keys, want):
+    pytest.importorskip("peft")
+    case = LORA[WAN.name]
+    with cpu_test_mode():
+        check_strategy(case, {**ON, **keys})
+        with gradseam.patch(case.fresh(), {**ON, **keys}) as handle:
+            assert handle.plan.streamed == tuple(("blocks", i) for i in want)
+
+
+@pytest.mark.parametrize(("keys", "words"), [
+    ({BLOCKS: [{"blocks": "blocks[0:2]", STREAM: 3}]},
+     r"gradient_checkpointing_stream_weights=3, but gradient_checkpointing_blocks\[0\] \('blocks\[0:2\]'\) decides it "
+     r"for 2 blocks\. Stream at most 2"),
+    ({STREAM: "all", BLOCKS: [{"blocks": "blocks[3]", "gradient_checkpointing": False}]},
+     r"needs checkpointing, and blocks\[3\] runs without it"),
+])
+def test_an_entry_that_cannot_stream_is_refused_naming_it(keys, words):
+    with cpu_test_mode(), pytest.raises(UnsupportedStrategyError, match=words):
+        gradseam.patch(WAN.fresh().requires_grad_(False), {**ON, **keys})

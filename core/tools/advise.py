@@ -20,6 +20,9 @@ When nothing fits because the weights do not (the model's frozen weights per blo
 as few blocks as free the shortfall streamed from host memory (:mod:`gradseam.offload.weights`, spread
 over the model as the runtime spreads them), measured at the two depths like any rung: its static memory
 is the model's less what streams, its pinned host memory the activations' and the streamed weights'.
+Wherever the weights per block are known, the two fastest candidates a block can run on its own are also
+measured with every block's weights streamed (``+ stream all``): uniform candidates like the rest, and what
+lets the per-block plan stream some units and keep others resident.
 
 The measuring function is injectable (``measure=``), so the ladder logic runs anywhere; the
 default one needs a CUDA model, since it reads the GPU allocator. This module imports torch only
@@ -127,6 +130,7 @@ class Advice:
     streaming_tried: bool = False  # whether rungs with streamed weights were in the ladder
     per_block: Any = None  # a gradseam.tools.mixed_plan.MixedPlan faster than the chosen rung, or None
     per_block_note: str = ""  # why there is no per-block plan, or that none beat the chosen rung
+    block_gib: list[float] | None = None  # each block's frozen weights at full depth (what streaming moves), if known
 
     @property
     def budget_gib(self) -> float:
@@ -179,7 +183,8 @@ class Advice:
         )
 
     def no_fit_message(self) -> str:
-        measured = [t for t in self.trials if t.peak_gib is not None]
+        # resident candidates: a streamed one's peak leaves its streamed weights out of the static memory
+        measured = [t for t in self.trials if t.peak_gib is not None and not t.config.get(STREAM_KEY)]
         if not measured:
             return (
                 f"no strategy could be measured within {self.gpu_gib:.2f} GiB of GPU memory (every candidate "
@@ -295,7 +300,8 @@ def run_ladder(
     is None when nothing fits): every rung, then (``win_back``) the win-back steps on the fastest one that fits. With
     ``block_gib`` (each block's frozen weights at full depth, in forward order), rungs that are over the GPU
     only because the weights are too are tried again with some weights streamed (:func:`_streamed`)."""
-    advice = Advice(gpu_gib, static_gib, pinnable_gib=pinnable_gib, streaming_tried=bool(block_gib))
+    advice = Advice(gpu_gib, static_gib, pinnable_gib=pinnable_gib, streaming_tried=bool(block_gib),
+                    block_gib=list(block_gib) if block_gib else None)
 
     def try_one(trial: Trial) -> Trial:
         return _try(trial, measure, gpu_gib, static_gib, pinnable_gib)
@@ -303,11 +309,13 @@ def run_ladder(
     fits = _climb(advice, LADDER if ladder is None else ladder, try_one)
     if not fits and block_gib:
         fits = _streamed(advice, list(block_gib), measure)
-    if not fits:
-        return advice
-    if win_back:
+    if fits and win_back:
         base = min(fits, key=lambda t: t.step_ms or 0.0)
         fits += _win_back(advice, base, try_one, supports_interval)
+    if block_gib and win_back:  # for the per-block plan, and a uniform candidate like any other
+        fits += _streamed_per_block(advice, list(block_gib), measure)
+    if not fits:
+        return advice
     chosen = min(fits, key=lambda t: t.step_ms or 0.0)
     advice.chosen = chosen
     for t in fits:
@@ -356,15 +364,44 @@ def _streamed(advice: Advice, block_gib: list[float], measure: Measure) -> list[
         from ..planning import spread
 
         streamed = sum(block_gib[i] for i in spread(count, len(block_gib)))
-        _try(trial, measure, advice.gpu_gib, advice.static_gib - streamed)
-        if trial.pinned_gib is not None:
-            trial.pinned_gib = round(trial.pinned_gib + streamed, 2)  # the streamed weights are pinned too
-            if trial.status == "fits" and advice.pinnable_gib is not None and trial.pinned_gib > advice.pinnable_gib:
-                trial.status = "over host memory"
-                trial.reason = (f"needs {trial.pinned_gib:.1f} GiB of pinned host memory ({streamed:.1f} GiB of it "
-                                f"streamed weights), more than the {advice.pinnable_gib:.1f} GiB the host allows")
-        if trial.status == "fits":
-            trial.reason = f"{streamed:.2f} GiB of frozen weights in host memory"
+        if _try_streamed(trial, advice, measure, streamed):
+            fits.append(trial)
+    return fits
+
+
+def _try_streamed(trial: Trial, advice: Advice, measure: Measure, streamed: float) -> bool:
+    """Measure a rung with ``streamed`` GiB of frozen weights in host memory: its static memory is the model's less
+    them, its pinned memory has them added (checked against the host's); whether it fits."""
+    _try(trial, measure, advice.gpu_gib, advice.static_gib - streamed)
+    if trial.pinned_gib is not None:
+        trial.pinned_gib = round(trial.pinned_gib + streamed, 2)  # the streamed weights are pinned too
+        if trial.status == "fits" and advice.pinnable_gib is not None and trial.pinned_gib > advice.pinnable_gib:
+            trial.status = "over host memory"
+            trial.reason = (f"needs {trial.pinned_gib:.1f} GiB of pinned host memory ({streamed:.1f} GiB of it "
+                            f"streamed weights), more than the {advice.pinnable_gib:.1f} GiB the host allows")
+    if trial.status == "fits":
+        trial.reason = f"{streamed:.2f} GiB of frozen weights in host memory"
+    return trial.status == "fits"
+
+
+STREAMED_PER_BLOCK = 2  # per-block candidates measured again with every block's weights streamed, fastest first
+
+
+def _streamed_per_block(advice: Advice, block_gib: list[float], measure: Measure) -> list[Trial]:
+    """The fastest checkpointing candidates a block can run on its own, measured again with every block's weights
+    streamed ("+ stream all"), for the per-block plan (:mod:`gradseam.tools.mixed_plan`) to stream some units and
+    keep others resident; uniform candidates too. The ones that fit."""
+    from .mixed_plan import per_block
+
+    have = {t.label for t in advice.trials}
+    chosen = [t for t in advice.trials if per_block(t) and t.config.get("gradient_checkpointing")
+              and not t.config.get(STREAM_KEY) and f"{t.label} + stream all" not in have]
+    streamed = sum(block_gib)
+    fits = []
+    for rung in sorted(chosen, key=lambda t: t.step_ms or 0.0)[:STREAMED_PER_BLOCK]:
+        trial = Trial(f"{rung.label} + stream all", {**rung.config, STREAM_KEY: "all"})
+        advice.trials.append(trial)
+        if _try_streamed(trial, advice, measure, streamed):
             fits.append(trial)
     return fits
 

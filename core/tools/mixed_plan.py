@@ -17,9 +17,14 @@ per block); its **pinned host memory** adds up like the step time. The search it
 :func:`gradseam.plan_search.search` (exact under both budgets, deterministic, checked against brute force).
 
 Only candidates a block can run on its own take part: no checkpointing, and gradseam's backends with their
-memory budget and attention settings (the keys ``gradient_checkpointing_blocks`` takes). Intervals and
-strides group blocks, the compiler alone compiles every block the same way, and which blocks stream their
-weights is the model's choice: those stay uniform candidates. Units map onto blocks as the depth plan of
+memory budget and attention settings, each resident or with its weights streamed (the keys
+``gradient_checkpointing_blocks`` takes). A streamed candidate is measured with every block streamed
+(``+ stream all``), and where some take part every unit carries its share of the frozen weights: on the GPU
+when it stays resident, in pinned host memory when it streams (the static memory is then counted without
+them). Intervals and strides group blocks, the compiler alone compiles every block the same way, and a count
+of streamed blocks spread over the model is the model's choice: those stay uniform candidates.
+
+Units map onto blocks as the depth plan of
 :mod:`gradseam.tools.depth` cuts the model (Flux: one unit is one double-stream and two single-stream blocks);
 where its lists do not shrink in proportion (HunyuanVideo 1.5's two refiner blocks beside 54), only the
 longest list is planned per block and the others run the plan's top-level candidate.
@@ -33,7 +38,7 @@ from typing import Any
 
 from ..config import BLOCK_KEYS, CheckpointConfig
 from ..plan_search import Budget, Group, Option, Plan, search
-from .advise import Advice, Trial, UnitCosts
+from .advise import STREAM_KEY, Advice, Trial, UnitCosts
 from .compiled import gradseam_keys
 
 BLOCKS_KEY = "gradient_checkpointing_blocks"
@@ -79,35 +84,55 @@ class MixedPlan:
 
 
 def per_block(trial: Trial) -> bool:
-    """Whether a block can run ``trial``'s candidate on its own (inside a per-block plan), and it was predicted."""
+    """Whether a block can run ``trial``'s candidate on its own (inside a per-block plan), and it was predicted.
+    A streamed candidate takes part when every block's weights streamed ("+ stream all"): a count of streamed
+    blocks spread over the model is the model's choice, not one block's."""
     if trial.unit_costs is None or trial.peak_gib is None or trial.step_ms is None:
         return False
     if set(trial.config) - set(gradseam_keys(trial.config)):
         return False  # the compiler alone (every block compiled by torch.compile), or a bench-only key
+    if trial.config.get(STREAM_KEY) not in (None, "all"):
+        return False
     return set(trial.config) <= set(BLOCK_KEYS)
 
 
-def option(trial: Trial) -> Option:
-    """``trial``'s costs per unit for the search (see the module docstring for why they add up this way)."""
+def streams(trial: Trial) -> bool:
+    return trial.config.get(STREAM_KEY) == "all"
+
+
+def option(trial: Trial, weight_gib: float = 0.0) -> Option:
+    """``trial``'s costs per unit for the search (see the module docstring for why they add up this way).
+
+    ``weight_gib``: the frozen weights of one unit, where some candidates stream them. They are then counted
+    with the unit itself: on the GPU for a resident candidate, in pinned host memory for a streamed one (whose
+    measured peak leaves them out; the blocks in flight are in its depth-zero peak)."""
     costs: UnitCosts = trial.unit_costs  # type: ignore[assignment]
     units = max(costs.units, 1)
+    streamed = streams(trial)
     return Option(
         trial.label,
         time_ms=max(costs.step_ms + costs.step_fixed_ms / units, 0.0),
-        gpu_gib=max(costs.peak_gib, 0.0),
-        host_gib=max(costs.pinned_gib + costs.pinned_fixed_gib / units, 0.0),
+        gpu_gib=max(costs.peak_gib, 0.0) + (0.0 if streamed else weight_gib),
+        host_gib=max(costs.pinned_gib + costs.pinned_fixed_gib / units, 0.0) + (weight_gib if streamed else 0.0),
         transient_gib=max(costs.peak_fixed_gib, 0.0),
     )
 
 
 def plan_units(advice: Advice, units: int) -> tuple[Plan, list[Trial]] | None:
-    """The fastest mix of advise's per-block candidates over ``units`` units within its GPU and host budgets."""
+    """The fastest mix of advise's per-block candidates over ``units`` units within its GPU and host budgets.
+    Where streamed candidates take part, the static memory is counted without the blocks' frozen weights and
+    each unit carries its share (:func:`option`)."""
     candidates = [t for t in advice.trials if per_block(t)]
     if not candidates:
         return None
+    weights = sum(advice.block_gib or ()) if any(streams(t) for t in candidates) else 0.0
+    if not weights:
+        candidates = [t for t in candidates if not streams(t)]  # the weights they free are unknown
+        if not candidates:
+            return None
     host = advice.pinnable_gib if advice.pinnable_gib is not None else math.inf
-    found = search([Group(GROUP, units, tuple(option(t) for t in candidates))],
-                   Budget(advice.gpu_gib, max(host, 1e-9)), fixed_gpu_gib=max(advice.static_gib, 0.0))
+    found = search([Group(GROUP, units, tuple(option(t, weights / units) for t in candidates))],
+                   Budget(advice.gpu_gib, max(host, 1e-9)), fixed_gpu_gib=max(advice.static_gib - weights, 0.0))
     return (found, candidates) if found is not None else None
 
 
