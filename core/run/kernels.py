@@ -381,13 +381,21 @@ class TapeSite:
             from ..errors import UnsupportedStrategyError
 
             raise UnsupportedStrategyError(
-                f"gradseam: an attention submodule ({getattr(call, '__qualname__', call)}) calls torch.compile inside "
+                f"gradseam: an attention submodule ({_named(call)}) calls torch.compile inside "
                 "its forward (flex attention does, even in eager mode), which cannot run while gradseam keeps or "
                 "offloads its kernel outputs. Leave gradient_checkpointing_keep_attention and "
                 "gradient_checkpointing_offload_attention off for this model (or for these blocks, with "
                 "gradient_checkpointing_blocks); its blocks are then recomputed whole, exactly. Dynamo said: "
                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             ) from exc
+
+
+def _named(call: Callable[..., Any]) -> str:
+    """The attention submodule a site wraps, by its class (the call is gradseam's :class:`Original` of it)."""
+    module = getattr(call, "module", None)
+    if module is not None:
+        return type(module).__qualname__
+    return str(getattr(call, "__qualname__", call))
 
 
 def context_fn(kernels: KernelSet, pack: Callable[[torch.Tensor], Any] | None = None,
