@@ -81,6 +81,7 @@ def plan(request: Request, *, measure_on: MeasureOn | None = None, cache_dir: st
         cost_cache.save(key, table, cache_dir)
         source = "measured"
     static = torch.cuda.memory_allocated(_device(request.model)) / GiB if cuda else table.static_gib
+    static += optimizer_gib(request.model)  # allocated at the optimizer's first step, after this forward
     gpu = request.gpu_gib if request.gpu_gib is not None else default_gpu_gib(request.model) if cuda else None
     if gpu is None:
         raise GradseamError(
@@ -153,6 +154,16 @@ def gpu_measure_on(request: Request) -> tuple[Measure, str, float]:
     return run, note, static
 
 
+OPTIMIZER_MOMENTS = 2  # Adam's (and AdamW's) two moments per trainable parameter
+
+
+def optimizer_gib(model: Any) -> float:
+    """What the optimizer's state will hold on the GPU: not allocated yet at the first forward (optimizers make it
+    at their first step), so counted here, as Adam's two moments in the trainable parameters' own dtypes (a LoRA:
+    megabytes; a full fine-tune: twice the weights)."""
+    return OPTIMIZER_MOMENTS * sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) / GiB
+
+
 def default_gpu_gib(model: Any) -> float:
     """What the GPU has free plus what this process holds, within its per-process memory fraction, less 5%."""
     import torch
@@ -201,4 +212,5 @@ def _report(advice: Advice, table: cost_cache.Table, source: str) -> str:
     else:
         chosen = advice.chosen
         what = f"{chosen.label} on every block: step {chosen.step_ms:.1f} ms predicted ({advice.per_block_note})"
-    return f"{what}; costs {how} ({len(table.results)} candidates, {table.depth_note}), GPU budget {advice.gpu_gib:.2f} GiB"
+    return (f"{what}; costs {how} ({len(table.results)} candidates, {table.depth_note}), GPU budget {advice.gpu_gib:.2f} "
+            f"GiB, static memory {advice.static_gib:.2f} GiB (weights, inputs and the optimizer's moments)")
