@@ -276,3 +276,46 @@ def test_strict_inplace_changes_no_result():
         with strict_inplace(), gradseam.patch(model, {**ON, "gradient_checkpointing_backend": "unsloth"}) as handle:
             assert_same_step(run_step(reference, FLUX), run_step(model, FLUX))
             assert handle.engine.copies > 0
+
+
+# -- a loop that swaps a submodule's forward around each block call ------------------------------------------------
+
+
+def _swapping_attention(model: torch.nn.Module) -> None:
+    """What HiDream-O1's flash path does: around each block call, the attention's forward is replaced on the
+    instance by other code (here: the same attention, scaled), and put back after the call. Done from the hooks
+    of the model and of the block before (no pre-hook on a block: those make a chunk fall back on their own)."""
+    blocks = list(model.blocks)
+
+    def swap(attn: torch.nn.Module) -> None:
+        plain = type(attn).forward
+        attn.forward = lambda *a, **k: 1.5 * plain(attn, *a, **k)
+
+    model.register_forward_pre_hook(lambda module, args: swap(blocks[0].attn1))
+    for i, block in enumerate(blocks):
+        def after(module: torch.nn.Module, args: tuple, out: object, i: int = i) -> None:
+            del blocks[i].attn1.forward
+            if i + 1 < len(blocks):
+                swap(blocks[i + 1].attn1)
+
+        block.register_forward_hook(after)
+
+
+@pytest.mark.parametrize("config", [ON, {**ON, "gradient_checkpointing_interval": 2}], ids=["block", "interval 2"])
+def test_a_forward_swapped_around_each_call_is_refused_at_the_recompute_naming_it(config):
+    """The recompute in backward would run the forward in place then, not the swapped one: gradients wrong without
+    an error (diffusers' own flag computes them so). gradseam notes the instance forwards a region ran with and
+    refuses a recompute that finds others; a chunk's later block, run ahead without its swap, falls back first."""
+    case = WAN
+    model = case.fresh()
+    _swapping_attention(model)
+    want = run_step(model, case)
+    assert want.outputs[0].abs().sum() > 0
+    with gradseam.patch(model, config) as handle:
+        with pytest.raises(RuntimeError, match=r"the forward of a WanAttention in this checkpointed WanTransformerBlock "
+                                               r"was replaced on the instance between the region's forward and its "
+                                               r"recompute"):
+            run_step(model, case)
+        if config.get("gradient_checkpointing_interval"):
+            causes = {c for r in handle.regions() for c in r.fallbacks}
+            assert any("forward was replaced on the instance between the chunk's first block" in c for c in causes)

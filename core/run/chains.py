@@ -53,6 +53,7 @@ from .links import (
     ORDER,
     PRE_HOOKS,
     RANDOM,
+    SWAPPED,
     Link,
     rng_devices,
     rng_state,
@@ -61,7 +62,7 @@ from .links import (
     signature_of,
     snapshot,
 )
-from .seams import Original, recomputing
+from .seams import Original, SeamForward, recomputing
 from .seams import latest as latest_seam
 
 Call = Callable[..., Any]
@@ -130,12 +131,14 @@ class Runner:
         # rewrote them after this region's forward, the recompute would compute from other values and the
         # gradients would be wrong without a word. Their tensors as the forward left them are noted (ids and
         # versions only: holding them would keep memory) and checked before the recompute runs.
+        watched = None if torch.compiler.is_compiling() else _watched(fn)
+        swaps = [_swaps(m) for m in watched] if watched else None
         holders = None if torch.compiler.is_compiling() else _state_holders(flat, names, n, entry)
         # What a recompute does to those objects is undone once it returns: the unpatched model ran the block
         # once, so a cache layer that appends its K/V in "write" mode (GLM-Image), or refills a slot the
         # caller emptied after the forward (SANA-WM's refiner), must not hold them twice or again.
         objects = None if torch.compiler.is_compiling() else _plain_objects(flat)
-        if (entry is not None and any(e is not None for e in entry)) or holders or objects:
+        if (entry is not None and any(e is not None for e in entry)) or holders or objects or swaps and any(swaps):
             forward = region
             runs = [0]
             after: list[tuple[tuple[str, int, int], ...]] = []
@@ -143,6 +146,8 @@ class Runner:
             def region(*flat: Any) -> Any:  # the first call is the forward, later ones recompute
                 runs[0] += 1
                 if runs[0] > 1:
+                    if swaps and any(swaps):
+                        _check_swaps(watched, swaps)
                     if holders:
                         _check_state(holders, after[0], fn)
                     if entry is not None:
@@ -182,6 +187,48 @@ def _state_holders(flat: tuple[Any, ...], names: tuple[str, ...], n: int,
         if attributes and any(isinstance(v, torch.Tensor) for v in attributes.values()):
             found.append((name, value))
     return found
+
+
+def _watched(fn: Call) -> list[nn.Module]:
+    """The modules a region runs: a chunk's members, or the one module an :class:`Original` calls."""
+    members = getattr(fn, "members", None)
+    if members is not None:
+        return list(members)
+    module = getattr(fn, "module", None)
+    return [module] if isinstance(module, nn.Module) else []
+
+
+def _swaps(module: nn.Module) -> tuple[tuple[nn.Module, Any], ...]:
+    """The forwards someone set on ``module`` or its direct submodules' instances (a model's loop that swaps an
+    attention's forward around each block call, a hook registry's wrapper), gradseam's own seams left out:
+    re-patching between a forward and its backward replaces those on purpose (the old graph's backward runs as
+    the old patch would). Direct submodules only: a walk of every submodule per region would cost more."""
+    found = []
+    for m in (module, *module.children()):
+        f = m.__dict__.get("forward")
+        if f is not None and not isinstance(f, SeamForward):
+            found.append((m, f))
+    return tuple(found)
+
+
+def _same_swaps(a: tuple[tuple[nn.Module, Any], ...], b: tuple[tuple[nn.Module, Any], ...]) -> bool:
+    return len(a) == len(b) and all(m1 is m2 and f1 is f2 for (m1, f1), (m2, f2) in zip(a, b))
+
+
+def _check_swaps(watched: list[nn.Module], before: list[tuple[tuple[nn.Module, Any], ...]]) -> None:
+    for module, swaps in zip(watched, before):
+        now = _swaps(module)
+        if not _same_swaps(now, swaps):
+            changed = {id(m) for m, _ in now} ^ {id(m) for m, _ in swaps} or {id(m) for m, _ in now}
+            name = next((type(m).__name__ for m in (module, *module.children()) if id(m) in changed),
+                        type(module).__name__)
+            raise RuntimeError(
+                f"gradseam: the forward of a {name} in this checkpointed {type(module).__name__} was replaced on the "
+                "instance between the region's forward and its recompute in backward (a loop that swaps it around "
+                "each call, as a flash-attention path may): the recompute would run other code than the forward "
+                "did, and the gradients would be wrong. Keep the forward in place until backward (or do not swap it: "
+                "HiDream-O1's use_flash_attn=False), or leave these blocks without checkpointing."
+            )
 
 
 _PLAIN = (torch.Tensor, nn.Module, tuple, str, int, float, bool, type, torch.dtype, torch.device)
@@ -310,11 +357,13 @@ class ChainStats:
 class _Flight:
     """What one chunk call keeps for its followers, from the head's return to the last follower."""
 
-    __slots__ = ("devices", "head", "kept", "next", "rng", "versions")
+    __slots__ = ("devices", "head", "kept", "next", "rng", "swaps", "versions")
 
     def __init__(self, head: dict[str, Any], kept: list[Any], versions: list[tuple[int, ...]],
-                 rng: list[tuple[torch.Tensor, ...]] | None, devices: tuple[torch.device, ...]) -> None:
+                 rng: list[tuple[torch.Tensor, ...]] | None, devices: tuple[torch.device, ...],
+                 swaps: list[tuple[tuple[nn.Module, Any], ...]] | None = None) -> None:
         self.head, self.kept, self.versions, self.rng, self.devices = head, kept, versions, rng, devices
+        self.swaps = swaps  # each member's instance forwards at the head's call, when it ran ahead
         self.next = 1
 
 
@@ -413,6 +462,8 @@ class Chain:
                     states.append(rng_state(devices))
             return tuple(outs)
 
+        whole_chain.members = self.members  # type: ignore[attr-defined]  # what the recompute check watches
+        swaps = None if compiling else [_swaps(m) for m in self.members]
         self.stats.runs += 1
         self.stats.chunk_calls += 1
         outs = list(self.runner(whole_chain, args, kwargs))
@@ -420,7 +471,7 @@ class Chain:
         if not compiling:
             set_rng_state(states[0], devices)  # as if only the head had run: the loop may draw next
         self._flight = _Flight({k: snapshot(v) for k, v in head.items()}, outs, versions,
-                               None if compiling else states, devices)
+                               None if compiling else states, devices, swaps)
         return outs[0]
 
     def _run_follower(self, index: int, original: Original, args: tuple, kwargs: dict) -> Any:
@@ -435,6 +486,9 @@ class Chain:
                                    flight.head, args, kwargs)
         if cause is None and flight.rng is not None and not same_rng(rng_state(flight.devices), flight.rng[index - 1]):
             cause = RANDOM
+        if cause is None and flight.swaps is not None and not _same_swaps(_swaps(self.members[index]),
+                                                                           flight.swaps[index]):
+            cause = SWAPPED  # it ran ahead with the forward its instance had at the head's call
         if cause is not None:
             self._fall_back(cause)
             return self._alone(original, args, kwargs)

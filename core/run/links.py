@@ -186,6 +186,8 @@ ARGUMENTS = "another argument differs from the first block's (or was changed in 
 RANDOM = "random numbers were drawn between blocks"
 ORDER = "the blocks were called out of order"
 PRE_HOOKS = "the blocks carry forward pre-hooks (FSDP2's fully_shard gathers a block's weights in one)"
+SWAPPED = ("a block's (or one of its submodules') forward was replaced on the instance between the chunk's first block "
+           "and this one (a loop that swaps it around each call)")
 PER_BLOCK = (
     "the first block was handed its own state object (an argument the family declares per_block, such as a "
     "KV-cache layer), which running the later blocks ahead would hand to them too"
