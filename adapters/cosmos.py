@@ -1,5 +1,6 @@
 """NVIDIA Cosmos Predict world models (CosmosTransformer3DModel: Cosmos 1.0 Diffusion, Cosmos Predict 2
-and 2.5, and the base transformer of Cosmos Transfer 2.5).
+and 2.5, the base transformer of Cosmos Transfer 2.5), and Anima, a Cosmos Predict 2 2B Text2Image core
+behind its own text conditioner.
 
 One block list, ``transformer_blocks``, all ``CosmosTransformerBlock``: adaLN-zero self-attention
 ``attn1`` (with the video RoPE), cross-attention ``attn2`` to the text (and, in Transfer 2.5, an
@@ -28,13 +29,21 @@ Transfer 2.5's ``CosmosAttention``, and the attention calls all live in those mo
 
 The model's default ``concat_padding_mask=True`` resizes ``padding_mask`` with torchvision before the
 blocks; that, ``condition_mask`` and ``fps`` only change the input of ``patch_embed`` and the RoPE.
+
+Anima runs the class as an image model: one latent frame, no condition channel, one timestep per sample,
+no ``fps`` (the RoPE's image branch), and as text context the output of ``AnimaTextConditioner`` (an LLM
+adapter from Qwen3 states and T5 token ids, zero-padded to 512 tokens), one tensor for every block like
+any other. Nothing in the loop differs, so this declaration covers it unchanged; the conditioner is a
+separate model with its own family (``anima-text-conditioner``, :mod:`gradseam.adapters.anima`).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from gradseam.family import BlockClass, BlockList, Carry, Family, Preset
 from gradseam.hookspecs import hookimpl
-from gradseam.inputs import tensor_maker, video_latent_size
+from gradseam.inputs import square_side, tensor_maker, video_latent_size
 
 _M = "diffusers.models.transformers.transformer_cosmos"
 
@@ -73,6 +82,31 @@ def make_inputs(
     return inputs
 
 
+def make_image_inputs(
+    model: Any, device: Any, dtype: Any, tokens: int | None = None, *, height: int = 1024, width: int = 1024,
+    text_tokens: int = 512, spatial: int = 8,
+) -> dict:
+    """One real-size batch as Anima's pipeline builds it: the latent image ``(1, C, 1, H/8, W/8)`` (grad;
+    one frame of the Qwen-Image VAE), one timestep per sample (the sigma, ``t / 1000``), the text
+    conditioner's output of ``text_tokens`` tokens (it pads to 512) and the all-zero ``padding_mask``;
+    no ``fps``, as the pipeline passes none. ``tokens`` overrides the image token count (a square latent
+    grid of about that many patches)."""
+    import torch
+
+    cfg = model.config
+    _, ph, pw = cfg.patch_size
+    h, w = height // spatial, width // spatial
+    if tokens:
+        h, w = square_side(tokens) * ph, square_side(tokens) * pw
+    randn = tensor_maker(device, dtype)
+    return {
+        "hidden_states": randn(1, cfg.in_channels, 1, h, w, grad=True),
+        "timestep": torch.full((1,), 0.5, device=device, dtype=dtype),
+        "encoder_hidden_states": randn(1, text_tokens, cfg.text_embed_dim),
+        "padding_mask": torch.zeros(1, 1, h * spatial, w * spatial, device=device, dtype=dtype),
+    }
+
+
 _V2W = {"frames": 93, "height": 704, "width": 1280, "text_tokens": 512, "fps": 16, "temporal": 4}
 _PREDICT2_2B = {
     "in_channels": 17, "num_attention_heads": 16, "num_layers": 28, "rope_scale": (1.0, 3.0, 3.0),
@@ -81,7 +115,7 @@ _PREDICT2_2B = {
 
 COSMOS = Family(
     name="cosmos",
-    description="NVIDIA Cosmos 1.0 Diffusion / Predict 2 / Predict 2.5 (CosmosTransformer3DModel)",
+    description="NVIDIA Cosmos 1.0 Diffusion / Predict 2 / Predict 2.5, Anima (CosmosTransformer3DModel)",
     models=(f"{_M}.CosmosTransformer3DModel",),
     block_lists=(BlockList("transformer_blocks", carry=Carry({"hidden_states": None})),),
     block_classes=(BlockClass(f"{_M}.CosmosTransformerBlock", ffn=(("ff",),), attention=("attn1", "attn2")),),
@@ -108,6 +142,15 @@ COSMOS = Family(
                     "encoder_hidden_states_channels": 1024},
             inputs=_V2W,
             make_inputs=make_inputs,
+        ),
+        "anima-1024": Preset(
+            "Anima (Cosmos Predict 2 2B Text2Image: 28 blocks, 16 x 128 heads, MLP 8192, 16 input channels, "
+            "RoPE scale (1, 4, 4); diffusers' Cosmos conversion config, which its Anima conversion uses) at "
+            "1024x1024 (Qwen-Image VAE: 64 x 64 = 4096 image tokens), 512 text tokens (AnimaTextConditioner's "
+            "output, padded to 512)",
+            config={**_PREDICT2_2B, "in_channels": 16, "rope_scale": (1.0, 4.0, 4.0)},
+            inputs={"height": 1024, "width": 1024, "text_tokens": 512},
+            make_inputs=make_image_inputs,
         ),
         "1.0-7b-720p": Preset(
             "Cosmos 1.0 Diffusion 7B Text2World (28 blocks, 32 x 128 heads, MLP 16384, learnable positional "

@@ -474,7 +474,7 @@ def test_real_rows_cover_references_and_strategies():
 
 # -- every option is checked before work starts: one line on stderr, exit code 2 --------------------
 
-INSTALLED = "installed: ace-step, allegro, anyflow, anyflow-far, auraflow, "  # the list goes on alphabetically (the synthetic stack too, once bench ran)
+INSTALLED = "installed: ace-step, allegro, anima-text-conditioner, anyflow, anyflow-far, auraflow, "  # the list goes on alphabetically (the synthetic stack too, once bench ran)
 OPTION_ERRORS = [
     (["demo", "--steps", "0"], "Invalid value for '--steps': expected a number of timed steps >= 1, got 0."),
     (["demo", "--tokens", "0"], "Invalid value for '--tokens': image tokens must be a square number >= 1 (side x "

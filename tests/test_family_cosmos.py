@@ -1,13 +1,16 @@
-"""Cosmos Predict: tiny deterministic models through the conformance kit for the three shapes the class
+"""Cosmos Predict: tiny deterministic models through the conformance kit for the four shapes the class
 takes (Predict 2 Video2World: a condition channel and a timestep per frame; Cosmos 1.0: a learnable
 positional embedding, padded text, two samples; Transfer 2.5: projected Reason1 states, an image
-context and ControlNet residuals), interval chunks that chain (and fall back exactly where the
-ControlNet hands blocks their own residuals), and the presets at full size.
+context and ControlNet residuals; Anima: one latent frame, no fps, the text conditioner's zero-padded
+output), interval chunks that chain (and fall back exactly where the ControlNet hands blocks their own
+residuals), and the presets at full size.
 
 The tiny models set ``concat_padding_mask=False``: the class default resizes ``padding_mask`` with
 torchvision, which this environment lacks; it only adds an input channel before the blocks."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -18,10 +21,13 @@ from gradseam.planning import plan
 from gradseam.testing import (
     Case,
     ConformanceSuite,
+    assert_regions_whole,
+    assert_same_step,
     check_bench_workload,
     check_strategy,
     preset_model,
     randn,
+    record_regions,
     run_step,
 )
 
@@ -38,6 +44,10 @@ TRANSFER = dict(
     encoder_hidden_states_channels=TEXT_DIM, controlnet_block_every_n=4, img_context_dim_in=10,
     img_context_num_tokens=3, img_context_dim_out=24,
 )
+
+# Anima's flags (diffusers' Cosmos-2.0-Diffusion-2B-Text2Image config, which scripts/convert_anima_to_diffusers.py
+# uses): latent channels in and out alike (no condition channel), RoPE scale (1, 4, 4), no learnable embedding.
+ANIMA = dict(TINY, in_channels=4, rope_scale=(1.0, 4.0, 4.0))
 
 
 def cosmos_model(**overrides):
@@ -86,10 +96,24 @@ def cosmos_transfer_inputs(g: torch.Generator) -> dict:
     return inputs
 
 
+def anima_inputs(g: torch.Generator) -> dict:
+    # Anima's pipeline: one latent frame of 4 x 6 (6 tokens in 1x2x2 patches), one timestep (the sigma), no
+    # fps, and AnimaTextConditioner's output: 4 prompt tokens, zero-padded (to 512 in the real model)
+    text = randn(g, 1, TEXT, TEXT_DIM)
+    text[:, 4:] = 0.0
+    return {
+        "hidden_states": randn(g, 1, 4, 1, 4, 6, grad=True),
+        "timestep": torch.tensor([0.6]),
+        "encoder_hidden_states": text.requires_grad_(),
+        "padding_mask": torch.zeros(1, 1, 32, 48),
+    }
+
+
 COSMOS = Case("cosmos", cosmos_model, cosmos_inputs)
 COSMOS_V1 = Case("cosmos-1.0", lambda: cosmos_model(in_channels=4, rope_scale=(2.0, 1.0, 1.0),
                                                     extra_pos_embed_type="learnable"), cosmos_v1_inputs)
 COSMOS_TRANSFER = Case("cosmos-transfer", lambda: cosmos_model(**TRANSFER), cosmos_transfer_inputs)
+COSMOS_ANIMA = Case("cosmos-anima", lambda: cosmos_model(**ANIMA), anima_inputs)
 
 
 class TestCosmos(ConformanceSuite):
@@ -98,6 +122,11 @@ class TestCosmos(ConformanceSuite):
 
 class TestCosmos1(ConformanceSuite):
     case = COSMOS_V1
+    reduced = True
+
+
+class TestCosmosAnima(ConformanceSuite):
+    case = COSMOS_ANIMA
     reduced = True
 
 
@@ -160,6 +189,51 @@ def test_per_frame_timesteps_and_learnable_embedding_are_shared() -> None:
     assert seen[0][5].abs().sum() > 0  # the (randomised) learnable embedding of the 1.0 case
 
 
+class AnimaPair(torch.nn.Module):
+    """Anima as a trainer that also fine-tunes the text conditioner runs it (ai-toolkit's
+    ``train_text_conditioner``): the conditioner's output is the transformer's text context."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from diffusers import AnimaTextConditioner
+
+        self.text_conditioner = AnimaTextConditioner(
+            source_dim=12, target_dim=TEXT_DIM, model_dim=16, num_layers=2, num_attention_heads=2,
+            target_vocab_size=32, min_sequence_length=TEXT)
+        self.transformer = cosmos_model(**ANIMA)
+
+    def forward(self, qwen: torch.Tensor, t5_ids: torch.Tensor, qwen_mask: torch.Tensor, t5_mask: torch.Tensor,
+                **inputs: torch.Tensor) -> Any:
+        context = self.text_conditioner(source_hidden_states=qwen, target_input_ids=t5_ids,
+                                        target_attention_mask=t5_mask, source_attention_mask=qwen_mask)
+        return self.transformer(encoder_hidden_states=context, **inputs)
+
+
+def anima_pair_inputs(g: torch.Generator) -> dict:
+    # two prompts: 5 Qwen3 states and 4 T5 ids each, the second prompt one token shorter in both (masked)
+    masks = torch.ones(2, 5), torch.ones(2, 4)
+    masks[0][1, -1] = masks[1][1, -1] = 0
+    return {
+        "qwen": randn(g, 2, 5, 12, grad=True), "t5_ids": torch.randint(0, 32, (2, 4), generator=g),
+        "qwen_mask": masks[0], "t5_mask": masks[1],
+        "hidden_states": randn(g, 2, 4, 1, 4, 6, grad=True), "timestep": torch.tensor([0.3, 0.8]),
+    }
+
+
+def test_anima_trains_its_conditioner_through_the_patched_transformer() -> None:
+    # Only the transformer is patched here (the conditioner has its own family, tested in test_family_anima.py): the
+    # gradients that reach the conditioner's parameters through the chunked transformer are the unpatched model's.
+    case = Case("anima-pair", AnimaPair, anima_pair_inputs)
+    model, twin = case.twins()
+    reference = run_step(twin, case)
+    with gradseam.patch(model.transformer, CHUNKED) as handle, record_regions(handle) as regions:
+        patched = run_step(model, case)
+    assert_same_step(reference, patched, what="anima")
+    assert_regions_whole(regions, what="anima")
+    assert any(name.startswith("text_conditioner.blocks.") for name in patched.param_grads)
+    assert patched.saved_bytes < reference.saved_bytes
+
+
 def test_seam_and_attention_are_planned_as_declared() -> None:
     model = COSMOS.fresh()
     family = family_for(model)
@@ -175,6 +249,7 @@ EXPECTED = {
     "predict2-14b-720p": (36, 40, 20480),
     "predict2.5-2b-720p": (28, 16, 8192),
     "1.0-7b-720p": (28, 32, 16384),
+    "anima-1024": (28, 16, 8192),
 }
 
 
@@ -214,6 +289,22 @@ def test_preset_inputs_have_the_pipelines_sizes() -> None:
     assert "condition_mask" not in x
 
 
+def test_anima_preset_is_the_text2image_config_at_1024() -> None:
+    # Anima's transformer: diffusers' Cosmos-2.0-Diffusion-2B-Text2Image (no condition channel, RoPE scale
+    # (1, 4, 4)), 1.96B parameters; one 128 x 128 latent frame (4096 tokens) and 512 text tokens, no fps
+    _, preset, model = _preset_model("anima-1024")
+    cfg = model.config
+    assert (cfg.in_channels, cfg.out_channels, tuple(cfg.rope_scale)) == (16, 16, (1.0, 4.0, 4.0))
+    assert cfg.concat_padding_mask and cfg.extra_pos_embed_type is None and not cfg.use_crossattn_projection
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == 1.96
+    x = preset.make_inputs(model, "meta", torch.bfloat16, None, **preset.inputs)
+    assert x["hidden_states"].shape == (1, 16, 1, 128, 128) and x["hidden_states"].requires_grad
+    assert x["encoder_hidden_states"].shape == (1, 512, 1024) and x["timestep"].shape == (1,)
+    assert x["padding_mask"].shape == (1, 1, 1024, 1024) and {"fps", "condition_mask"}.isdisjoint(x)
+    assert preset.make_inputs(model, "meta", torch.bfloat16, 1024, **preset.inputs)["hidden_states"].shape == (
+        1, 16, 1, 64, 64)  # ``tokens`` sizes a square image
+
+
 @pytest.mark.parametrize("case", [COSMOS, COSMOS_V1], ids=lambda c: c.name)
 def test_preset_input_builder_runs_the_model(case: Case) -> None:
     family = gradseam.registry.REGISTRY.get("cosmos")
@@ -230,3 +321,8 @@ def test_bench_workload_truncates_steps_and_patches_exactly() -> None:
     """`gradseam bench --family cosmos --layers 2` on a tiny preset with the real input builder: the kit's check."""
     check_bench_workload("cosmos", TINY, {"frames": 5, "height": 32, "width": 32, "text_tokens": TEXT},
                          preset="predict2-2b-720p", sequence=2 * 2 * 2)
+
+
+def test_anima_bench_workload_truncates_steps_and_patches_exactly() -> None:
+    check_bench_workload("cosmos", ANIMA, {"height": 32, "width": 48, "text_tokens": TEXT}, preset="anima-1024",
+                         sequence=2 * 3)

@@ -215,7 +215,7 @@ def check_bench_workload(
     seen = sequence_length(workload.model, workload.family, x)
     assert seen == sequence if sequence is not None else seen > 0, f"{family}: the first block saw {seen} tokens"
     leaves = grad_leaves(x)
-    assert leaves and x["hidden_states"].requires_grad, f"{family}: the inputs hold no tensor that needs gradients"
+    assert leaves, f"{family}: the inputs hold no tensor that needs gradients"
     forward_backward(workload.model, x)()
     reference = [t.grad.clone() for t in leaves]
     for t in leaves:
