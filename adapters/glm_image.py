@@ -33,11 +33,10 @@ the condition pass:
   runs no region there, so the cache is written once; a read (or skip) pass with gradients recomputes
   each block in the mode it ran in (the cache keeps it until backward), over the same K/V. Exact, every
   backend;
-- condition pass with gradients, then the mode switched to ``"read"`` (training through the cache): the
-  condition blocks are recomputed in read mode, attend over more keys than in forward, and torch's
-  checkpoint raises ``CheckpointError`` ("Recomputed values ... have different metadata") at backward,
-  with every whole-block backend (and with diffusers' own flag). Only the ``-ffn`` backends, which never
-  recompute ``attn1``, are exact there;
+- condition pass with gradients, then the mode switched to ``"read"`` (training through the cache): a recompute
+  in read mode would attend over more keys than the condition pass did (diffusers' own flag raises
+  ``CheckpointError`` there); gradseam recomputes each block with the plain values its cache layer held when
+  its forward began (mode ``"write"``, the sample index) and puts back what it stored. Exact, every backend;
 - mode still ``"write"`` at backward: the recomputed block stores its K/V again (appended with
   ``torch.cat``); gradseam puts back what a recompute does to a state object (``gradseam.run.chains``), so
   the cache afterwards holds the condition once, as unpatched. Exact.

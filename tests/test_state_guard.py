@@ -93,3 +93,27 @@ def test_what_a_recompute_does_to_a_state_object_is_undone(inside_a_dict):
     out.sum().backward()
     assert len(cache.keys) == 1 and cache.slot is None
     assert torch.equal(x.grad, torch.linspace(-1.0, 1.0, 8).cos())
+
+
+class Moded:
+    """A cache whose mode the caller switches between passes, as GLM-Image's is switched from write to read."""
+
+    def __init__(self) -> None:
+        self.mode = "write"
+
+
+def moded_block(x: torch.Tensor, cache: Moded) -> torch.Tensor:
+    # the two paths save tensors of the same shapes (sin's input), so torch's checkpoint cannot tell them apart
+    return (x * 2).sin() if cache.mode == "write" else (x * 3).sin()
+
+
+def test_a_recompute_takes_the_path_its_forward_took_though_the_mode_changed_before_backward():
+    """Switched before backward, the mode would send the recompute down the other path: same shapes, other values,
+    wrong gradients without an error. The recompute runs with the plain values the object held when its forward
+    began, and the caller's switch stays."""
+    cache = Moded()
+    x = torch.linspace(-1.0, 1.0, 8, requires_grad=True)
+    out = Runner()(moded_block, (x,), {"cache": cache})
+    cache.mode = "read"
+    out.sum().backward()
+    assert torch.equal(x.grad, 2 * (2 * torch.linspace(-1.0, 1.0, 8)).cos()) and cache.mode == "read"

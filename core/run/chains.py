@@ -26,7 +26,9 @@ its state arguments (objects whose attributes hold tensors, dicts and lists of t
 left them, ids and versions only, and a recompute that finds one written in place or replaced since
 raises, naming it: a cache refilled before backward would otherwise give wrong gradients, silently.
 And what a recompute itself assigns to such an object (a cache layer appending its K/V again, a capture
-slot filled again) is put back when it returns: the unpatched model ran the block once.
+slot filled again) is put back when it returns: the unpatched model ran the block once. The recompute
+runs with the plain values (a mode, an index) such objects held when the forward began, so a cache
+switched from "write" to "read" before backward recomputes the path the forward took.
 
 The checks themselves live in :mod:`gradseam.run.links`. Any mismatch makes that member, and the rest
 of the chain in this call, compute on their own:
@@ -138,6 +140,10 @@ class Runner:
         # once, so a cache layer that appends its K/V in "write" mode (GLM-Image), or refills a slot the
         # caller emptied after the forward (SANA-WM's refiner), must not hold them twice or again.
         objects = None if torch.compiler.is_compiling() else _plain_objects(flat)
+        # ... and a recompute runs with the plain values those objects held when the forward began (a cache's
+        # mode, its sample index): switched between forward and backward ("write" to "read"), the recompute would
+        # take another path than the forward did.
+        scalars = _scalars(objects) if objects else None
         if (entry is not None and any(e is not None for e in entry)) or holders or objects or swaps and any(swaps):
             forward = region
             runs = [0]
@@ -153,6 +159,8 @@ class Runner:
                     if entry is not None:
                         flat = tuple(_shallow(e) if e is not None else f for e, f in zip(entry, flat))
                     with _undone(objects):
+                        if scalars:
+                            _set_scalars(scalars)
                         return forward(*flat)
                 out = forward(*flat)
                 if holders:
@@ -245,6 +253,21 @@ def _plain_objects(flat: tuple[Any, ...]) -> list[Any]:
                     and not callable(v) and all(v is not f for f in found):
                 found.append(v)
     return found
+
+
+_SCALARS = (str, int, float, bool)
+
+
+def _scalars(objects: list[Any]) -> list[tuple[Any, dict[str, Any]]]:
+    """Each object's plain-value attributes (str, int, float, bool: a mode, an index, a flag), as they are now."""
+    return [(obj, {k: v for k, v in vars(obj).items() if isinstance(v, _SCALARS)}) for obj in objects]
+
+
+def _set_scalars(scalars: list[tuple[Any, dict[str, Any]]]) -> None:
+    for obj, values in scalars:
+        for k, v in values.items():
+            if vars(obj).get(k, v) is not v:
+                vars(obj)[k] = v
 
 
 class _undone:
