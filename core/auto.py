@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from .config import CheckpointConfig
 from .errors import GradseamError
+from .modules import grad_leaves
 
 if TYPE_CHECKING:
     from torch import nn
@@ -137,8 +138,7 @@ class _untouched:
     def __init__(self, model: nn.Module, inputs: Mapping[str, Any]) -> None:
         import torch
 
-        leaves = [t for t in inputs.values() if isinstance(t, torch.Tensor) and t.requires_grad and t.is_leaf]
-        self.grads = [(t, t.grad) for t in [*model.parameters(), *leaves]]
+        self.grads = [(t, t.grad) for t in [*model.parameters(), *grad_leaves(inputs)]]  # nested inputs too
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 

@@ -1,4 +1,5 @@
-"""Finding things in a module tree: a dotted path, the block inside a wrapper, a model's device.
+"""Finding things in a module tree: a dotted path, the block inside a wrapper, a model's device, the tensors
+in a model's (nested) inputs or outputs.
 
 Small and free of policy, so that every layer above (planning, the kinds' refusals, the run layer,
 the handle, the tools) asks these questions one way. Imports nothing of gradseam.
@@ -6,8 +7,10 @@ the handle, the tools) asks these questions one way. Imports nothing of gradseam
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 
@@ -43,3 +46,19 @@ def device_type(module: nn.Module) -> str:
     for p in module.parameters():
         return p.device.type
     return "cpu"
+
+
+def tensors(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in a model's inputs or outputs: tensors, tuples and lists, dicts and diffusers ``BaseOutput``."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Mapping):
+        obj = list(obj.values())
+    if isinstance(obj, (list, tuple)):
+        return [t for item in obj for t in tensors(item)]
+    return []
+
+
+def grad_leaves(inputs: Any) -> list[torch.Tensor]:
+    """The leaf tensors of ``inputs`` that gather gradients (``.grad``): the latents a step differentiates."""
+    return [t for t in tensors(inputs) if t.requires_grad and t.is_leaf]

@@ -134,7 +134,8 @@ class Runner:
         # gradients would be wrong without a word. Their tensors as the forward left them are noted (ids and
         # versions only: holding them would keep memory) and checked before the recompute runs.
         watched = None if torch.compiler.is_compiling() else _watched(fn)
-        swaps = [_swaps(m) for m in watched] if watched else None
+        # a chunk's head noted its members' swaps already (for its followers): read once per call
+        swaps = getattr(fn, "swaps", None) or ([_swaps(m) for m in watched] if watched else None)
         holders = None if torch.compiler.is_compiling() else _state_holders(flat, names, n, entry)
         # What a recompute does to those objects is undone once it returns: the unpatched model ran the block
         # once, so a cache layer that appends its K/V in "write" mode (GLM-Image), or refills a slot the
@@ -485,8 +486,9 @@ class Chain:
                     states.append(rng_state(devices))
             return tuple(outs)
 
-        whole_chain.members = self.members  # type: ignore[attr-defined]  # what the recompute check watches
         swaps = None if compiling else [_swaps(m) for m in self.members]
+        whole_chain.members = self.members  # type: ignore[attr-defined]  # what the recompute check watches,
+        whole_chain.swaps = swaps  # type: ignore[attr-defined]  # and how their instances stood at this call
         self.stats.runs += 1
         self.stats.chunk_calls += 1
         outs = list(self.runner(whole_chain, args, kwargs))

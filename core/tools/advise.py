@@ -127,10 +127,14 @@ class Advice:
     chosen: Trial | None = None
     depth_note: str = ""  # the depth the advice was planned for, and how
     pinnable_gib: float | None = None  # pinned host memory the plan allowed
-    streaming_tried: bool = False  # whether rungs with streamed weights were in the ladder
     per_block: Any = None  # a gradseam.tools.mixed_plan.MixedPlan faster than the chosen rung, or None
     per_block_note: str = ""  # why there is no per-block plan, or that none beat the chosen rung
     block_gib: list[float] | None = None  # each block's frozen weights at full depth (what streaming moves), if known
+
+    @property
+    def streaming_tried(self) -> bool:
+        """Whether rungs with streamed weights were in the ladder: they are wherever the weights per block are known."""
+        return bool(self.block_gib)
 
     @property
     def budget_gib(self) -> float:
@@ -300,8 +304,7 @@ def run_ladder(
     is None when nothing fits): every rung, then (``win_back``) the win-back steps on the fastest one that fits. With
     ``block_gib`` (each block's frozen weights at full depth, in forward order), rungs that are over the GPU
     only because the weights are too are tried again with some weights streamed (:func:`_streamed`)."""
-    advice = Advice(gpu_gib, static_gib, pinnable_gib=pinnable_gib, streaming_tried=bool(block_gib),
-                    block_gib=list(block_gib) if block_gib else None)
+    advice = Advice(gpu_gib, static_gib, pinnable_gib=pinnable_gib, block_gib=list(block_gib) if block_gib else None)
 
     def try_one(trial: Trial) -> Trial:
         return _try(trial, measure, gpu_gib, static_gib, pinnable_gib)

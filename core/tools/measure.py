@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..modules import grad_leaves, tensors
 from ..offload.state import plain_parts, state_storages
 
 GiB = 1 << 30
@@ -90,17 +91,6 @@ def oom_detail(exc: BaseException) -> str:
     return "; ".join(parts)
 
 
-def tensors(obj: Any) -> list[torch.Tensor]:
-    """Every tensor in a model output (tensors, tuples/lists, dicts and diffusers ``BaseOutput``)."""
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    if isinstance(obj, Mapping):
-        obj = list(obj.values())
-    if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in tensors(item)]
-    return []
-
-
 def default_loss(out: Any) -> torch.Tensor:
     """``sum(t.float().square().mean())`` over the floating output tensors (the anchors' protocol)."""
     found = [t for t in tensors(out) if t.is_floating_point()]
@@ -109,10 +99,6 @@ def default_loss(out: Any) -> torch.Tensor:
 
         raise GradseamError(f"the model output ({type(out).__name__}) holds no floating tensor to build a loss from.")
     return sum(t.float().square().mean() for t in found)  # type: ignore[return-value]
-
-
-def grad_leaves(inputs: Any) -> list[torch.Tensor]:
-    return [t for t in tensors(inputs) if t.requires_grad and t.is_leaf]
 
 
 @contextmanager
