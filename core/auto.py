@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 
 from .config import CheckpointConfig
 from .errors import GradseamError
-from .modules import grad_leaves
 
 if TYPE_CHECKING:
     from torch import nn
@@ -137,6 +136,8 @@ class _untouched:
 
     def __init__(self, model: nn.Module, inputs: Mapping[str, Any]) -> None:
         import torch
+
+        from .modules import grad_leaves  # here, not at import: `import gradseam` stays free of torch
 
         self.grads = [(t, t.grad) for t in [*model.parameters(), *grad_leaves(inputs)]]  # nested inputs too
         self.cpu_rng = torch.get_rng_state()
