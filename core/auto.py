@@ -75,6 +75,7 @@ class AutoPlanning:
         self.requested = config  # the keys as given, "auto" among them
         self.planned: Planned | None = None
         self._busy = False
+        self._sizes: dict[str, int] | None = None  # each tensor input's element count at the planned step
 
     @property
     def config(self) -> CheckpointConfig | None:
@@ -85,7 +86,11 @@ class AutoPlanning:
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         import torch
 
-        if self.planned is not None or self._busy or not self.handle.active or not torch.is_grad_enabled():
+        if self._busy or not self.handle.active or not torch.is_grad_enabled():
+            return
+        if self.planned is not None:
+            if self._sizes is not None:
+                self._check_shapes(module, args, kwargs)
             return
         if not any(p.requires_grad for p in module.parameters()):
             return  # nothing trains through this forward: plan when something does
@@ -107,12 +112,34 @@ class AutoPlanning:
             self.handle.active = True
         self.handle.adopt(planned.config)
         self.planned = planned
+        self._sizes = _sizes(request.inputs)
+
+    def _check_shapes(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Warn, once per input and size, when a training step's input is larger than the one the plan was made for
+        (aspect-ratio buckets): its activations grow with it, and the plan was fitted to the budgets without them."""
+        assert self._sizes is not None
+        for name, numel in _sizes(_by_name(module, args, kwargs)).items():
+            planned = self._sizes.get(name)
+            if planned is not None and numel > planned:
+                from .errors import warn_once
+
+                warn_once(
+                    f"gradseam: gradient_checkpointing_backend \"auto\" planned {type(module).__name__} for its first "
+                    f"training step, where {name} held {planned:,} elements; this step's holds {numel:,} "
+                    f"({numel / planned:.2f}x), and its activations grow with it beyond what the plan fitted into the "
+                    "budgets. Make the first batch the largest bucket, or patch with the keys each bucket's plan "
+                    "prints (handle.auto.config).")
 
     def describe(self) -> str:
         if self.planned is None:
             return ("gradient_checkpointing_backend \"auto\": not planned yet; every block is planned at the first "
                     "forward with gradients, from its inputs' shapes")
         return f"gradient_checkpointing_backend \"auto\" ({self.planned.source}): {self.planned.report}"
+
+
+def _sizes(inputs: Mapping[str, Any]) -> dict[str, int]:
+    """Each top-level tensor input's element count (what sets a step's activations: tokens, frames, batch)."""
+    return {name: value.numel() for name, value in inputs.items() if hasattr(value, "numel") and hasattr(value, "shape")}
 
 
 def _by_name(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:

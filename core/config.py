@@ -631,9 +631,11 @@ class CheckpointConfig:
                 "block itself, so the value given would be overruled. Leave it out, or name a backend and keep it.")
         if self.stream_weights is not None:
             raise ValueError(
-                f"{_where('gradient_checkpointing_stream_weights')}: gradient_checkpointing_backend \"{AUTO}\" does not "
-                "plan weight streaming yet. Name a backend beside it (gradseam advise --gpu-memory SIZE finds the "
-                "fastest one with streamed weights), or leave the key out.")
+                f"{_where('gradient_checkpointing_stream_weights')}: gradient_checkpointing_backend \"{AUTO}\" decides "
+                "which blocks' weights stream itself, for a model on the GPU at its first training step, so the value "
+                "given would be overruled. Leave it out; for a model whose weights do not fit the card to start with, "
+                "name a backend beside it instead (gradseam advise --family NAME --preset NAME --gpu-memory SIZE "
+                "measures one at two shallow depths, without loading the whole model, and prints the keys).")
 
     def warn_if_idle(self, entry: str) -> None:
         """Warn (once) where this config, given to ``entry``, sets what cannot act: checkpointing is off.

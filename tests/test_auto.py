@@ -54,13 +54,13 @@ def _estimate(label: str) -> Estimate:
     return Estimate(peak0 + UNITS * gpu, ms0 + UNITS * ms, host0 + UNITS * host, gpu, "predicted", costs)
 
 
-def _write_table(model: torch.nn.Module, inputs: dict) -> None:
+def _write_table(model: torch.nn.Module, inputs: dict, static: float = STATIC) -> None:
     """The cache entry a GPU run of this model on these inputs would have left: the three candidates above."""
     family = family_for(model)
     key = cost_cache.key_of(Request(model, inputs, None, None, family), auto_planner.CANDIDATES)
     results = {label: _estimate(label) if label in TABLE else "unsupported: not in this table"
                for label, _ in auto_planner.CANDIDATES}
-    cost_cache.save(key, cost_cache.Table(auto_planner.CANDIDATES, results, STATIC, "depth 5, from a table"))
+    cost_cache.save(key, cost_cache.Table(auto_planner.CANDIDATES, results, static, "depth 5, from a table"))
 
 
 def _step(model: torch.nn.Module, inputs: dict, grads_before: dict[str, torch.Tensor] | None = None) -> Step:
@@ -198,7 +198,8 @@ def test_under_distributed_with_nothing_cached_measuring_is_refused_naming_the_f
 @pytest.mark.parametrize(("keys", "message"), [
     ({**AUTO, "gradient_checkpointing_interval": 2}, r"'gradient_checkpointing_interval'.*\"auto\" chooses"),
     ({**AUTO, "gradient_checkpointing_offload_attention": True}, r"\"auto\" chooses gradient_checkpointing_offload_attention"),
-    ({**AUTO, "gradient_checkpointing_stream_weights": 2}, r"does not plan weight streaming yet"),
+    ({**AUTO, "gradient_checkpointing_stream_weights": 2}, r"decides which blocks' weights stream itself.*gradseam "
+     r"advise --family NAME --preset NAME --gpu-memory SIZE"),
     ({"gradient_checkpointing_gpu_memory": "24GiB"}, r"read only with gradient_checkpointing_backend \"auto\".*'torch'"),
     ({**AUTO, "gradient_checkpointing_host_memory": "lots"}, r"'gradient_checkpointing_host_memory': cannot read 'lots'"),
     ({"gradient_checkpointing_blocks": [{"blocks": "blocks[0:2]", "gradient_checkpointing_backend": "auto"}]},
@@ -251,3 +252,112 @@ def test_measuring_puts_back_the_gradients_of_inputs_nested_in_lists():
         assert leaf.grad is None  # as a measured step starts
         leaf.grad = torch.zeros(3)
     assert torch.equal(leaf.grad, torch.full((3,), 7.0))
+
+
+BLOCK_GIB = 1.0  # each tiny Wan block's frozen weights, as the planner is told (the real ones are kilobytes)
+COPY_MS = 1.5  # what streaming a block's weights adds per unit to a candidate's step
+
+
+def _frozen_blocks() -> torch.nn.Module:
+    """The tiny Wan with its blocks frozen (what streams) and the rest training (a stand-in for a LoRA)."""
+    model = WAN.fresh()
+    for block in model.blocks:
+        block.requires_grad_(False)
+    return model
+
+
+def _streaming_measure_on(calls: list):
+    """A GPU run's rows with every block's weights streamed: the resident row, slower by the copies."""
+    labels = {json.dumps(config, sort_keys=True): label for label, config in auto_planner.CANDIDATES}
+
+    def measure_on(request: Request):
+        def run(config):
+            calls.append(dict(config))
+            assert config[auto_planner.STREAM_KEY] is not None, "only streamed rows are missing from the table"
+            resident = {k: v for k, v in config.items() if k != auto_planner.STREAM_KEY}
+            label = labels[json.dumps(resident, sort_keys=True)]
+            if label not in TABLE:
+                raise UnsupportedStrategyError("left out of this table")
+            (ms, gpu, host), (ms0, peak0, host0) = TABLE[label]
+            costs = UnitCosts(UNITS, ms + COPY_MS, ms0, gpu, peak0, host, host0)
+            return Estimate(peak0 + UNITS * gpu, ms0 + UNITS * (ms + COPY_MS), host0 + UNITS * host, gpu, "predicted",
+                            costs)
+
+        return run, "depth 5, from a table", STATIC
+
+    return measure_on
+
+
+def test_when_the_weights_are_what_does_not_fit_auto_streams_some_and_trains_exactly_like_its_config(_cache, monkeypatch,
+                                                                                                      capsys):
+    """Weights of 5 GiB and a budget of 8.4: no resident candidate fits (unsloth, the leanest, needs 2.5 + 6 GiB
+    of static memory), so the streamed rows are measured at the first step, cached, and the plan streams the
+    weights of some blocks; the next run with the same shapes reads every row from the cache."""
+    monkeypatch.setattr(auto_planner, "streamable_gib", lambda request: [BLOCK_GIB] * UNITS)
+    model, inputs = _frozen_blocks(), _inputs()
+    _write_table(model, inputs, static=STATIC + UNITS * BLOCK_GIB)
+    calls: list = []
+    budgets = {"gradient_checkpointing_gpu_memory": 8.4, "gradient_checkpointing_host_memory": 64}
+    previous = use_planner(functools.partial(auto_planner.plan, measure_on=_streaming_measure_on(calls)))
+    try:
+        with cpu_test_mode():
+            handle = gradseam.patch(model, {**AUTO, **budgets})
+            got = _step(model, inputs)
+            config = handle.auto.config
+            keys = config.to_dict()
+            streams = [e for e in keys.get("gradient_checkpointing_blocks", ()) if e.get(auto_planner.STREAM_KEY)]
+            assert streams or keys.get(auto_planner.STREAM_KEY), keys
+            assert handle.weights is not None and 0 < len(handle.weights.blocks) <= UNITS
+            assert calls and all(c[auto_planner.STREAM_KEY] for c in calls)
+            assert "+ stream" in capsys.readouterr().err
+            assert "+ stream" in handle.auto.planned.report or "stream" in str(handle.summary())
+            explicit = _frozen_blocks()
+            with gradseam.patch(explicit, config.given_keys()) as again:
+                expected = _step(explicit, _inputs())
+                assert len(again.weights.blocks) == len(handle.weights.blocks)
+            assert_same_step(expected, got, what="auto with streamed weights vs the config it printed")
+            assert_same_step(_step(_frozen_blocks(), _inputs()), got, what="auto with streamed weights vs unpatched")
+            measured = len(calls)
+            second = _frozen_blocks()
+            with gradseam.patch(second, {**AUTO, **budgets}) as handle2:
+                _step(second, _inputs())
+                assert handle2.auto.config == config and len(calls) == measured  # every row read from the cache
+    finally:
+        use_planner(previous)
+
+
+def test_streaming_is_left_out_where_no_checkpointing_fits_and_where_streamed_rows_cannot_be_measured(monkeypatch):
+    monkeypatch.setattr(auto_planner, "streamable_gib", lambda request: [BLOCK_GIB] * UNITS)
+    model, inputs = _frozen_blocks(), _inputs()
+    _write_table(model, inputs, static=STATIC + UNITS * BLOCK_GIB)
+    request = Request(model, inputs, 8.4, 64.0, family_for(model))
+    # on the CPU with no way to measure: the streamed rows are not measured, and nothing resident fits
+    with pytest.raises(NoFitError, match=r"nothing fits in 8.40 GiB of GPU memory") as caught:
+        auto_planner.plan(request)
+    assert any("stream" in t.label and "not measured" in (t.reason or "") for t in caught.value.advice.trials)
+    # a generous budget: whatever is fastest fits resident, so nothing streamed is measured
+    calls: list = []
+    roomy = Request(model, inputs, 64.0, 64.0, family_for(model))
+    planned = auto_planner.plan(roomy, measure_on=_streaming_measure_on(calls))
+    assert not calls and planned.config.stream_weights is None and not planned.config.gradient_checkpointing_blocks
+    assert planned.config.keep_attention  # the fastest candidate, on every block
+
+
+def test_a_later_step_larger_than_the_planned_one_is_warned_about_once_naming_the_input():
+    """Aspect-ratio buckets: the plan fits the first step's shapes; a larger bucket later may not fit it."""
+    model, inputs = WAN.fresh(), _inputs()
+    _write_table(model, inputs)
+    with cpu_test_mode():
+        handle = gradseam.patch(model, {**AUTO, "gradient_checkpointing_gpu_memory": 40})
+        _step(model, inputs)
+        assert handle.auto.planned is not None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _step(model, _inputs(2))  # the same shapes
+            with torch.no_grad():  # an evaluation forward at any size plans and warns nothing
+                model(**WAN.inputs(torch.Generator().manual_seed(3), side=8))
+        with pytest.warns(gradseam.errors.GradseamWarning, match=r"planned WanTransformer3DModel for its first training "
+                          r"step, where hidden_states held 128 elements; this step's holds 512 \(4.00x\).*Make the "
+                          r"first batch the largest bucket"):
+            got = _step(model, WAN.inputs(torch.Generator().manual_seed(3), side=8))
+    assert_same_step(_step(WAN.fresh(), WAN.inputs(torch.Generator().manual_seed(3), side=8)), got)

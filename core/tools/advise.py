@@ -303,7 +303,9 @@ def run_ladder(
     """Walk the ladder with ``measure`` within ``gpu_gib`` of GPU memory and return the advice (``chosen``
     is None when nothing fits): every rung, then (``win_back``) the win-back steps on the fastest one that fits. With
     ``block_gib`` (each block's frozen weights at full depth, in forward order), rungs that are over the GPU
-    only because the weights are too are tried again with some weights streamed (:func:`_streamed`)."""
+    only because the weights are too are tried again with some weights streamed (:func:`_streamed`), and unless no
+    the fastest candidate measured fits, the fastest per-block candidates with every block streamed
+    (:func:`_streamed_per_block`), for the per-block plan to stream some units."""
     advice = Advice(gpu_gib, static_gib, pinnable_gib=pinnable_gib, block_gib=list(block_gib) if block_gib else None)
 
     def try_one(trial: Trial) -> Trial:
@@ -315,7 +317,9 @@ def run_ladder(
     if fits and win_back:
         base = min(fits, key=lambda t: t.step_ms or 0.0)
         fits += _win_back(advice, base, try_one, supports_interval)
-    if block_gib and win_back:  # for the per-block plan, and a uniform candidate like any other
+    measured = [t for t in advice.trials if t.step_ms is not None]
+    fastest_fits = bool(measured) and min(measured, key=lambda t: t.step_ms or 0.0).status == "fits"
+    if block_gib and not fastest_fits:  # for the per-block plan (streaming only adds copies to what already fits)
         fits += _streamed_per_block(advice, list(block_gib), measure)
     if not fits:
         return advice

@@ -20,6 +20,14 @@ What it does, and why each step is where it is:
    fastest uniform candidate that fits (advise's rule) and the fastest per-block mix
    (:mod:`gradseam.tools.mixed_plan`, an exact search) are found; the mix is the plan when it is predicted at
    least 0.5% faster, or when no uniform candidate fits. The same table and budgets give the same plan.
+4. **Weights too.** Where the fastest candidate does not fit, the frozen weights may be what does not: as in
+   advise, the fastest per-block candidates are also tried with every block's weights streamed from host
+   memory (``+ stream all``, for the mix to stream some units and keep the rest resident), and where nothing
+   fits, each candidate with the fewest blocks streamed that free its shortfall (``+ stream N``). Which of these
+   a budget asks for depends on the budget, so they are measured only when asked for (on the GPU, at the same
+   two depths), added to the cached table and read from it next time: the table stays one per model and
+   shapes, and a plan read from it is the plan measured. A model with nothing frozen to stream (a full
+   fine-tune, quantized weights) gets no such candidate.
 
 Without a CUDA model and with no cached table nothing can be measured (the CPU has no allocator peak to
 read): every block then runs :data:`DEFAULT` (whole-block recompute, ``"torch"``), and a warning says what
@@ -39,7 +47,7 @@ from ..auto import Planned, Request
 from ..config import BLOCK_KEYS, CheckpointConfig
 from ..errors import GradseamError, UnsupportedStrategyError, warn_once
 from . import cost_cache
-from .advise import LADDER, Advice, Estimate, Measure, NoFitError, run_ladder
+from .advise import LADDER, STREAM_KEY, Advice, Estimate, Measure, NoFitError, run_ladder
 from .compiled import gradseam_keys
 
 GiB = 1 << 30
@@ -66,18 +74,22 @@ def plan(request: Request, *, measure_on: MeasureOn | None = None, cache_dir: st
     key = cost_cache.key_of(request, CANDIDATES)
     table = cost_cache.load(key, cache_dir)
     source = "cached"
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
+        and torch.distributed.get_world_size() > 1
+    rows = _Rows(request, measure_on or gpu_measure_on) if (measure_on is not None or cuda) and not distributed \
+        else None
     if table is None:
         if measure_on is None and not cuda:
             return _default(request, cost_cache.directory(cache_dir))
-        if torch.distributed.is_available() and torch.distributed.is_initialized() \
-                and torch.distributed.get_world_size() > 1:
+        if distributed:
             raise GradseamError(
                 "gradient_checkpointing_backend \"auto\" found no measured costs for this model and these shapes, "
                 f"and does not measure under torch.distributed ({torch.distributed.get_world_size()} processes): "
                 "each rank would plan from its own timing noise, and a measured backward would fire the data-parallel "
                 "gradient hooks. Run one step in a single process first (the costs are cached in "
                 f"{cost_cache.directory(cache_dir)} and every rank reads them), or name a backend.")
-        table = measure(request, measure_on or gpu_measure_on)
+        assert rows is not None
+        table = measure(request, rows)
         cost_cache.save(key, table, cache_dir)
         source = "measured"
     static = torch.cuda.memory_allocated(_device(request.model)) / GiB if cuda else table.static_gib
@@ -88,30 +100,73 @@ def plan(request: Request, *, measure_on: MeasureOn | None = None, cache_dir: st
             "gradient_checkpointing_backend \"auto\": the model is not on a CUDA GPU, so its memory cannot be read; "
             "set gradient_checkpointing_gpu_memory (e.g. \"24GiB\").")
     host = request.host_gib if request.host_gib is not None else _host_default()
-    advice = choose(table, gpu, static, host, request.model)
+    known = len(table.results)
+    try:
+        advice = choose(table, gpu, static, host, request.model, block_gib=streamable_gib(request),
+                        more=rows.streamed if rows is not None else None)
+    finally:
+        if len(table.results) > known:  # streamed rows measured for this budget: the next run reads them too
+            cost_cache.save(key, table, cache_dir)
     config = advice.per_block.config if advice.per_block is not None else gradseam_keys(advice.chosen.config)
-    return Planned(CheckpointConfig.from_dict(config), source, _report(advice, table, source))
+    return Planned(CheckpointConfig.from_dict(config), source, _report(advice, table, source, len(table.results) - known))
 
 
-def choose(table: cost_cache.Table, gpu_gib: float, static_gib: float, host_gib: float | None, model: Any) -> Advice:
-    """advise's choice among the table's candidates, then the fastest mix (raises :class:`NoFitError`)."""
+def streamable_gib(request: Request) -> list[float] | None:
+    """Each block's frozen weights in GiB (what streaming would move), or None when no block has any (a full
+    fine-tune, quantized weights): then no candidate streams."""
+    from .advise import frozen_block_gib
+
+    found = frozen_block_gib(request.model, request.family)
+    return found if sum(found) > 0 else None
+
+
+# (config) -> its estimate, measured now and added to the table; None: rows the table lacks cannot be measured here
+More = Callable[[Mapping[str, Any]], "Estimate | str"]
+
+
+def choose(table: cost_cache.Table, gpu_gib: float, static_gib: float, host_gib: float | None, model: Any, *,
+           block_gib: list[float] | None = None, more: More | None = None) -> Advice:
+    """advise's choice among the table's candidates, then the fastest mix (raises :class:`NoFitError`).
+
+    With ``block_gib``, candidates with streamed weights take part as in advise (the fastest per-block ones with
+    every block streamed, and where nothing fits, the fewest blocks streamed that free the shortfall): those the
+    table lacks are measured with ``more`` and added to it, or, without ``more``, left out as not measured."""
     from . import mixed_plan
 
     def from_table(config: Mapping[str, Any]) -> Estimate:
         found = table.lookup(config)
+        if found is None and config.get(STREAM_KEY):
+            if more is None:  # not cached either: a run that can measure it will
+                raise UnsupportedStrategyError(
+                    "not measured: a candidate with streamed weights is measured on the model's CUDA GPU, in one "
+                    "process, at the first training step that needs it")
+            found = more(config)
+            table.add(_streamed_label(table, config), config, found)
+        if found is None:
+            found = f"unsupported: {dict(config)} is not a measured candidate"
         if isinstance(found, str):
             if found.startswith("OOM"):
                 raise torch_oom(found)
             raise UnsupportedStrategyError(found)
         return found
 
-    advice = run_ladder(from_table, gpu_gib, static_gib, pinnable_gib=host_gib, ladder=table.ladder(),
-                        win_back=False)
+    # the streamed rows a budget measured are read through from_table, where run_ladder asks for them: climbed
+    # as rungs, they would change which rows it asks for next, and a cached run would plan unlike a measured one
+    ladder = [(label, config) for label, config in table.ladder() if not config.get(STREAM_KEY)]
+    advice = run_ladder(from_table, gpu_gib, static_gib, pinnable_gib=host_gib, ladder=ladder,
+                        block_gib=block_gib, win_back=False)
     advice.depth_note = table.depth_note
     mixed_plan.attach(advice, model)
     if advice.chosen is None and advice.per_block is None:
         raise NoFitError(advice)
     return advice
+
+
+def _streamed_label(table: cost_cache.Table, config: Mapping[str, Any]) -> str:
+    """``"torch + stream all"``: the resident candidate's label with what streams, as advise labels its rungs."""
+    resident = {k: v for k, v in config.items() if k != STREAM_KEY}
+    base = next((label for label, known in table.candidates if dict(known) == resident), str(resident))
+    return f"{base} + stream {config[STREAM_KEY]}"
 
 
 def torch_oom(reason: str) -> BaseException:
@@ -120,24 +175,54 @@ def torch_oom(reason: str) -> BaseException:
     return torch.OutOfMemoryError(reason)
 
 
-def measure(request: Request, measure_on: MeasureOn) -> cost_cache.Table:
-    """Every candidate measured (a failure recorded with its reason), with a line of progress each."""
-    from .measure import is_oom
+class _Rows:
+    """Measures rows of the table on ``request``'s model, one line of progress each; the measurement (advise's
+    two-depth one on the GPU) is set up at the first row."""
 
-    run, note, static = measure_on(request)
-    results: dict[str, Estimate | str] = {}
-    name = type(request.model).__name__
-    for i, (label, config) in enumerate(CANDIDATES, 1):
-        print(f"gradseam auto: {name}: measuring {i}/{len(CANDIDATES)} {label} ({note})", file=sys.stderr, flush=True)
+    def __init__(self, request: Request, measure_on: MeasureOn) -> None:
+        self.request, self.measure_on = request, measure_on
+        self._run: tuple[Measure, str, float] | None = None
+
+    @property
+    def setup(self) -> tuple[Measure, str, float]:
+        if self._run is None:
+            self._run = self.measure_on(self.request)
+        return self._run
+
+    def one(self, label: str, config: Mapping[str, Any], progress: str) -> Estimate | str:
+        """The row's estimate, or why it has none (``"unsupported: ..."``, ``"OOM ..."``)."""
+        from .measure import is_oom
+
+        run, note, _ = self.setup
+        print(f"gradseam auto: {type(self.request.model).__name__}: measuring {progress}{label} ({note})",
+              file=sys.stderr, flush=True)
         try:
             got = run(dict(config))
-            results[label] = got if isinstance(got, Estimate) else Estimate(*got)
+            return got if isinstance(got, Estimate) else Estimate(*got)
         except UnsupportedStrategyError as exc:
-            results[label] = f"unsupported: {exc}"
+            return f"unsupported: {exc}"
         except Exception as exc:
             if not is_oom(exc):
                 raise
-            results[label] = f"OOM while measuring: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            return f"OOM while measuring: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+
+    def streamed(self, config: Mapping[str, Any]) -> Estimate | str:
+        return self.one(f"{_resident_label(config)} + stream {config[STREAM_KEY]}", config, "")
+
+
+def _resident_label(config: Mapping[str, Any]) -> str:
+    resident = {k: v for k, v in config.items() if k != STREAM_KEY}
+    return next((label for label, known in CANDIDATES if known == resident), str(resident))
+
+
+def measure(request: Request, rows: _Rows | MeasureOn) -> cost_cache.Table:
+    """Every candidate measured (a failure recorded with its reason), with a line of progress each."""
+    if not isinstance(rows, _Rows):
+        rows = _Rows(request, rows)
+    results: dict[str, Estimate | str] = {}
+    for i, (label, config) in enumerate(CANDIDATES, 1):
+        results[label] = rows.one(label, config, f"{i}/{len(CANDIDATES)} ")
+    _, note, static = rows.setup
     return cost_cache.Table(CANDIDATES, results, static, note)
 
 
@@ -201,8 +286,10 @@ def _default(request: Request, where: str) -> Planned:
     return Planned(CheckpointConfig.from_dict(DEFAULT), "default", f"{why}: backend 'torch' on every block")
 
 
-def _report(advice: Advice, table: cost_cache.Table, source: str) -> str:
+def _report(advice: Advice, table: cost_cache.Table, source: str, added: int = 0) -> str:
     how = "measured now" if source == "measured" else "read from the cost cache"
+    if added:
+        how += f", {added} with streamed weights measured now for this budget"
     if advice.per_block is not None:
         mix = advice.per_block
         what = (f"a per-block plan, {mix.plan.describe()}: GPU {mix.plan.gpu_gib:.2f} GiB, pinned host "

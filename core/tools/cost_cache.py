@@ -39,11 +39,18 @@ class Table:
     def ladder(self) -> list[tuple[str, dict[str, Any]]]:
         return [(label, dict(config)) for label, config in self.candidates if label in self.results]
 
-    def lookup(self, config: Mapping[str, Any]) -> Estimate | str:
+    def lookup(self, config: Mapping[str, Any]) -> Estimate | str | None:
+        """``config``'s estimate, why it has none, or None when it is not a candidate of this table."""
         for label, known in self.candidates:
             if dict(known) == dict(config):
                 return self.results.get(label, f"unsupported: {label} was not measured")
-        return f"unsupported: {dict(config)} is not a measured candidate"
+        return None
+
+    def add(self, label: str, config: Mapping[str, Any], result: Estimate | str) -> None:
+        """A row measured after the table was made (``"auto"`` measures streamed candidates only where a budget
+        needs them): saved with the rest, so the next run with the same key reads it."""
+        self.candidates = [*self.candidates, (label, dict(config))]
+        self.results[label] = result
 
     def to_json(self, key: Mapping[str, Any]) -> dict[str, Any]:
         return {
