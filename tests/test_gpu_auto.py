@@ -45,3 +45,53 @@ def test_gpu_auto_measures_at_the_first_step_caches_and_trains_like_its_config(t
         assert second.auto.planned.source == "cached" and second.auto.config == config
     assert "measuring" not in capsys.readouterr().err
     torch.cuda.synchronize()
+
+
+def test_gpu_auto_streams_weights_where_no_resident_row_fits_and_trains_like_unpatched(tmp_path, monkeypatch, capsys):
+    """The streamed rows measured on the GPU inside the first step (the truncated model's weights go to pinned host
+    memory and come back), the plan adopted on a GPU-resident model (its streamed weights leave the GPU), and the
+    step exact within the GPU's own spread. The resident rows are a cached table that puts every one over the
+    budget, so streaming is what the plan must choose; the next model reads every row from the cache."""
+    from gradseam.auto import Request
+    from gradseam.patcher import family_for
+    from gradseam.tools import auto_planner, cost_cache
+    from gradseam.tools.advise import Estimate, UnitCosts
+
+    def _over_budget(ms: float, units: int) -> Estimate:  # 2 GiB per block held through the step: 10 GiB of 4
+        return Estimate(2.0 * units, ms * units, 0.0, 2.0, "predicted", UnitCosts(units, ms, 0.0, 2.0, 0.0, 0.0, 0.0))
+
+    monkeypatch.setenv("GRADSEAM_CACHE_DIR", str(tmp_path))
+    gpu = _on_cuda(WAN)
+
+    def frozen() -> torch.nn.Module:
+        model = gpu.fresh()
+        for block in model.blocks:
+            block.requires_grad_(False)  # the base streams; the rest trains
+        return model
+
+    reference = frozen()
+    want = run_step(reference, gpu, count_bytes=False)
+    spread = _spread(want, run_step(reference, gpu, count_bytes=False))
+    del reference
+    model = frozen()
+    key = cost_cache.key_of(Request(model, gpu.inputs(torch.Generator().manual_seed(1)), None, None, family_for(model)),
+                            auto_planner.CANDIDATES)
+    fast = {"torch": 1.0, "unsloth": 1.1}  # the two the planner measures again with every block streamed
+    results = {label: _over_budget(fast.get(label, 5.0), len(model.blocks)) for label, _ in auto_planner.CANDIDATES}
+    cost_cache.save(key, cost_cache.Table(auto_planner.CANDIDATES, results, 0.0, "resident rows over 4 GiB"))
+    with gradseam.patch(model, AUTO) as handle:
+        got = run_step(model, gpu, count_bytes=False)
+        assert handle.auto.planned.source == "cached", handle.auto.describe()
+        assert "with streamed weights measured now" in handle.auto.planned.report, handle.auto.planned.report
+        assert handle.weights is not None and handle.weights.blocks, handle.auto.config.to_dict()
+        assert all(p.device.type == "cpu" for b in handle.weights.blocks for p in b.module.parameters()
+                   if not p.requires_grad), "a streamed block's frozen weights stayed on the GPU between steps"
+        assert "+ stream" in capsys.readouterr().err
+        assert_same_step(want, got, atol=max(1e-5, 4 * spread), what="auto with streamed weights vs unpatched")
+        config = handle.auto.config
+    again = frozen()
+    with gradseam.patch(again, AUTO) as second:
+        run_step(again, gpu, count_bytes=False)
+        assert second.auto.config == config
+    assert "measuring" not in capsys.readouterr().err
+    torch.cuda.synchronize()
