@@ -653,7 +653,8 @@ def test_advise_measures_with_the_gpu_size_and_prints_the_advice(tmp_path, monke
     advice = types.SimpleNamespace(
         depth_note="57 blocks (the preset's depth)", pinnable_gib=None, static_gib=24.0, trials=[trial],
         chosen=trial, compile=None, to_dict=lambda: {"chosen": "torch"},
-        to_json=lambda: '{"gradient_checkpointing": true}', no_fit_message=lambda: "nothing fits: raise --gpu")
+        to_json=lambda: '{"gradient_checkpointing": true}', no_fit_message=lambda: "nothing fits: raise --gpu",
+        per_block=None, per_block_note="")
 
     def run_ladder(model, inputs, gpu_gib, **kwargs):
         seen["advise"] = (model, inputs, gpu_gib, kwargs)
@@ -684,6 +685,25 @@ def test_advise_measures_with_the_gpu_size_and_prints_the_advice(tmp_path, monke
     assert seen["advise"][2] == 16.0 and seen["advise"][3]["pinnable_gib"] == 48.0, "3/4 of the host's memory"
     bad = _invoke("advise", "--family", "flux", "--gpu", "16GiB", "--host-memory", "lots")
     assert bad.exit_code == 2 and "host memory size: cannot read 'lots'" in bad.output
+    # a per-block plan that beats the chosen rung is the recommendation: its figures, then its keys
+    mix = types.SimpleNamespace(
+        report=lambda keys=True: "per-block plan (predicted): units: 30 x compile, 10 x torch\n   step 90.0 ms: "
+                                 "25.0% faster than torch (120.0 ms)",
+        config={"gradient_checkpointing": True, "gradient_checkpointing_backend": "compile",
+                "gradient_checkpointing_blocks": [{"blocks": "transformer_blocks[0:10]",
+                                                   "gradient_checkpointing_backend": "torch"}]})
+    advice.per_block = mix
+    result = _invoke("advise", "--family", "flux", "--gpu", "40GiB")
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.stdout.split())
+    assert "per-block plan (predicted): units: 30 x compile, 10 x torch" in out and "recommended (torch)" not in out
+    assert "recommended (the per-block plan" in out and '"gradient_checkpointing_backend": "compile"' in out
+    assert out.index("recommended (the per-block plan") < out.index('"transformer_blocks[0:10]"')
+    # no uniform candidate fits, the mix does: it is recommended, not "nothing fits"
     advice.chosen = None
+    result = _invoke("advise", "--family", "flux", "--gpu", "40GiB")
+    assert result.exit_code == 0 and "nothing fits" not in result.stdout, result.output
+    assert "no uniform candidate fits both budgets; recommended: the per-block plan" in " ".join(result.stdout.split())
+    advice.per_block = None
     result = _invoke("advise", "--family", "flux", "--gpu", "8GiB")
     assert result.exit_code == 1 and "nothing fits: raise --gpu" in result.stdout

@@ -667,13 +667,24 @@ def _print_advice(out: Console, workload: Workload, result: Advice, gpu_gib: flo
     if json_path is not None:
         json_path.write_text(json.dumps(result.to_dict(), indent=1))
         out.print(f"wrote {json_path}", markup=False)
-    if result.chosen is None:
+    mix = result.per_block
+    if result.chosen is None and mix is None:
         out.print(f"[red]{result.no_fit_message()}[/red]")
+        return
+    if mix is not None:  # a mix beats every uniform candidate that fits (or none fits): it is the recommendation
+        if result.chosen is None:
+            out.print("no uniform candidate fits both budgets; recommended: the per-block plan", markup=False)
+        out.print(mix.report(keys=False), markup=False)
+        out.print("recommended (the per-block plan: each entry of gradient_checkpointing_blocks runs its blocks "
+                  "with its settings); paste into your trainer config:", markup=False)
+        out.print_json(json.dumps(mix.config))
         return
     out.print(f"recommended ({result.chosen.label}); paste into your trainer config:", markup=False)
     out.print_json(result.to_json())
     if result.compile:
         out.print(f"and {result.compile}.", markup=False)
+    if result.per_block_note:
+        out.print(f"per-block plan: {result.per_block_note}", markup=False)
 
 
 # -- run ------------------------------------------------------------------------------------------

@@ -66,7 +66,8 @@ class MixedPlan:
                 "beats": self.beats.label if self.beats else None,
                 "beats_step_ms": self.beats.step_ms if self.beats else None}
 
-    def report(self) -> str:
+    def report(self, keys: bool = True) -> str:
+        """What the plan is predicted to take and what it beats, then (``keys``) its config as JSON."""
         import json
 
         if self.beats is not None:
@@ -78,8 +79,9 @@ class MixedPlan:
             f"per-block plan (predicted): {self.plan.describe()}",
             f"   GPU {self.plan.gpu_gib:.2f} GiB, pinned host {self.plan.host_gib:.1f} GiB, step {self.plan.time_ms:.1f} ms: "
             + against,
-            json.dumps(self.config, indent=2),
         ]
+        if keys:
+            lines.append(json.dumps(self.config, indent=2))
         return "\n".join(lines)
 
 
