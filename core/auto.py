@@ -137,6 +137,35 @@ class AutoPlanning:
         return f"gradient_checkpointing_backend \"auto\" ({self.planned.source}): {self.planned.report}"
 
 
+def warn_if_weights_exceed_the_budget(model: nn.Module, config: CheckpointConfig, family_name: str) -> None:
+    """At patch time, for a model still on the CPU: warn when its weights alone are more than the GPU memory the
+    plan may use. ``"auto"`` plans at the first training step, on the GPU, so such a model runs out of memory as it
+    moves there, before anything is planned; the warning comes first and names the way that works."""
+    import torch
+
+    tensors = [*model.parameters(), *model.buffers()]
+    if not tensors or any(t.device.type != "cpu" for t in tensors):
+        return
+    budget, source = config.gradient_checkpointing_gpu_memory, "gradient_checkpointing_gpu_memory"
+    if budget is None:
+        if not torch.cuda.is_available():
+            return
+        budget, source = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30, \
+            "the GPU's size"
+    weights = sum(t.numel() * t.element_size() for t in tensors) / 2**30
+    if weights <= budget:
+        return
+    from .errors import warn_once
+
+    warn_once(
+        f"gradseam: gradient_checkpointing_backend \"auto\" plans {type(model).__name__} at its first training step, "
+        f"on the GPU, but its weights ({weights:.2f} GiB) are more than the GPU memory it may use ({budget:.2f} GiB, "
+        f"{source}): moving it there runs out of memory before anything is planned. Name a backend and stream the "
+        f"frozen weights instead (gradient_checkpointing_stream_weights: the model then moves without them): "
+        f"gradseam advise --family {family_name} --gpu-memory {budget:.0f}GiB measures the candidates at two shallow "
+        "depths of a preset, without the whole model, and prints the keys.")
+
+
 def _sizes(inputs: Mapping[str, Any]) -> dict[str, int]:
     """Each top-level tensor input's element count (what sets a step's activations: tokens, frames, batch)."""
     return {name: value.numel() for name, value in inputs.items() if hasattr(value, "numel") and hasattr(value, "shape")}

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from .auto import UNPLANNED, AutoPlanning
+from .auto import UNPLANNED, AutoPlanning, warn_if_weights_exceed_the_budget
 from .config import AUTO, CheckpointConfig
 from .errors import PLUGIN_GUIDE, UnsupportedModelError, UnsupportedStrategyError
 from .family import Family
@@ -198,6 +198,7 @@ def patch_models(
             handle.deferred_device = not check_device
             if requested is not config:
                 handle.auto = AutoPlanning(handle, requested)
+                warn_if_weights_exceed_the_budget(model, requested, handle.family.name)
             if previous is not None:
                 previous.replaced_by = handle  # its remove() says so, and which handle to remove
             handle.install()

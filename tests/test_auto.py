@@ -361,3 +361,18 @@ def test_a_later_step_larger_than_the_planned_one_is_warned_about_once_naming_th
                           r"first batch the largest bucket"):
             got = _step(model, WAN.inputs(torch.Generator().manual_seed(3), side=8))
     assert_same_step(_step(WAN.fresh(), WAN.inputs(torch.Generator().manual_seed(3), side=8)), got)
+
+
+def test_a_model_whose_weights_exceed_the_gpu_budget_is_warned_about_at_patch_time_naming_advise():
+    """"auto" plans on the GPU at the first step: a CPU model bigger than the budget would run out of memory as it
+    moves there. The warning comes at patch time, with the sizes and the way that works (advise's keys)."""
+    model = WAN.fresh()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+    with pytest.warns(gradseam.errors.GradseamWarning, match=rf"plans WanTransformer3DModel at its first training step, "
+                      rf"on the GPU, but its weights \({weights:.2f} GiB\) are more than the GPU memory it may use "
+                      r"\(0.00 GiB, gradient_checkpointing_gpu_memory\).*gradseam advise --family wan --gpu-memory"):
+        handle = gradseam.patch(model, {**AUTO, "gradient_checkpointing_gpu_memory": weights / 2})
+    handle.remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gradseam.patch(WAN.fresh(), {**AUTO, "gradient_checkpointing_gpu_memory": "1GiB"}).remove()  # it fits
