@@ -21,10 +21,14 @@ from torch import nn
 
 @contextmanager
 def count_kernels() -> Iterator[list[int]]:
-    """How many attention kernel calls (:mod:`gradseam.run.kernels`) really run in the block.
+    """How many attention kernel calls (:mod:`gradseam.run.kernels`) that kept attention keeps really run.
 
     An outermost dispatch mode: a kernel answered from kept outputs in a recompute never reaches
-    it, so with attention kept a patched step counts exactly what an unpatched step counts.
+    it, so with attention kept a patched step counts exactly what an unpatched step counts
+    (:attr:`KernelMap.keepable`). Only calls the runtime keeps count: one over few keys (PixArt's
+    cross-attention to 300 prompt tokens beside 4,096 image tokens) or under attention dropout is
+    recomputed on purpose (:meth:`gradseam.run.kernels.KernelGate.keeps`), and counting it would fail a
+    correct declaration.
     """
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -35,7 +39,7 @@ def count_kernels() -> Iterator[list[int]]:
 
     class _Count(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-            if kernels(func):
+            if kernels.keeps(func, args, kwargs):  # the calls kept attention keeps; the others are recomputed
                 count[0] += 1
             return func(*args, **(kwargs or {}))
 
@@ -70,6 +74,7 @@ class KernelMap:
     sites: list[KernelSite] = field(default_factory=list)
     called: set[tuple[str, str]] = field(default_factory=set)  # (block, submodule path) of every call
     declared: dict[str, Any] = field(default_factory=dict)  # block label -> its BlockClass
+    keepable: int = 0  # the calls kept attention keeps (enough keys, no dropout): what count_kernels counts
 
     @property
     def count(self) -> int:
@@ -77,7 +82,7 @@ class KernelMap:
 
     def copy(self) -> KernelMap:
         """A copy with containers of its own (the sites and declarations are immutable and shared)."""
-        return KernelMap(list(self.sites), set(self.called), dict(self.declared))
+        return KernelMap(list(self.sites), set(self.called), dict(self.declared), self.keepable)
 
 
 @contextmanager
@@ -139,6 +144,7 @@ def locate_kernels(model: nn.Module, family: Any) -> Iterator[KernelMap]:
                 inside = tuple(path for owner, path in stack if owner == label and path)
                 found.sites.append(KernelSite(func._schema.name, label, block_types.get(label, ""),
                                               inside[-1] if inside else "", inside))
+                found.keepable += kernels.keeps(func, args, kwargs)
             return func(*args, **(kwargs or {}))
 
     try:
