@@ -577,9 +577,13 @@ class Registry:
         return self._state.unsupported.get(f"{model_type.__module__}.{model_type.__qualname__}")
 
     def unsupported_models(self) -> dict[str, str]:
-        """Every model class a plugin named as left out, with its reason, sorted by class path."""
+        """Every model class a plugin named as left out, with its reason, sorted by class path; a class an
+        installed family claims is not left out (that family handles it: a plugin's family for a class gradseam
+        leaves out takes precedence), so it is not listed."""
         self.ensure_loaded()
-        return dict(sorted(self._state.unsupported.items()))
+        by_model = self._state.by_model
+        return {path: why for path, why in sorted(self._state.unsupported.items())
+                if path not in by_model and path.rpartition(".")[2] not in by_model}
 
     def reset(self) -> None:
         """Forget everything and reload lazily (tests, or after installing a plugin in-process)."""

@@ -67,7 +67,8 @@ def test_mkdocs_build_strict(tmp_path):
         assert name in api, f"the API reference lacks {name}"
     assert ":class:" not in api, "a Sphinx role leaked into the API reference"
     plugins = _text(site / "plugins" / "index.html")
-    assert "register(PIXART)" in plugins and "class TestPixArt(ConformanceSuite)" in plugins, "snippets not included"
+    assert "register(CONTROLNET)" in plugins and "class TestControlNet(ConformanceSuite)" in plugins, \
+        "snippets not included"
     contributing = _text(site / "contributing" / "index.html")
     assert "Code style" in contributing, "CONTRIBUTING.md not included"
 

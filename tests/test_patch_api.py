@@ -128,19 +128,26 @@ def test_unsupported_plain_module():
     assert isinstance(info.value, TypeError)  # callers catching TypeError still catch it
 
 
-def test_unsupported_diffusers_model():
-    # PixArt has no built-in family (docs/examples/gradseam-pixart is the plugin that adds one).
-    from diffusers import PixArtTransformer2DModel
+class UnclaimedTransformer(nn.Module):
+    """Shaped like a transformer a family would patch (a ModuleList of blocks), but no family claims it."""
 
-    model = PixArtTransformer2DModel(
-        num_attention_heads=1, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=1,
-        cross_attention_dim=8, sample_size=4, patch_size=2, caption_channels=8, norm_num_groups=4,
-    )
+    def __init__(self, dim: int = 8, depth: int = 2) -> None:
+        super().__init__()
+        self.transformer_blocks = nn.ModuleList(nn.TransformerEncoderLayer(dim, 2, 16) for _ in range(depth))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        for block in self.transformer_blocks:
+            hidden_states = block(hidden_states)
+        return hidden_states
+
+
+def test_unsupported_model_with_blocks():
+    # A model with blocks, but of a class no family (and no left-out entry) names: refused, nothing patched.
+    model = UnclaimedTransformer()
     with pytest.raises(UnsupportedModelError) as info:
         gradseam.patch(model, TRAIN)
-    _assert_unsupported_message(
-        str(info.value), "diffusers.models.transformers.pixart_transformer_2d.PixArtTransformer2DModel"
-    )
+    _assert_unsupported_message(str(info.value), f"{__name__}.UnclaimedTransformer")
+    assert str(info.value).startswith("no gradseam family handles ")
     assert instance_forwards(model) == []
     assert gradseam.handle_of(model) is None
 
