@@ -254,10 +254,11 @@ FROZEN = Case("latte-frozen", _frozen_latte, latte_inputs, output=_sample)
 def test_streamed_weights_are_used_only_while_loaded_though_the_lists_interleave(
     prefetch: int, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Weight streaming orders blocks list by list (every spatial block, then every temporal one) while the
-    model runs them alternately: its prefetches then copy blocks that do not run next, and in backward a
-    spatial block's hook releases temporal blocks loaded ahead. A released weight is poisoned (NaN) here
-    instead of pointing at its host copy, so any use outside its block's load would show in the gradients."""
+    """Weight streaming plans blocks list by list (every spatial block, then every temporal one) while the model
+    runs them alternately: the first step prefetches in list order (copies of blocks that do not run next, and
+    in backward a spatial block's hook releases temporal blocks loaded ahead); from the second, in the order
+    the blocks ran, and no load waits. A released weight is poisoned (NaN) here instead of pointing at its host
+    copy, so any use outside its block's load would show in the gradients, in either step."""
     from gradseam.offload import weights as weights_module
 
     want = run_step(FROZEN.fresh(), FROZEN)
@@ -277,8 +278,18 @@ def test_streamed_weights_are_used_only_while_loaded_though_the_lists_interleave
               "gradient_checkpointing_stream_prefetch": prefetch}
     with cpu_test_mode(), gradseam.patch(model, config) as handle:
         got = run_step(model, FROZEN, count_bytes=False)
-        assert len(handle.weights.blocks) == 2 * LAYERS
+        stream = handle.weights
+        assert len(stream.blocks) == 2 * LAYERS
+        # the run order, learnt in that step: spatial 0, temporal 0, spatial 1, ... (the lists are in list order)
+        assert stream.order == [i for pair in zip(range(LAYERS), range(LAYERS, 2 * LAYERS)) for i in pair]
+        first = stream.misses
+        again = run_step(model, FROZEN, count_bytes=False)
+        # prefetching by it, the second step waits for no copy (without prefetch: every load, forward and backward)
+        assert stream.misses - first == (0 if prefetch else 4 * LAYERS), (first, stream.misses)
+        if prefetch:
+            assert first >= 1  # the first step prefetched in list order: temporal block 0 was waited for
     assert_same_step(want, got)
+    assert_same_step(want, again)
 
 
 # -- the preset at full size -----------------------------------------------------------------------

@@ -24,7 +24,10 @@ it (:mod:`gradseam.planning`, :mod:`gradseam.handle`). Why it is built this way:
   block before it computes: in forward when block ``i`` starts, block ``i + 1`` is copied; in backward
   when block ``i``'s gradient arrives, block ``i - 1`` is (``prefetch`` blocks ahead, default 1, so
   ``1 + prefetch`` blocks' weights are on the GPU at a time). "Before" counts streamed blocks only, so a
-  copy overlaps every resident block between two streamed ones (why the planner spreads them). The first
+  copy overlaps every resident block between two streamed ones (why the planner spreads them). "Next"
+  is the order the blocks ran in the last forward, learnt as they run, not the order of the model's lists:
+  a model that alternates two lists (Latte's spatial and temporal blocks) would otherwise prefetch a block
+  that does not run next, and wait for every other copy. The first forward prefetches in list order. The first
   streamed block is copied when the model's forward starts, the last one when it ends (its backward comes
   first), so neither waits on the host link unless nothing runs beside it. The destination is allocated from the
   compute stream, so the caching allocator hands it back to compute-stream work once released, as any
@@ -157,6 +160,12 @@ class WeightStream:
         self._hooks: list[Any] = []
         self._applies: list[nn.Module] = []
         self._end_queued = False
+        # The order the blocks ran in, learnt from the last whole forward: prefetches and backward releases
+        # follow it (a model may run its lists interleaved: Latte's spatial and temporal blocks alternate).
+        self.order: list[int] = list(range(len(self.blocks)))
+        self._position: dict[int, int] = {index: index for index in self.order}
+        self._ran: list[int] = []  # the blocks the forward under way has run, in order
+        self.misses = 0  # loads the compute stream waited for: not prefetched (the first block's aside)
 
     # -- host copies ---------------------------------------------------------------------------------
 
@@ -239,6 +248,8 @@ class WeightStream:
             if not ahead:
                 self._wait(block)
             return
+        if not ahead:
+            self.misses += 1
         for entry in block.tensors:
             if isinstance(entry.tensor, nn.Parameter) and entry.tensor.requires_grad:
                 raise self.error(
@@ -292,11 +303,23 @@ class WeightStream:
         return 0 if self.naive else self.prefetch
 
     def prefetch_after(self, index: int, step: int) -> None:
-        """Copy the ``prefetch`` blocks that run after block ``index`` (``step`` 1 in forward, -1 in backward)."""
+        """Copy the ``prefetch`` blocks that run after block ``index`` (``step`` 1 in forward, -1 in backward), in
+        the order the blocks ran last (:attr:`order`)."""
+        at = self._position[index]
         for ahead in range(1, self.ahead + 1):
-            nxt = index + step * ahead
-            if 0 <= nxt < len(self.blocks):
-                self.load(nxt, ahead=True)
+            nxt = at + step * ahead
+            if 0 <= nxt < len(self.order):
+                self.load(self.order[nxt], ahead=True)
+
+    def _learn_order(self) -> None:
+        """After a forward: the order its blocks ran in becomes :attr:`order` (blocks that did not run keep
+        their places after the ones that did). A block that ran twice counts where it ran first."""
+        ran = list(dict.fromkeys(self._ran))
+        self._ran = []
+        if not ran or ran == self.order[:len(ran)]:
+            return
+        order = ran + [index for index in self.order if index not in set(ran)]
+        self.order, self._position = order, {index: at for at, index in enumerate(order)}
 
     def _wait(self, block: _Block) -> None:
         """The compute stream waits (on the GPU, not the host) for ``block``'s copy, once."""
@@ -347,21 +370,24 @@ class WeightStream:
         if torch._C._current_graph_task_id() != -1 or not self.blocks:
             return
         self.release_all()
+        self._ran = []
         if self.ahead:
-            self.load(0, ahead=True)
+            self.load(self.order[0], ahead=True)
 
     def _model_post(self, module: nn.Module, args: tuple, output: Any) -> None:
         """Forward is done: the last streamed block's backward comes first, so its copy starts now and overlaps
         the loss and the backward of the blocks after it, instead of being waited for when its gradient comes."""
-        if torch._C._current_graph_task_id() != -1 or not self.blocks or not self.ahead:
+        if torch._C._current_graph_task_id() != -1 or not self.blocks:
             return
-        if torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(output)):
-            self.load(len(self.blocks) - 1, ahead=True)
+        self._learn_order()
+        if self.ahead and torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(output)):
+            self.load(self.order[-1], ahead=True)
 
     def _pre(self, index: int) -> Callable[..., None]:
         def pre(module: nn.Module, args: tuple) -> None:
             self.load(index)
             if torch._C._current_graph_task_id() == -1:  # a recompute inside backward prefetches from the hook
+                self._ran.append(index)
                 self.prefetch_after(index, 1)
         return pre
 
@@ -378,7 +404,7 @@ class WeightStream:
 
     def _before_backward(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
-            for later in range(index + 1, len(self.blocks)):
+            for later in self.order[self._position[index] + 1:]:
                 self.release(later)  # their backward has run: this block's output gradient came from it
             self.load(index)
             self.prefetch_after(index, -1)
