@@ -10,6 +10,13 @@ installs it through the handle, and lets the forward run: from then on the model
 explicit config had been given to ``patch()``, which is how the plan is reproduced or saved
 (``handle.auto.config``, printed in ``summary()``).
 
+One exception to "runs unpatched": a model still on the CPU at patch time whose weights are more than the GPU
+budget could never reach its first training step, since moving it to the GPU would run out of memory first. It
+keeps every block's frozen weights in host memory from patch time (:func:`unplanned`), so the move leaves them
+behind; the planner then plans each block's activations with them streamed, and the handle keeps the same host
+copies when it installs the plan (moved back, they would not fit). While measuring, that stream steps aside
+(:meth:`gradseam.handle.PatchHandle.set_aside`): each measuring patch streams the blocks it keeps itself.
+
 The planner is a tool (it measures, caches and searches: :mod:`gradseam.tools.auto_planner`), and the runtime never
 imports the tools: the package's entry point hands it over through :func:`use_planner`, so this module
 knows only its signature. A planner may run the model (forward and backward at shallow depths) inside
@@ -32,6 +39,10 @@ if TYPE_CHECKING:
 
 # What a model patched with "auto" runs until it is planned: itself (nothing to checkpoint without gradients).
 UNPLANNED = CheckpointConfig(gradient_checkpointing=False)
+# ... unless its weights are more than the GPU may hold: then every block's frozen weights stay in host memory
+# from patch time (a model built on the CPU moves to the GPU without them), and the plan streams them all.
+UNPLANNED_STREAMED = CheckpointConfig.from_dict(
+    {"gradient_checkpointing": True, "gradient_checkpointing_stream_weights": "all"})
 
 
 @dataclass(frozen=True)
@@ -43,6 +54,7 @@ class Request:
     gpu_gib: float | None  # gradient_checkpointing_gpu_memory (None: the planner's default)
     host_gib: float | None  # gradient_checkpointing_host_memory (None: the planner's default)
     family: Any
+    streamed: bool = False  # every block's frozen weights are in host memory (a model larger than its GPU budget)
 
 
 @dataclass(frozen=True)
@@ -100,12 +112,15 @@ class AutoPlanning:
                 "gradient_checkpointing_backend \"auto\" has no planner: import gradseam (its package entry point "
                 "installs it) rather than its modules alone, or pass an explicit config."
             )
+        streamed = self.handle.weights is not None  # a model larger than its GPU: every block's weights on the host
         request = Request(module, _by_name(module, args, kwargs), self.requested.gradient_checkpointing_gpu_memory,
-                          self.requested.gradient_checkpointing_host_memory, self.handle.family)
+                          self.requested.gradient_checkpointing_host_memory, self.handle.family, streamed)
         self._busy = True
         self.handle.active = False  # a patch the planner makes to measure must not replace this one
         try:
-            with _untouched(module, request.inputs):
+            # what this patch runs until planned steps aside: the measuring patches checkpoint (and stream the
+            # blocks they keep) themselves
+            with self.handle.set_aside(), _untouched(module, request.inputs):
                 planned = planner(request)
         finally:
             self._busy = False
@@ -132,38 +147,35 @@ class AutoPlanning:
 
     def describe(self) -> str:
         if self.planned is None:
+            held = (" (the model being larger than the GPU budget, every block's frozen weights stay in host memory "
+                    "until then, and are planned streamed)" if self.handle.weights is not None else "")
             return ("gradient_checkpointing_backend \"auto\": not planned yet; every block is planned at the first "
-                    "forward with gradients, from its inputs' shapes")
+                    f"forward with gradients, from its inputs' shapes{held}")
         return f"gradient_checkpointing_backend \"auto\" ({self.planned.source}): {self.planned.report}"
 
 
-def warn_if_weights_exceed_the_budget(model: nn.Module, config: CheckpointConfig, family_name: str) -> None:
-    """At patch time, for a model still on the CPU: warn when its weights alone are more than the GPU memory the
-    plan may use. ``"auto"`` plans at the first training step, on the GPU, so such a model runs out of memory as it
-    moves there, before anything is planned; the warning comes first and names the way that works."""
+def unplanned(model: nn.Module, config: CheckpointConfig) -> CheckpointConfig:
+    """What ``model`` runs from patch time until ``"auto"`` plans it: itself (:data:`UNPLANNED`), or, for a model
+    on the CPU whose weights are more than the GPU memory the plan may use, every block's frozen weights kept in
+    host memory (:data:`UNPLANNED_STREAMED`). ``"auto"`` plans at the first training step, on the GPU: such a model
+    would run out of memory as it moves there, before anything is planned. Streamed from patch time, it moves
+    without them, and the plan then chooses each block's activations with its weights streamed."""
     import torch
+
+    from .offload import cpu_allowed
 
     tensors = [*model.parameters(), *model.buffers()]
     if not tensors or any(t.device.type != "cpu" for t in tensors):
-        return
-    budget, source = config.gradient_checkpointing_gpu_memory, "gradient_checkpointing_gpu_memory"
+        return UNPLANNED
+    if not (torch.cuda.is_available() or cpu_allowed()):
+        return UNPLANNED  # nowhere to stream to: the planner says what it falls back to
+    budget = config.gradient_checkpointing_gpu_memory
     if budget is None:
         if not torch.cuda.is_available():
-            return
-        budget, source = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30, \
-            "the GPU's size"
+            return UNPLANNED
+        budget = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
     weights = sum(t.numel() * t.element_size() for t in tensors) / 2**30
-    if weights <= budget:
-        return
-    from .errors import warn_once
-
-    warn_once(
-        f"gradseam: gradient_checkpointing_backend \"auto\" plans {type(model).__name__} at its first training step, "
-        f"on the GPU, but its weights ({weights:.2f} GiB) are more than the GPU memory it may use ({budget:.2f} GiB, "
-        f"{source}): moving it there runs out of memory before anything is planned. Name a backend and stream the "
-        f"frozen weights instead (gradient_checkpointing_stream_weights: the model then moves without them): "
-        f"gradseam advise --family {family_name} --gpu-memory {budget:.0f}GiB measures the candidates at two shallow "
-        "depths of a preset, without the whole model, and prints the keys.")
+    return UNPLANNED_STREAMED if weights > budget else UNPLANNED
 
 
 def _sizes(inputs: Mapping[str, Any]) -> dict[str, int]:

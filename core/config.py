@@ -632,10 +632,10 @@ class CheckpointConfig:
         if self.stream_weights is not None:
             raise ValueError(
                 f"{_where('gradient_checkpointing_stream_weights')}: gradient_checkpointing_backend \"{AUTO}\" decides "
-                "which blocks' weights stream itself, for a model on the GPU at its first training step, so the value "
-                "given would be overruled. Leave it out; for a model whose weights do not fit the card to start with, "
-                "name a backend beside it instead (gradseam advise --family NAME --preset NAME --gpu-memory SIZE "
-                "measures one at two shallow depths, without loading the whole model, and prints the keys).")
+                "which blocks' weights stream itself (a model larger than the GPU budget streams every block from "
+                "patch time), so the value given would be overruled. Leave it out, or to choose the streamed blocks "
+                "yourself name a backend beside it (gradseam advise --family NAME --preset NAME --gpu-memory SIZE "
+                "measures the candidates at two shallow depths, streamed ones included, and prints the keys).")
 
     def warn_if_idle(self, entry: str) -> None:
         """Warn (once) where this config, given to ``entry``, sets what cannot act: checkpointing is off.

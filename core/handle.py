@@ -8,7 +8,8 @@ read the plan's specs and the installed chains' counts.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -157,7 +158,14 @@ class PatchHandle:
         """Run ``config`` from now on (``"auto"``'s plan, :mod:`gradseam.auto`): planned first, so a refused
         config raises before anything changes, then installed as ``patch()`` would, in this handle."""
         new_plan = plan(self.model, self.family, config)
-        self._unstream_weights()
+        # The same blocks streamed before and after (a model too large for its GPU, which "auto" streamed whole
+        # until it was planned): their weights stay in host memory. Put back first, they would have to fit the GPU.
+        kept = self.weights if self.weights is not None and new_plan.streamed == self.plan.streamed \
+            and new_plan.config.gradient_checkpointing_stream_prefetch == self.weights.prefetch else None
+        if kept is not None:
+            kept.unhook()
+        else:
+            self._unstream_weights()
         self._uninstall_regions()
         for engine in self.engines.values():
             engine.close()
@@ -166,7 +174,27 @@ class PatchHandle:
         self._guard_enable()  # a patch made while planning (to measure) took the model's methods back on removal
         self._make_engines()
         self._install_regions()
-        self._stream_weights()
+        if kept is not None:
+            kept.install(self.model)  # hooked after the regions, as a fresh stream would be
+        else:
+            self._stream_weights()
+
+    @contextmanager
+    def set_aside(self) -> Iterator[None]:
+        """Nothing of this patch acts on the model inside (``"auto"`` measures it under patches of its own): the
+        regions are uninstalled and streamed weights stay in host memory unhooked; all put back on exit (the
+        weights in host memory, wherever a measuring patch left them)."""
+        stream = self.weights
+        if stream is not None:
+            stream.unhook()
+        self._uninstall_regions()
+        try:
+            yield
+        finally:
+            self._install_regions()
+            if stream is not None:
+                stream.park()
+                stream.install(self.model)
 
     def _install_regions(self) -> None:
         from .run.install import Installation

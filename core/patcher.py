@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from .auto import UNPLANNED, AutoPlanning, warn_if_weights_exceed_the_budget
+from .auto import AutoPlanning, unplanned
 from .config import AUTO, CheckpointConfig
 from .errors import PLUGIN_GUIDE, UnsupportedModelError, UnsupportedStrategyError
 from .family import Family
@@ -178,14 +178,14 @@ def patch_models(
     and the handle says offload is pending until the model is on a GPU.
     """
     requested = config
-    if config.backend == AUTO:  # each block is planned at the first training step (gradseam.auto)
-        config = UNPLANNED
-    plans = {name: plan(model, family_for(model), config) for name, model in models.items()}
+    configs = {name: unplanned(model, config) if config.backend == AUTO else config  # planned at the first step
+               for name, model in models.items()}
+    plans = {name: plan(model, family_for(model), configs[name]) for name, model in models.items()}
     for name, model in models.items():
         _check_group_offloading(model, plans[name])
     if check_device:
         for name, model in models.items():
-            _check_offload_device(model, config, plans[name])
+            _check_offload_device(model, configs[name], plans[name])
     done: dict[str, PatchHandle] = {}
     replaced: list[PatchHandle] = []
     try:
@@ -196,9 +196,8 @@ def patch_models(
                 replaced.append(previous)
             handle = PatchHandle(model, plans[name])
             handle.deferred_device = not check_device
-            if requested is not config:
+            if requested.backend == AUTO:
                 handle.auto = AutoPlanning(handle, requested)
-                warn_if_weights_exceed_the_budget(model, requested, handle.family.name)
             if previous is not None:
                 previous.replaced_by = handle  # its remove() says so, and which handle to remove
             handle.install()

@@ -363,16 +363,37 @@ def test_a_later_step_larger_than_the_planned_one_is_warned_about_once_naming_th
     assert_same_step(_step(WAN.fresh(), WAN.inputs(torch.Generator().manual_seed(3), side=8)), got)
 
 
-def test_a_model_whose_weights_exceed_the_gpu_budget_is_warned_about_at_patch_time_naming_advise():
-    """"auto" plans on the GPU at the first step: a CPU model bigger than the budget would run out of memory as it
-    moves there. The warning comes at patch time, with the sizes and the way that works (advise's keys)."""
-    model = WAN.fresh()
+def test_a_model_larger_than_its_gpu_budget_streams_from_patch_time_and_auto_plans_its_activations():
+    """"auto" plans on the GPU at the first step, but a model built on the CPU whose weights are more than the GPU
+    budget would run out of memory moving there. So every block's frozen weights stay in host memory from patch
+    time (the move leaves them behind), the first step measures each candidate with them streamed (the provisional
+    stream steps aside; each measuring patch streams what it keeps), and the plan keeps them streamed: the same
+    host copies, never brought back to the GPU. Exact, like the config it prints."""
+    model = _frozen_blocks()
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
-    with pytest.warns(gradseam.errors.GradseamWarning, match=rf"plans WanTransformer3DModel at its first training step, "
-                      rf"on the GPU, but its weights \({weights:.2f} GiB\) are more than the GPU memory it may use "
-                      r"\(0.00 GiB, gradient_checkpointing_gpu_memory\).*gradseam advise --family wan --gpu-memory"):
-        handle = gradseam.patch(model, {**AUTO, "gradient_checkpointing_gpu_memory": weights / 2})
-    handle.remove()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        gradseam.patch(WAN.fresh(), {**AUTO, "gradient_checkpointing_gpu_memory": "1GiB"}).remove()  # it fits
+    previous = use_planner(functools.partial(auto_planner.plan, measure_on=_cpu_measure_on))
+    try:
+        with cpu_test_mode():
+            roomy = gradseam.patch(_frozen_blocks(), {**AUTO, "gradient_checkpointing_gpu_memory": 2 * weights})
+            assert roomy.weights is None  # it fits: nothing streams until planned
+            roomy.remove()
+            handle = gradseam.patch(model, {**AUTO, "gradient_checkpointing_gpu_memory": 0.99 * weights,
+                                            "gradient_checkpointing_host_memory": 8})
+            stream = handle.weights
+            assert stream is not None and len(stream.blocks) == UNITS and handle.auto.planned is None
+            assert "every block's frozen weights stay in host memory until then" in str(handle.summary())
+            got = _step(model, _inputs())
+            config = handle.auto.config
+            assert config.stream_weights == "all" and handle.weights is stream, config.to_dict()
+            assert "every block's frozen weights" in handle.auto.planned.report
+            assert "stream from host memory, the model being larger than the GPU budget" in handle.auto.planned.report
+            again = _step(model, _inputs())
+            explicit = _frozen_blocks()
+            with gradseam.patch(explicit, config.given_keys()):
+                expected = _step(explicit, _inputs())
+    finally:
+        use_planner(previous)
+    want = _step(_frozen_blocks(), _inputs())
+    assert_same_step(want, got, what="auto, streamed from patch time, vs unpatched")
+    assert_same_step(want, again, what="its second step")
+    assert_same_step(expected, got, what="auto vs the config it printed")

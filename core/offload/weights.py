@@ -350,7 +350,7 @@ class WeightStream:
     def install(self, model: nn.Module) -> None:
         """Hook every streamed block, keep its streamed tensors in host memory through ``model.to()``, and
         select them now if the base is frozen already (:meth:`select`)."""
-        self.device = _resident_device(model)
+        self.device = _resident_device(model, {id(e.tensor) for block in self.blocks for e in block.tensors})
         self._shared = _shared_tensors(model, [block.module for block in self.blocks])
         self._hooks.append(model.register_forward_pre_hook(self._model_pre))
         self._hooks.append(model.register_forward_hook(self._model_post))
@@ -413,15 +413,30 @@ class WeightStream:
                 torch.autograd.Variable._execution_engine.queue_callback(self.release_all)
         return hook
 
-    def remove(self) -> None:
-        """Put every streamed tensor back on the device the model's other tensors are on now (where they were,
-        if the model never moved), and free the host memory."""
+    def unhook(self) -> None:
+        """Take the hooks off (and ``model.to()``'s guard), leaving every streamed tensor in host memory: the
+        model then runs as if these blocks' weights were never streamed, which on a GPU means it cannot run them
+        until they are hooked again (:meth:`install`) or put back (:meth:`remove`)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
         for owner in self._applies:
             owner.__dict__.pop("_apply", None)
         self._applies.clear()
+        self.park()
+
+    def park(self) -> None:
+        """Every streamed tensor points at its host copy again, whatever pointed it elsewhere meanwhile (a
+        stream of a measurement's patch, which put the blocks it streamed back on the GPU when removed)."""
+        for index, block in enumerate(self.blocks):
+            self.release(index)
+            for entry in block.tensors:
+                entry.tensor.data = entry.host
+
+    def remove(self) -> None:
+        """Put every streamed tensor back on the device the model's other tensors are on now (where they were,
+        if the model never moved), and free the host memory."""
+        self.unhook()
         for index, block in enumerate(self.blocks):
             self.release(index)
             for entry in block.tensors:
@@ -459,9 +474,11 @@ def _shared_tensors(model: nn.Module, blocks: list[nn.Module]) -> set[int]:
     return outside | twice
 
 
-def _resident_device(model: nn.Module) -> torch.device:
-    """Where the model's blocks compute, before anything streams: the device of its first tensor."""
-    return next((t.device for t in (*model.parameters(), *model.buffers())), torch.device("cpu"))
+def _resident_device(model: nn.Module, streamed: set[int] | None = None) -> torch.device:
+    """Where the model's blocks compute: the device of its first tensor that does not stream (hooked again after
+    the model moved, the streamed ones are in host memory)."""
+    return next((t.device for t in (*model.parameters(), *model.buffers()) if id(t) not in (streamed or ())),
+                torch.device("cpu"))
 
 
 def _apply_keeping_host(apply: Callable[..., Any], stream: weakref.ref[WeightStream]) -> Callable[..., Any]:

@@ -27,7 +27,9 @@ What it does, and why each step is where it is:
    a budget asks for depends on the budget, so they are measured only when asked for (on the GPU, at the same
    two depths), added to the cached table and read from it next time: the table stays one per model and
    shapes, and a plan read from it is the plan measured. A model with nothing frozen to stream (a full
-   fine-tune, quantized weights) gets no such candidate.
+   fine-tune, quantized weights) gets no such candidate. A model larger than its GPU budget, whose blocks' weights
+   have been in host memory since patch time (:mod:`gradseam.auto`), is measured only with every block streamed
+   (:data:`STREAMED_CANDIDATES`, cached under their own key), within the host budget less those weights.
 
 Without a CUDA model and with no cached table nothing can be measured (the CPU has no allocator peak to
 read): every block then runs :data:`DEFAULT` (whole-block recompute, ``"torch"``), and a warning says what
@@ -61,6 +63,16 @@ def blockwise(config: Mapping[str, Any]) -> bool:
 
 
 CANDIDATES: list[tuple[str, dict[str, Any]]] = [(label, config) for label, config in LADDER if blockwise(config)]
+# A model whose weights the GPU cannot hold keeps every block's frozen weights in host memory from patch time
+# (gradseam.auto.unplanned): its candidates stream them all, and checkpoint (streamed blocks must).
+STREAMED_CANDIDATES: list[tuple[str, dict[str, Any]]] = [
+    (f"{label} + stream all", {**config, "gradient_checkpointing_stream_weights": "all"})
+    for label, config in CANDIDATES if config.get("gradient_checkpointing")
+]
+
+
+def candidates_for(request: Request) -> list[tuple[str, dict[str, Any]]]:
+    return STREAMED_CANDIDATES if request.streamed else CANDIDATES
 
 # (request) -> (measure, a sentence on the depths it measures at, the static GPU memory in GiB)
 MeasureOn = Callable[[Request], "tuple[Measure, str, float]"]
@@ -71,7 +83,8 @@ def plan(request: Request, *, measure_on: MeasureOn | None = None, cache_dir: st
     import torch
 
     cuda = _device(request.model).type == "cuda"
-    key = cost_cache.key_of(request, CANDIDATES)
+    candidates = candidates_for(request)
+    key = cost_cache.key_of(request, candidates)
     table = cost_cache.load(key, cache_dir)
     source = "cached"
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
@@ -89,7 +102,7 @@ def plan(request: Request, *, measure_on: MeasureOn | None = None, cache_dir: st
                 "gradient hooks. Run one step in a single process first (the costs are cached in "
                 f"{cost_cache.directory(cache_dir)} and every rank reads them), or name a backend.")
         assert rows is not None
-        table = measure(request, rows)
+        table = measure(request, rows, candidates)
         cost_cache.save(key, table, cache_dir)
         source = "measured"
     static = torch.cuda.memory_allocated(_device(request.model)) / GiB if cuda else table.static_gib
@@ -100,15 +113,22 @@ def plan(request: Request, *, measure_on: MeasureOn | None = None, cache_dir: st
             "gradient_checkpointing_backend \"auto\": the model is not on a CUDA GPU, so its memory cannot be read; "
             "set gradient_checkpointing_gpu_memory (e.g. \"24GiB\").")
     host = request.host_gib if request.host_gib is not None else _host_default()
+    weights = streamable_gib(request)
+    if request.streamed and host is not None:  # what the blocks' weights already pin is not the activations'
+        host = max(host - sum(weights or ()), 0.0)
     known = len(table.results)
     try:
-        advice = choose(table, gpu, static, host, request.model, block_gib=streamable_gib(request),
-                        more=rows.streamed if rows is not None else None)
+        advice = choose(table, gpu, static, host, request.model, block_gib=None if request.streamed else weights,
+                        more=rows.streamed if rows is not None else None, candidates=candidates)
     finally:
         if len(table.results) > known:  # streamed rows measured for this budget: the next run reads them too
             cost_cache.save(key, table, cache_dir)
     config = advice.per_block.config if advice.per_block is not None else gradseam_keys(advice.chosen.config)
-    return Planned(CheckpointConfig.from_dict(config), source, _report(advice, table, source, len(table.results) - known))
+    report = _report(advice, table, source, len(table.results) - known)
+    if request.streamed:
+        report = (f"every block's frozen weights ({sum(weights or ()):.2f} GiB) stream from host memory, the model "
+                  f"being larger than the GPU budget; {report}")
+    return Planned(CheckpointConfig.from_dict(config), source, report)
 
 
 def streamable_gib(request: Request) -> list[float] | None:
@@ -125,7 +145,8 @@ More = Callable[[Mapping[str, Any]], "Estimate | str"]
 
 
 def choose(table: cost_cache.Table, gpu_gib: float, static_gib: float, host_gib: float | None, model: Any, *,
-           block_gib: list[float] | None = None, more: More | None = None) -> Advice:
+           block_gib: list[float] | None = None, more: More | None = None,
+           candidates: list[tuple[str, dict[str, Any]]] | None = None) -> Advice:
     """advise's choice among the table's candidates, then the fastest mix (raises :class:`NoFitError`).
 
     With ``block_gib``, candidates with streamed weights take part as in advise (the fastest per-block ones with
@@ -152,7 +173,8 @@ def choose(table: cost_cache.Table, gpu_gib: float, static_gib: float, host_gib:
 
     # the streamed rows a budget measured are read through from_table, where run_ladder asks for them: climbed
     # as rungs, they would change which rows it asks for next, and a cached run would plan unlike a measured one
-    ladder = [(label, config) for label, config in table.ladder() if not config.get(STREAM_KEY)]
+    base = {label for label, _ in (candidates if candidates is not None else CANDIDATES)}
+    ladder = [(label, config) for label, config in table.ladder() if label in base]
     advice = run_ladder(from_table, gpu_gib, static_gib, pinnable_gib=host_gib, ladder=ladder,
                         block_gib=block_gib, win_back=False)
     advice.depth_note = table.depth_note
@@ -215,15 +237,17 @@ def _resident_label(config: Mapping[str, Any]) -> str:
     return next((label for label, known in CANDIDATES if known == resident), str(resident))
 
 
-def measure(request: Request, rows: _Rows | MeasureOn) -> cost_cache.Table:
+def measure(request: Request, rows: _Rows | MeasureOn,
+            candidates: list[tuple[str, dict[str, Any]]] | None = None) -> cost_cache.Table:
     """Every candidate measured (a failure recorded with its reason), with a line of progress each."""
     if not isinstance(rows, _Rows):
         rows = _Rows(request, rows)
+    candidates = candidates if candidates is not None else candidates_for(request)
     results: dict[str, Estimate | str] = {}
-    for i, (label, config) in enumerate(CANDIDATES, 1):
-        results[label] = rows.one(label, config, f"{i}/{len(CANDIDATES)} ")
+    for i, (label, config) in enumerate(candidates, 1):
+        results[label] = rows.one(label, config, f"{i}/{len(candidates)} ")
     _, note, static = rows.setup
-    return cost_cache.Table(CANDIDATES, results, static, note)
+    return cost_cache.Table(candidates, results, static, note)
 
 
 def gpu_measure_on(request: Request) -> tuple[Measure, str, float]:
@@ -269,9 +293,10 @@ def _host_default() -> float | None:
 
 
 def _device(model: Any) -> Any:
+    """Where the model runs: its first parameter not in host memory (a streamed block's weights are), else the CPU."""
     import torch
 
-    return next((p.device for p in model.parameters()), torch.device("cpu"))
+    return next((p.device for p in model.parameters() if p.device.type != "cpu"), torch.device("cpu"))
 
 
 def _default(request: Request, where: str) -> Planned:
@@ -283,6 +308,9 @@ def _default(request: Request, where: str) -> Planned:
               "depths of the model on its CUDA GPU (one forward and backward each, a few seconds) and plans each block "
               f"within the GPU and host memory; {why}. Every block runs the default, backend 'torch' (whole-block "
               "recompute), instead.")
+    if request.streamed:  # the weights stay in host memory: moved back, they would not fit the GPU
+        return Planned(CheckpointConfig.from_dict({**DEFAULT, STREAM_KEY: "all"}), "default",
+                       f"{why}: backend 'torch' on every block, every block's weights streamed")
     return Planned(CheckpointConfig.from_dict(DEFAULT), "default", f"{why}: backend 'torch' on every block")
 
 

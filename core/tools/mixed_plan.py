@@ -128,10 +128,11 @@ def plan_units(advice: Advice, units: int) -> tuple[Plan, list[Trial]] | None:
     if not candidates:
         return None
     weights = sum(advice.block_gib or ()) if any(streams(t) for t in candidates) else 0.0
-    if not weights:
-        candidates = [t for t in candidates if not streams(t)]  # the weights they free are unknown
-        if not candidates:
-            return None
+    if not weights and not all(streams(t) for t in candidates):
+        # the weights the streamed ones free are unknown: only resident candidates can be compared. (Where every
+        # candidate streams, as under "auto" for a model larger than its GPU, the static memory already leaves
+        # the weights out and each unit carries none.)
+        candidates = [t for t in candidates if not streams(t)]
     host = advice.pinnable_gib if advice.pinnable_gib is not None else math.inf
     found = search([Group(GROUP, units, tuple(option(t, weights / units) for t in candidates))],
                    Budget(advice.gpu_gib, max(host, 1e-9)), fixed_gpu_gib=max(advice.static_gib - weights, 0.0))
