@@ -13,9 +13,9 @@ from typing import Any
 
 from torch import nn
 
-from .auto import AutoPlanning, unplanned
+from .auto import UNPLANNED, UNPLANNED_STREAMED, AutoPlanning, unplanned
 from .config import AUTO, CheckpointConfig
-from .errors import PLUGIN_GUIDE, UnsupportedModelError, UnsupportedStrategyError
+from .errors import PLUGIN_GUIDE, UnsupportedModelError, UnsupportedStrategyError, warn_once
 from .family import Family
 from .handle import PatchHandle, PipelineHandle, handle_of
 from .kinds import staying_sibling
@@ -168,6 +168,24 @@ def _pass_instead(model: nn.Module) -> str:
             f"{REGISTRY.for_model_type(type(inner)).name!r} handles: pass that (gradseam.patch(model.{name}, ...)). ")
 
 
+def _plan_unplanned(model: nn.Module, configs: dict[str, CheckpointConfig], name: str) -> Any:
+    """``model``'s plan for ``configs[name]``; where "auto" would keep a model larger than its GPU budget in host
+    memory and streaming refuses it (quantized weights, sharded blocks), the model runs unplanned instead, with a
+    warning saying why and what that means (it must fit the GPU to reach its first step)."""
+    family = family_for(model)
+    try:
+        return plan(model, family, configs[name])
+    except UnsupportedStrategyError as exc:
+        if configs[name] is not UNPLANNED_STREAMED:
+            raise
+        warn_once(f"gradseam: gradient_checkpointing_backend \"auto\": {type(model).__name__}'s weights are more than "
+                  "the GPU budget, so its blocks' frozen weights would stay in host memory until it is planned, but "
+                  f"they cannot stream ({exc}). It is planned on the GPU at its first training step as any other "
+                  "model, so it must fit there first.")
+        configs[name] = UNPLANNED
+        return plan(model, family, UNPLANNED)
+
+
 def patch_models(
     models: Mapping[str, nn.Module], config: CheckpointConfig, *, check_device: bool = True
 ) -> dict[str, PatchHandle]:
@@ -180,7 +198,7 @@ def patch_models(
     requested = config
     configs = {name: unplanned(model, config) if config.backend == AUTO else config  # planned at the first step
                for name, model in models.items()}
-    plans = {name: plan(model, family_for(model), configs[name]) for name, model in models.items()}
+    plans = {name: _plan_unplanned(model, configs, name) for name, model in models.items()}
     for name, model in models.items():
         _check_group_offloading(model, plans[name])
     if check_device:

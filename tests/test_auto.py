@@ -397,3 +397,27 @@ def test_a_model_larger_than_its_gpu_budget_streams_from_patch_time_and_auto_pla
     assert_same_step(want, got, what="auto, streamed from patch time, vs unpatched")
     assert_same_step(want, again, what="its second step")
     assert_same_step(expected, got, what="auto vs the config it printed")
+
+
+def test_where_streaming_refuses_a_model_larger_than_its_budget_it_runs_unplanned_with_a_warning(monkeypatch):
+    """Quantized weights do not stream, say: "auto" then cannot hold the model in host memory until planned, and
+    says so at patch time (it must fit the GPU first), instead of failing on a key the user never set."""
+    import gradseam.patcher
+    from gradseam.auto import UNPLANNED_STREAMED
+
+    real_plan = gradseam.patcher.plan
+
+    def refusing(model, family, config):
+        if config is UNPLANNED_STREAMED:
+            raise UnsupportedStrategyError("quantized weights cannot stream (a stand-in refusal)")
+        return real_plan(model, family, config)
+
+    monkeypatch.setattr(gradseam.patcher, "plan", refusing)
+    model = _frozen_blocks()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+    with cpu_test_mode(), pytest.warns(gradseam.errors.GradseamWarning, match=r"WanTransformer3DModel's weights are "
+                                       r"more than the GPU budget.*cannot stream \(quantized weights cannot stream "
+                                       r"\(a stand-in refusal\)\).*must fit there first"):
+        handle = gradseam.patch(model, {**AUTO, "gradient_checkpointing_gpu_memory": weights / 2})
+    assert handle.weights is None and handle.auto is not None and not handle.regions()
+    handle.remove()
