@@ -248,9 +248,10 @@ def test_attention_dropout_is_recomputed_with_the_same_masks():
         torch.manual_seed(0)
         model = case.build()
         reference = seeded(model)
-        with gradseam.patch(model, KEEP), count_kernels() as calls:
+        with gradseam.patch(model, KEEP), count_kernels(kept_only=False) as calls, count_kernels() as kept:
             assert_same_step(reference, seeded(model), what="attention dropout, attention kept")
         assert calls[0] == 4  # a kernel that drew random numbers is not kept: it ran again in the recompute
+        assert kept[0] == 0  # ... so the kit's count, of the calls kept attention keeps, leaves it out
     finally:
         gradseam.unregister(name)
 

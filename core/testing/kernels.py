@@ -20,15 +20,15 @@ from torch import nn
 
 
 @contextmanager
-def count_kernels() -> Iterator[list[int]]:
+def count_kernels(*, kept_only: bool = True) -> Iterator[list[int]]:
     """How many attention kernel calls (:mod:`gradseam.run.kernels`) that kept attention keeps really run.
 
     An outermost dispatch mode: a kernel answered from kept outputs in a recompute never reaches
     it, so with attention kept a patched step counts exactly what an unpatched step counts
     (:attr:`KernelMap.keepable`). Only calls the runtime keeps count: one over few keys (PixArt's
     cross-attention to 300 prompt tokens beside 4,096 image tokens) or under attention dropout is
-    recomputed on purpose (:meth:`gradseam.run.kernels.KernelGate.keeps`), and counting it would fail a
-    correct declaration.
+    recomputed on purpose (:meth:`gradseam.run.kernels.KernelSet.keeps`), and counting it would fail a
+    correct declaration. ``kept_only=False`` counts every call (to see such a kernel run again).
     """
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -39,7 +39,7 @@ def count_kernels() -> Iterator[list[int]]:
 
     class _Count(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-            if kernels.keeps(func, args, kwargs):  # the calls kept attention keeps; the others are recomputed
+            if kernels.keeps(func, args, kwargs) if kept_only else kernels(func):  # kept_only: the others recompute
                 count[0] += 1
             return func(*args, **(kwargs or {}))
 
