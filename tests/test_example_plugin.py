@@ -54,28 +54,10 @@ def installed():
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_families_and_cli_list_the_plugin(installed):
-    _, site = installed
-    code = (
-        "import gradseam, json\n"
-        "print(json.dumps([[i.family.name, i.plugin, i.distribution] for i in gradseam.installed()]))\n"
-    )
-    out = _run([sys.executable, "-c", code], site)
-    assert out.returncode == 0, out.stderr
-    rows = json.loads(out.stdout.strip().splitlines()[-1])
-    assert ["hunyuandit-controlnet", "hunyuandit-controlnet", "gradseam-hunyuandit-controlnet"] in rows
-    assert {"flux", "wan", "hunyuandit"} <= {r[0] for r in rows}  # the built-ins are still there
-
-    cli = _run([sys.executable, "-m", "gradseam", "families"], site)
-    assert cli.returncode == 0, cli.stderr
-    found = [line for line in cli.stdout.splitlines() if " hunyuandit-controlnet " in line]
-    assert found and "gradseam-hunyuandit-controlnet" in found[0], cli.stdout
-    assert "HunyuanDiT2DControlNetModel" in found[0], cli.stdout
-
-
-def test_the_plugin_family_takes_precedence_over_the_left_out_entry(installed):
-    """gradseam leaves the ControlNet out; installed, the plugin's family patches it all the same, and
-    ``gradseam.unsupported_models()`` (what ``gradseam families`` lists) no longer lists it."""
+def test_families_and_cli_list_the_plugin_and_its_family_takes_precedence_over_the_left_out_entry(installed):
+    """Installed, the plugin is listed beside the built-ins; gradseam leaves the ControlNet out, yet the
+    plugin's family patches it, and ``gradseam.unsupported_models()`` (what ``gradseam families`` lists as
+    left out) no longer lists it. One interpreter for the Python side, one for the command."""
     src, site = installed
     code = (
         "import json, sys\n"
@@ -84,20 +66,30 @@ def test_the_plugin_family_takes_precedence_over_the_left_out_entry(installed):
         "from test_controlnet import tiny_controlnet\n"
         "from diffusers.models.controlnets.controlnet_hunyuan import HunyuanDiT2DControlNetModel\n"
         "from gradseam.registry import REGISTRY\n"
+        "rows = [[i.family.name, i.plugin, i.distribution] for i in gradseam.installed()]\n"
         "left_out = REGISTRY.unsupported_reason(HunyuanDiT2DControlNetModel) is not None\n"
         f"listed = {CONTROLNET!r} in gradseam.unsupported_models()\n"
         "config = {'gradient_checkpointing': True, 'gradient_checkpointing_interval': 2}\n"
         "handle = gradseam.patch(tiny_controlnet(), config)\n"
-        "print(json.dumps({'family': handle.family.name, 'left_out': left_out, 'listed': listed, "
+        "print(json.dumps({'rows': rows, 'family': handle.family.name, 'left_out': left_out, 'listed': listed, "
         "'summary': str(handle.summary())}))\n"
     )
     out = _run([sys.executable, "-c", code], site)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
+    rows = result["rows"]
+    assert ["hunyuandit-controlnet", "hunyuandit-controlnet", "gradseam-hunyuandit-controlnet"] in rows
+    assert {"flux", "wan", "hunyuandit"} <= {r[0] for r in rows}  # the built-ins are still there
     assert result["left_out"], "the test rests on gradseam leaving the class out"
     assert not result["listed"], "a class an installed family claims is not listed as left out"
     assert result["family"] == "hunyuandit-controlnet", result
     assert "recompute chunks of 2 blocks" in result["summary"], result["summary"]
+
+    cli = _run([sys.executable, "-m", "gradseam", "families"], site)
+    assert cli.returncode == 0, cli.stderr
+    found = [line for line in cli.stdout.splitlines() if " hunyuandit-controlnet " in line]
+    assert found and "gradseam-hunyuandit-controlnet" in found[0], cli.stdout
+    assert "HunyuanDiT2DControlNetModel" in found[0], cli.stdout
 
 
 def test_plugin_passes_the_conformance_kit_from_its_own_repository(installed):
