@@ -102,7 +102,7 @@ def plan(request: Request, *, measure_on: MeasureOn | None = None, cache_dir: st
                 "gradient hooks. Run one step in a single process first (the costs are cached in "
                 f"{cost_cache.directory(cache_dir)} and every rank reads them), or name a backend.")
         assert rows is not None
-        table = measure(request, rows, candidates)
+        table = measure(rows, candidates)
         cost_cache.save(key, table, cache_dir)
         source = "measured"
     static = torch.cuda.memory_allocated(_device(request.model)) / GiB if cuda else table.static_gib
@@ -119,7 +119,7 @@ def plan(request: Request, *, measure_on: MeasureOn | None = None, cache_dir: st
     known = len(table.results)
     try:
         advice = choose(table, gpu, static, host, request.model, block_gib=None if request.streamed else weights,
-                        more=rows.streamed if rows is not None else None, candidates=candidates)
+                        more=rows.one if rows is not None else None, candidates=candidates)
     finally:
         if len(table.results) > known:  # streamed rows measured for this budget: the next run reads them too
             cost_cache.save(key, table, cache_dir)
@@ -140,13 +140,13 @@ def streamable_gib(request: Request) -> list[float] | None:
     return found if sum(found) > 0 else None
 
 
-# (config) -> its estimate, measured now and added to the table; None: rows the table lacks cannot be measured here
-More = Callable[[Mapping[str, Any]], "Estimate | str"]
+# (label, config) -> its estimate, measured now and added to the table; None: rows the table lacks cannot be measured
+More = Callable[[str, Mapping[str, Any]], "Estimate | str"]
 
 
 def choose(table: cost_cache.Table, gpu_gib: float, static_gib: float, host_gib: float | None, model: Any, *,
            block_gib: list[float] | None = None, more: More | None = None,
-           candidates: list[tuple[str, dict[str, Any]]] | None = None) -> Advice:
+           candidates: list[tuple[str, dict[str, Any]]] = CANDIDATES) -> Advice:
     """advise's choice among the table's candidates, then the fastest mix (raises :class:`NoFitError`).
 
     With ``block_gib``, candidates with streamed weights take part as in advise (the fastest per-block ones with
@@ -161,8 +161,9 @@ def choose(table: cost_cache.Table, gpu_gib: float, static_gib: float, host_gib:
                 raise UnsupportedStrategyError(
                     "not measured: a candidate with streamed weights is measured on the model's CUDA GPU, in one "
                     "process, at the first training step that needs it")
-            found = more(config)
-            table.add(_streamed_label(table, config), config, found)
+            label = streamed_label(config)
+            found = more(label, config)
+            table.add(label, config, found)
         if found is None:
             found = f"unsupported: {dict(config)} is not a measured candidate"
         if isinstance(found, str):
@@ -173,7 +174,7 @@ def choose(table: cost_cache.Table, gpu_gib: float, static_gib: float, host_gib:
 
     # the streamed rows a budget measured are read through from_table, where run_ladder asks for them: climbed
     # as rungs, they would change which rows it asks for next, and a cached run would plan unlike a measured one
-    base = {label for label, _ in (candidates if candidates is not None else CANDIDATES)}
+    base = {label for label, _ in candidates}
     ladder = [(label, config) for label, config in table.ladder() if label in base]
     advice = run_ladder(from_table, gpu_gib, static_gib, pinnable_gib=host_gib, ladder=ladder,
                         block_gib=block_gib, win_back=False)
@@ -184,10 +185,10 @@ def choose(table: cost_cache.Table, gpu_gib: float, static_gib: float, host_gib:
     return advice
 
 
-def _streamed_label(table: cost_cache.Table, config: Mapping[str, Any]) -> str:
+def streamed_label(config: Mapping[str, Any]) -> str:
     """``"torch + stream all"``: the resident candidate's label with what streams, as advise labels its rungs."""
     resident = {k: v for k, v in config.items() if k != STREAM_KEY}
-    base = next((label for label, known in table.candidates if dict(known) == resident), str(resident))
+    base = next((label for label, known in CANDIDATES if known == resident), str(resident))
     return f"{base} + stream {config[STREAM_KEY]}"
 
 
@@ -211,7 +212,7 @@ class _Rows:
             self._run = self.measure_on(self.request)
         return self._run
 
-    def one(self, label: str, config: Mapping[str, Any], progress: str) -> Estimate | str:
+    def one(self, label: str, config: Mapping[str, Any], progress: str = "") -> Estimate | str:
         """The row's estimate, or why it has none (``"unsupported: ..."``, ``"OOM ..."``)."""
         from .measure import is_oom
 
@@ -228,21 +229,9 @@ class _Rows:
                 raise
             return f"OOM while measuring: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
 
-    def streamed(self, config: Mapping[str, Any]) -> Estimate | str:
-        return self.one(f"{_resident_label(config)} + stream {config[STREAM_KEY]}", config, "")
 
-
-def _resident_label(config: Mapping[str, Any]) -> str:
-    resident = {k: v for k, v in config.items() if k != STREAM_KEY}
-    return next((label for label, known in CANDIDATES if known == resident), str(resident))
-
-
-def measure(request: Request, rows: _Rows | MeasureOn,
-            candidates: list[tuple[str, dict[str, Any]]] | None = None) -> cost_cache.Table:
+def measure(rows: _Rows, candidates: list[tuple[str, dict[str, Any]]]) -> cost_cache.Table:
     """Every candidate measured (a failure recorded with its reason), with a line of progress each."""
-    if not isinstance(rows, _Rows):
-        rows = _Rows(request, rows)
-    candidates = candidates if candidates is not None else candidates_for(request)
     results: dict[str, Estimate | str] = {}
     for i, (label, config) in enumerate(candidates, 1):
         results[label] = rows.one(label, config, f"{i}/{len(candidates)} ")
