@@ -421,3 +421,41 @@ def test_where_streaming_refuses_a_model_larger_than_its_budget_it_runs_unplanne
         handle = gradseam.patch(model, {**AUTO, "gradient_checkpointing_gpu_memory": weights / 2})
     assert handle.weights is None and handle.auto is not None and not handle.regions()
     handle.remove()
+
+
+def test_a_run_stopped_while_measuring_resumes_from_the_candidates_it_measured(_cache, capsys):
+    """Measuring a large model takes minutes; the table is saved after each candidate, marked incomplete, and the
+    next run measures only what is missing (the rows measured before are kept as they were), then plans."""
+    calls: list[str] = []
+
+    def stopping_after(n: int | None):
+        def measure_on(request: Request):
+            run, note, static = _cpu_measure_on(request)
+
+            def measure(config):
+                if n is not None and len(calls) == n:
+                    raise KeyboardInterrupt  # the user's Ctrl-C, a preemption
+                calls.append(json.dumps(config, sort_keys=True))
+                return run(config)
+
+            return measure, note, static
+        return measure_on
+
+    inputs = _inputs()
+    model = WAN.fresh()
+    request = Request(model, inputs, 40.0, 8.0, family_for(model))
+    key = cost_cache.key_of(request, auto_planner.CANDIDATES)
+    with cpu_test_mode():
+        with pytest.raises(KeyboardInterrupt):
+            auto_planner.plan(request, measure_on=stopping_after(11))
+        partial = cost_cache.load(key)
+        assert partial is not None and not partial.complete and len(partial.results) == 11
+        assert [label for label, _ in partial.missing()] == [label for label, _ in auto_planner.CANDIDATES[11:]]
+        before = dict(partial.results)
+        calls.clear()
+        planned = auto_planner.plan(request, measure_on=stopping_after(None))
+    assert "resuming: 11 of 15 candidates were measured" in capsys.readouterr().err
+    assert calls == [json.dumps(c, sort_keys=True) for _, c in auto_planner.CANDIDATES[11:]]
+    table = cost_cache.load(key)
+    assert table.complete and not table.missing() and planned.source == "measured"
+    assert {label: table.results[label] for label in before} == before, "a row measured before was measured again"

@@ -25,7 +25,7 @@ MEASURED = ["none", "ref: torch.utils.checkpoint", "ref: torch.utils.checkpoint 
 ROW_KEYS = {"workload", "tokens", "strategy", "peak_gib", "step_ms", "status", "pinned_allocations_after_warmup",
             "pinned_gib", "depth", "blocks", "vs_none", "vs_torch", "step_times_ms", "forward_peak_gib",
             "backward_peak_gib", "first_step_ms", "gpu_peak_gib",
-            "pinned_weights_gib", "failure"}
+            "pinned_weights_gib", "failure", "plan"}
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +98,7 @@ def test_payload_and_cpu_table_and_chart(results, tmp_path):
     rows = report.with_ratios(results)
     doc = json.loads(json.dumps(report.payload(rows, b.synthetic_title("cpu"), device="cpu", steps=1)))
     assert set(doc) == {"title", "device", "memory", "family", "preset", "steps", "base", "lora", "weights_gib",
-                        "gpu_memory_gib", "depth",
+                        "gpu_memory_gib", "host_memory_gib", "depth",
                         "full_depth", "rows"}
     assert doc["device"] == "cpu" and doc["memory"] == report.MEMORY_CPU and "CPU" in doc["title"]
     assert all(set(r) == ROW_KEYS for r in doc["rows"])

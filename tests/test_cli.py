@@ -200,7 +200,7 @@ def test_bench_synthetic_on_cpu_writes_json_and_png(tmp_path):
     result, doc, path = _bench_json(tmp_path)
     # the documented schema (gradseam.tools.bench's module docstring)
     assert set(doc) == {"title", "device", "memory", "family", "preset", "steps", "base", "lora", "weights_gib",
-                        "gpu_memory_gib", "depth", "full_depth", "rows"}
+                        "gpu_memory_gib", "host_memory_gib", "depth", "full_depth", "rows"}
     assert doc["device"] == "cpu" and "CPU" in doc["title"] and doc["memory"] == MEMORY_CPU
     assert doc["family"] is None and doc["steps"] == 1
     assert all(set(r) == ROW_KEYS for r in doc["rows"])

@@ -134,3 +134,35 @@ def test_gpu_auto_for_a_model_larger_than_its_budget_streams_from_patch_time(tmp
         again = run_step(model, gpu, count_bytes=False)
         assert_same_step(want, again, atol=max(1e-5, 4 * spread), what="its second step")
     torch.cuda.synchronize()
+
+
+def test_gpu_bench_auto_row_patches_a_model_larger_than_its_cap_on_the_cpu_and_gives_it_back(tmp_path, monkeypatch):
+    """``gradseam bench --row "auto @ SIZE"`` on a model whose weights the cap cannot hold: as a user loads it, the
+    model goes to the CPU, is patched with "auto" (its blocks' weights stay in host memory), moves to the GPU,
+    plans at the first step and is timed; afterwards it is back on the GPU, unpatched, every parameter unchanged.
+    Forced for a tiny model (the real trigger is weights above the cap)."""
+    import gradseam.patcher
+    from gradseam.auto import UNPLANNED_STREAMED
+    from gradseam.tools import bench as b
+    from gradseam.tools import measure as measuring
+    from gradseam.tools.bench_rows import real_rows
+
+    monkeypatch.setenv("GRADSEAM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gradseam.patcher, "unplanned", lambda model, config: UNPLANNED_STREAMED)
+    monkeypatch.setattr(b, "_larger_than_gpu", lambda model, cap: True)
+    gpu = _on_cuda(WAN)
+    model = gpu.build()
+    for block in model.blocks:
+        block.requires_grad_(False)
+    inputs = gpu.inputs(torch.Generator().manual_seed(1))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    sweep = b._Sweep("tiny wan", 1, model, lambda: measuring.forward_backward(model, inputs), 2, "blocks", "cuda",
+                     None, None, None, host_gib=8.0)
+    label = "auto @ 4GiB"
+    result = b._measure_row(sweep, label, dict(real_rows([label]))[label])
+    assert result.status == "ok" and result.step_ms > 0 and result.first_step_ms > result.step_ms
+    assert result.plan["config"]["gradient_checkpointing_stream_weights"] == "all", result.plan
+    assert result.pinned_weights_gib is not None and result.gpu_peak_gib < 4.0
+    assert gradseam.handle_of(model) is None
+    assert all(p.device.type == "cuda" for p in model.parameters()), "the model did not go back to the GPU"
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

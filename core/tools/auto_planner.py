@@ -91,7 +91,9 @@ def plan(request: Request, *, measure_on: MeasureOn | None = None, cache_dir: st
         and torch.distributed.get_world_size() > 1
     rows = _Rows(request, measure_on or gpu_measure_on) if (measure_on is not None or cuda) and not distributed \
         else None
-    if table is None:
+    if table is not None and not table.complete and rows is None:
+        table = None  # a run stopped while measuring: only a run that can measure finishes it
+    if table is None or not table.complete:
         if measure_on is None and not cuda:
             return _default(request, cost_cache.directory(cache_dir))
         if distributed:
@@ -102,8 +104,7 @@ def plan(request: Request, *, measure_on: MeasureOn | None = None, cache_dir: st
                 "gradient hooks. Run one step in a single process first (the costs are cached in "
                 f"{cost_cache.directory(cache_dir)} and every rank reads them), or name a backend.")
         assert rows is not None
-        table = measure(rows, candidates)
-        cost_cache.save(key, table, cache_dir)
+        table = measure(rows, candidates, table, save=lambda partial: cost_cache.save(key, partial, cache_dir))
         source = "measured"
     static = torch.cuda.memory_allocated(_device(request.model)) / GiB if cuda else table.static_gib
     static += optimizer_gib(request.model)  # allocated at the optimizer's first step, after this forward
@@ -230,13 +231,25 @@ class _Rows:
             return f"OOM while measuring: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
 
 
-def measure(rows: _Rows, candidates: list[tuple[str, dict[str, Any]]]) -> cost_cache.Table:
-    """Every candidate measured (a failure recorded with its reason), with a line of progress each."""
-    results: dict[str, Estimate | str] = {}
-    for i, (label, config) in enumerate(candidates, 1):
-        results[label] = rows.one(label, config, f"{i}/{len(candidates)} ")
-    _, note, static = rows.setup
-    return cost_cache.Table(candidates, results, static, note)
+def measure(rows: _Rows, candidates: list[tuple[str, dict[str, Any]]], partial: cost_cache.Table | None = None, *,
+            save: Callable[[cost_cache.Table], Any] | None = None) -> cost_cache.Table:
+    """Every candidate measured (a failure recorded with its reason), with a line of progress each; ``partial``, a
+    table a stopped run left incomplete, is finished instead (its rows are kept, one line says so). ``save`` is
+    called with the table after each candidate, so a run stopped in turn loses one candidate at most."""
+    table = partial or cost_cache.Table(candidates, {}, 0.0, "", complete=False)
+    if partial is not None:
+        print(f"gradseam auto: {type(rows.request.model).__name__}: resuming: {len(partial.results)} of "
+              f"{len(partial.candidates)} candidates were measured by a run that stopped before the rest",
+              file=sys.stderr, flush=True)
+    for label, config in table.missing():
+        position = [lab for lab, _ in table.candidates].index(label) + 1
+        table.results[label] = rows.one(label, config, f"{position}/{len(table.candidates)} ")
+        _, table.depth_note, table.static_gib = rows.setup
+        table.complete = not table.missing()
+        if save is not None:
+            save(table)
+    table.complete = True
+    return table
 
 
 def gpu_measure_on(request: Request) -> tuple[Measure, str, float]:

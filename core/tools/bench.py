@@ -23,6 +23,7 @@ The JSON it writes is described in :mod:`gradseam.tools.bench_report`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ from ..family import Family
 from ..kinds import backend_of, kind_of
 from . import measure as measuring
 from .bench_rows import (
+    AUTO_ROW,
+    CAP_SUFFIX,
     DIFFUSERS_ROW,
     GPU_CAP_KEY,
     NAIVE_KEY,
@@ -193,6 +196,7 @@ class _Sweep:
     depth: int | None
     blocks: str | None
     gpu_cap_gib: float | None = None
+    host_gib: float | None = None  # the auto rows' host memory budget (None: the planner's default)
 
     def unmeasured(self, name: str, status: str) -> Result:
         """The row ``name`` with a status and no figures."""
@@ -215,6 +219,7 @@ def run_rows(
     depth: int | None = None,
     blocks: str | None = None,
     gpu_cap_gib: float | None = None,
+    host_gib: float | None = None,
 ) -> list[Result]:
     """Measure every row on ``model``; a failing cell becomes a row with a status, never an exception.
 
@@ -224,9 +229,10 @@ def run_rows(
     than the machine has); the row is then reported with that reason instead of being tried. A row
     that breaks the GPU's context ends the sweep with :class:`DeviceLostError`, after it is reported.
     ``gpu_cap_gib``: each row's steps run with the process limited to this much GPU memory (a smaller card).
+    ``host_gib``: the host memory budget the ``auto`` rows plan within.
     """
     sweep = _Sweep(workload, tokens, model, make_step, steps, blocks_attr, device, compile_blocks, depth, blocks,
-                   gpu_cap_gib)
+                   gpu_cap_gib, host_gib)
     results: list[Result] = []
 
     def report(result: Result) -> None:
@@ -259,6 +265,8 @@ def _measure_row(sweep: _Sweep, name: str, config: dict[str, Any] | None) -> Res
     measuring.release(sweep.device)
     # bench's own keys (a row's cap, the naive reference): gradseam_keys() leaves them out of the patch
     cap = (config or {}).get(GPU_CAP_KEY, sweep.gpu_cap_gib)
+    if name.split(CAP_SUFFIX)[0] == AUTO_ROW:
+        return _measure_auto(sweep, name, dict(config or {}), cap)
     naive = bool((config or {}).get(NAIVE_KEY))
     step = None
     try:
@@ -286,6 +294,87 @@ def _measure_row(sweep: _Sweep, name: str, config: dict[str, Any] | None) -> Res
                   forward_peak_gib=_gib(got.forward_peak_gib), backward_peak_gib=_gib(got.backward_peak_gib),
                   first_step_ms=round(got.warmup_times_ms[0], 1) if compiled and got.warmup_times_ms else None,
                   gpu_peak_gib=None if cpu else round(got.base_gib + got.peak_gib, 3))
+
+
+def _measure_auto(sweep: _Sweep, name: str, config: dict[str, Any], cap: float | None) -> Result:
+    """The ``auto`` row as a user runs it: patched with ``"auto"``, the GPU budget its cap (or the planner's default)
+    and the host budget bench's; the first step plans (its time, measuring included, is ``first_step_ms``), then the
+    plan warms up (twice where it compiles) and ``sweep.steps`` steps are timed. A model whose weights are more than
+    the GPU budget is patched on the CPU and then moved, as it would be loaded (built on the GPU, it could never
+    start under the cap); it goes back to the GPU after."""
+    from .. import auto as auto_mod
+
+    keys = gradseam_keys(config)
+    if cap is not None:
+        keys["gradient_checkpointing_gpu_memory"] = cap
+    if sweep.host_gib is not None:
+        keys["gradient_checkpointing_host_memory"] = sweep.host_gib
+    model = sweep.model
+    device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device(sweep.device))
+    via_cpu = device.type == "cuda" and _larger_than_gpu(model, cap)
+    step = None
+    handle = None
+    try:
+        if via_cpu:
+            model.to("cpu")
+            measuring.release(sweep.device)
+        handle = gradseam.patch(model, keys)
+        if via_cpu:
+            if auto_mod.unplanned(model, handle.config) is auto_mod.UNPLANNED:
+                raise gradseam.GradseamError("auto: the model on the CPU was not streamed from patch time")
+            model.to(device)
+        with capped(cap):
+            step = sweep.make_step()
+            start = time.perf_counter()
+            step()  # planned inside this step's forward
+            if sweep.device != "cpu":
+                torch.cuda.synchronize()
+            planning_ms = (time.perf_counter() - start) * 1000
+            planned = handle.auto.planned
+            assert planned is not None, "auto did not plan at the first training step"
+            plan_keys = _plan_keys(planned.config)
+            got = measuring.measure(step, steps=sweep.steps, warmup=2 if _plan_compiles(plan_keys) else 1,
+                                    device=sweep.device,
+                                    engine=getattr(handle, "engine", None))
+        stream = handle.weights
+        streamed_pinned = stream.pinned_bytes / GiB if stream is not None else None
+    finally:
+        step = None
+        if handle is not None:
+            handle.remove()
+        if via_cpu:
+            model.to(device)
+    cpu = sweep.device == "cpu"
+    return Result(sweep.workload, sweep.tokens, name, round(got.peak_gib, 9 if cpu else 3), round(got.step_ms, 1),
+                  pinned_allocations_after_warmup=got.pinned_allocations_after_warmup,
+                  pinned_gib=None if cpu else round(got.pinned_gib + (streamed_pinned or 0.0), 3),
+                  pinned_weights_gib=None if cpu or streamed_pinned is None else round(streamed_pinned, 3),
+                  depth=sweep.depth, blocks=sweep.blocks,
+                  forward_peak_gib=_gib(got.forward_peak_gib), backward_peak_gib=_gib(got.backward_peak_gib),
+                  first_step_ms=round(planning_ms, 1), gpu_peak_gib=None if cpu else round(got.base_gib + got.peak_gib, 3),
+                  plan={"source": planned.source, "config": plan_keys, "report": planned.report})
+
+
+def _larger_than_gpu(model: nn.Module, cap: float | None) -> bool:
+    """Whether ``model``'s weights are more than the GPU memory the row runs on (its cap, or the whole GPU)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    budget = cap if cap is not None else torch.cuda.get_device_properties(tensors[0].device).total_memory / GiB
+    return sum(t.numel() * t.element_size() for t in tensors) / GiB > budget
+
+
+def _plan_keys(config: CheckpointConfig) -> dict[str, Any]:
+    """The plan's explicit keys, each per-block entry a plain dict (the JSON's and ``gradseam.patch``'s form)."""
+    keys = config.given_keys()
+    if keys.get("gradient_checkpointing_blocks"):
+        keys["gradient_checkpointing_blocks"] = [dict(entry) for entry in keys["gradient_checkpointing_blocks"]]
+    return keys
+
+
+def _plan_compiles(keys: dict[str, Any]) -> bool:
+    """Whether any block of a plan runs a compiled kind (its warm-up then takes two steps)."""
+    top = {k: v for k, v in keys.items() if k != "gradient_checkpointing_blocks"}
+    entries = [{k: v for k, v in entry.items() if k != "blocks"} for entry in keys.get("gradient_checkpointing_blocks") or ()]
+    return any(_compiles({**top, **entry}) for entry in [{}, *entries])
 
 
 @contextmanager
@@ -406,6 +495,7 @@ def real(
     base: str | None = None,
     lora: int | None = None,
     gpu_memory_gib: float | None = None,
+    host_memory_gib: float | None = None,
 ) -> RealRun:
     """Every row on a family preset's real-size model (random weights, built on ``device``).
 
@@ -417,6 +507,8 @@ def real(
     ``lora``: a quantized base and a LoRA trained on it (:func:`gradseam.tools.workloads.build`).
     ``gpu_memory_gib``: every row's steps run on this much of the GPU (a smaller card, :func:`capped`); the
     model is built on the whole GPU, so a row whose weights stay resident fails there when they do not fit.
+    ``host_memory_gib``: the host memory the ``auto`` rows plan within. With ``full=True`` those rows are measured at
+    the full depth only: each plans the model it is given, and a plan for a cut model says nothing of the full one.
     """
     from .bases import weight_bytes
     from .host import available_gib
@@ -458,7 +550,7 @@ def real(
                 run.results += run_rows(
                     label, seq, workload.model, step_factory, chosen if depth in fit_depths else at_full, steps=steps, on_row=on_row, device=device,
                     compile_blocks=list_blocks(workload.model, workload.family), rule_out=rule_out,
-                    depth=depth, blocks=plan.describe(depth), gpu_cap_gib=gpu_memory_gib,
+                    depth=depth, blocks=plan.describe(depth), gpu_cap_gib=gpu_memory_gib, host_gib=host_memory_gib,
                 )
         del inputs
     return run
@@ -467,10 +559,13 @@ def real(
 def capped_at_fit_depth(rows: list[tuple[str, dict[str, Any] | None]],
                         gpu_memory_gib: float | None) -> Callable[[str], str | None]:
     """Why a capped row is not measured at a fit depth of a full-depth run: the full model is built, so the
-    blocks outside the fit depth stay on the GPU, unstreamed, and count against the cap."""
+    blocks outside the fit depth stay on the GPU, unstreamed, and count against the cap. Nor is an ``auto`` row."""
     caps = {name: (config or {}).get(GPU_CAP_KEY, gpu_memory_gib) for name, config in rows}
 
     def rule_out(name: str) -> str | None:
+        if name.split(CAP_SUFFIX)[0] == AUTO_ROW:
+            return ("not measured at a fit depth of a --full run: auto plans the model it is given, and a plan for "
+                    "this cut model says nothing of the full one; see the full depth")
         if caps.get(name) is None:
             return None
         return ("not measured at a fit depth of a --full run under a GPU memory cap: the full model is built, and "

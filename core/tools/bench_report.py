@@ -11,6 +11,7 @@ The JSON written by ``gradseam bench`` (see :func:`payload`)::
       "lora": int | null,      # real models: the rank of the LoRA trained, null for frozen weights
       "weights_gib": float | null,  # real models: the full model's weights as stored
       "gpu_memory_gib": float | null,  # bench --gpu-memory: the GPU memory every row's steps ran on
+      "host_memory_gib": float | null,  # bench --host-memory: the pinned host memory the auto rows plan within
       "depth": null | {        # real models only
         "full": int,           # the depth the full_depth rows speak for (units, see gradseam.tools.depth)
         "blocks": str,         # what that depth is in blocks, e.g. "19 + 38 blocks"
@@ -37,10 +38,11 @@ The JSON written by ``gradseam bench`` (see :func:`payload`)::
                                # "unsupported: ...", "error: ..."
          "pinned_allocations_after_warmup": int | null,
          "forward_peak_gib": float | null, "backward_peak_gib": float | null,  # GPU: each pass's own peak
-         "first_step_ms": float | null,  # compiled rows: the first warm-up step, where they compile
+         "first_step_ms": float | null,  # compiled rows: the first warm-up step, where they compile; auto: the step that plans
          "gpu_peak_gib": float | null,  # GPU rows: the whole GPU's peak, weights included (streamed rows: loads)
          "pinned_weights_gib": float | null,  # rows that stream weights: their pinned host copies, also in pinned_gib
          "failure": str | null,  # OOM rows: GPU or pinned host, forward or backward, the allocator's words
+         "plan": {"source": str, "config": {...}, "report": str} | null,  # auto rows: the plan and its keys
          "vs_none": float | null, "vs_torch": float | null,  # step-time ratios at the same workload and depth
          "step_times_ms": [float] | null}  # every timed step (step_ms is their median); null: not measured
       ]
@@ -173,13 +175,13 @@ def payload(
     rows: list[dict[str, Any]], title: str, *, device: str = "cuda", family: str | None = None,
     preset: str | None = None, steps: int = 5, depth: dict[str, Any] | None = None,
     full_depth: list[dict[str, Any]] | None = None, base: str | None = None, lora: int | None = None,
-    weights_gib: float | None = None, gpu_memory_gib: float | None = None,
+    weights_gib: float | None = None, gpu_memory_gib: float | None = None, host_memory_gib: float | None = None,
 ) -> dict[str, Any]:
     """The JSON document ``gradseam bench`` writes (schema in this module's docstring)."""
     return {
         "title": title, "device": device, "memory": MEMORY_CPU if device == "cpu" else MEMORY_GPU,
         "family": family, "preset": preset, "steps": steps, "base": base, "lora": lora, "weights_gib": weights_gib,
-        "gpu_memory_gib": gpu_memory_gib,
+        "gpu_memory_gib": gpu_memory_gib, "host_memory_gib": host_memory_gib,
         "depth": depth, "full_depth": full_depth, "rows": rows,
     }
 
@@ -298,6 +300,23 @@ def first_steps_note(rows: list[dict[str, Any]]) -> str | None:
         where = f" at depth {r['depth']}" if r.get("depth") is not None else ""
         parts.append(f"{r['strategy']}{where} {r['first_step_ms'] / 1000:.1f} s")
     return "First steps (compiling, once per shape and row; not in the step times above): " + "; ".join(parts) + "."
+
+
+def auto_plans_note(rows: list[dict[str, Any]]) -> str | None:
+    """A line per ``auto`` row measured: how long its first step took (planning and all, ``first_step_ms``), where
+    its costs came from, and the explicit keys that run the same plan without planning."""
+    import json
+
+    lines = []
+    for r in rows:
+        plan = r.get("plan")
+        if not plan:
+            continue
+        where = f" at depth {r['depth']}" if r.get("depth") is not None else ""
+        lines.append(f"{r['strategy']}{where}: its first step planned ({plan['source']} costs) and took "
+                     f"{r['first_step_ms'] / 1000:.1f} s; the same plan without planning: "
+                     f"{json.dumps(plan['config'])}")
+    return "\n".join(lines) or None
 
 
 def chart(rows: list[dict[str, Any]], path: Any, title: str = "gradseam bench", *, cpu: bool = False) -> bool:

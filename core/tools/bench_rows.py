@@ -34,6 +34,10 @@ REFERENCE_ROWS = [
     "ref: save_on_cpu",
 ]
 
+# gradseam's own planner as a row: "auto" (or "auto @ 24GiB"), planned at its first step within the row's GPU cap
+# and bench's --host-memory; asked for by label only (each planning measures every candidate, minutes on a big model)
+AUTO_ROW = "auto"
+AUTO_CONFIG: dict[str, Any] = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "auto"}
 STREAM_SUFFIX = " + stream "  # "<gradseam row> + stream N" / "... + stream all": that row, weights streamed
 CAP_SUFFIX = " @ "  # "<gradseam row> @ 24GiB": that row's steps on 24 GiB of the GPU
 
@@ -45,7 +49,8 @@ NOT_ON_CPU_COMPILED = "not measured on the CPU (compiled)"
 # the line under a CPU table for each status it shows
 CPU_STATUS_WHY = {
     NEEDS_CUDA: "the row copies activations from GPU memory to pinned host memory (offload), streams weights "
-                "from host memory to the GPU or caps the GPU's memory; a CPU model has no GPU memory to free or cap",
+                "from host memory to the GPU, caps the GPU's memory or plans from GPU measurements (auto); a CPU "
+                "model has no GPU memory to free, cap or measure",
     NOT_ON_CPU_KEPT: "the row runs on the CPU (the test suite checks it there), but the attention kernel outputs it "
                      "keeps are held outside autograd's saved tensors, which is what the CPU's memory column "
                      "counts, so its figure would be too low",
@@ -59,7 +64,7 @@ _PINNED_REFERENCES = ("ref: naive unsloth", "ref: save_on_cpu")  # hand-written 
 
 def cpu_status(label: str) -> str | None:
     """Why the CPU mode does not measure the row ``label`` (one of :data:`CPU_STATUS_WHY`'s keys), or None."""
-    if label in _PINNED_REFERENCES or STREAM_SUFFIX in label or CAP_SUFFIX in label:
+    if label in _PINNED_REFERENCES or STREAM_SUFFIX in label or CAP_SUFFIX in label or label == AUTO_ROW:
         return NEEDS_CUDA
     if label in {name for name, _ in COMPILE_ROWS}:
         return NOT_ON_CPU_COMPILED
@@ -105,8 +110,8 @@ def row_variant(label: str, known: dict[str, dict[str, Any] | None]) -> tuple[st
     if match is None or (match["count"] is None and match["cap"] is None):
         return None
     config = known.get(match["row"])
-    if config is None or "compile_blocks" in config:
-        return None
+    if config is None or "compile_blocks" in config or (match["row"] == AUTO_ROW and match["count"] is not None):
+        return None  # auto decides which blocks stream itself
     config = dict(config)
     if match["count"] is not None:
         if match["count"] != "all" and int(match["count"]) == 0:
@@ -128,18 +133,22 @@ def row_variant(label: str, known: dict[str, dict[str, Any] | None]) -> tuple[st
 
 def real_rows(rows: list[str] | None = None) -> list[tuple[str, dict[str, Any] | None]]:
     """The real-model rows, in table order; ``rows`` picks some by label, and may add any of gradseam's rows with
-    its weights streamed or its own GPU cap (:func:`row_variant`), measured after the rest."""
+    its weights streamed or its own GPU cap (:func:`row_variant`), measured after the rest, and gradseam's planner
+    (:data:`AUTO_ROW`: ``"auto"``, ``"auto @ 24GiB"``), which only a label asks for."""
     chosen: list[tuple[str, dict[str, Any] | None]] = [(n, None) for n in ("none", DIFFUSERS_ROW, "ref: save_on_cpu")]
     chosen += [(n, c) for n, c in COMPILE_ROWS]
     chosen += [(n, c) for n, c in GRADSEAM_ROWS]
     chosen += [(n, c) for n, c in COMPILED_ROWS]
     if rows is not None:
-        known = dict(chosen)
+        known = {**dict(chosen), AUTO_ROW: AUTO_CONFIG}
+        if AUTO_ROW in rows:
+            chosen.append((AUTO_ROW, AUTO_CONFIG))
         chosen += [found for r in rows if r not in known and (found := row_variant(r, known)) is not None]
         unknown = sorted(set(rows) - {n for n, _ in chosen})
         if unknown:
             raise GradseamError(
-                f"unknown bench rows {unknown}; known: {', '.join(n for n, _ in chosen)}; and any of gradseam's "
+                f"unknown bench rows {unknown}; known: {', '.join(n for n, _ in chosen)}, {AUTO_ROW} (gradseam's "
+                "planner, within the row's GPU cap and --host-memory); and any of gradseam's "
                 f"rows followed by '{STREAM_SUFFIX.strip()} N' or '{STREAM_SUFFIX.strip()} all' (its weights streamed; "
                 "then optionally ' prefetch K', or ' naive' for the reference that copies each block in and out "
                 "on the compute stream) and/or ' @ 24GiB' (its steps on that much of the GPU)."

@@ -406,7 +406,8 @@ class _Sweep:
 def _sweep_family(sweep: _Sweep, family: str, preset: str, *, depths: str | None, full: bool, depth: int | None,
                   full_rows: list[str] | None, tokens: list[int] | None, rows: list[str] | None,
                   skip_rows: list[str] | None, steps: int, base: str | None = None,
-                  lora: int | None = None, gpu_memory_gib: float | None = None) -> RealRun:
+                  lora: int | None = None, gpu_memory_gib: float | None = None,
+                  host_memory_gib: float | None = None) -> RealRun:
     """The rows chosen (--row, every row but --skip-row's, or all) on the family's real-size model
     (bench.real), on a quantized ``base`` and with a LoRA where asked; a failure stops the command."""
     from . import bench as b
@@ -426,7 +427,8 @@ def _sweep_family(sweep: _Sweep, family: str, preset: str, *, depths: str | None
     try:
         return b.real(family, preset, depths=depths, full=full, full_depth=depth, full_rows=full_rows,
                       tokens=list(tokens) if tokens else None, rows=rows, steps=steps, on_row=sweep.on_row,
-                      on_build=on_build, base=base, lora=lora, gpu_memory_gib=gpu_memory_gib)
+                      on_build=on_build, base=base, lora=lora, gpu_memory_gib=gpu_memory_gib,
+                      host_memory_gib=host_memory_gib)
     except b.DeviceLostError as exc:
         fail(str(exc), code=1)
     except (gradseam.GradseamError, ValueError) as exc:
@@ -468,6 +470,9 @@ def _print_bench(out: Console, sweep: _Sweep, results: list[Result], run: RealRu
         out.print(report.full_depth_markdown(deep, depth_info), markup=False, highlight=False, soft_wrap=True)
         out.print("\nMeasured:", markup=False)
     out.print(report.to_markdown(measured, cpu=cpu), markup=False, highlight=False, soft_wrap=True)  # pasteable
+    plans = report.auto_plans_note(measured)
+    if plans:
+        out.print(plans, markup=False, highlight=False, soft_wrap=True)
     if cpu:
         out.print(f"memory: {report.MEMORY_CPU}.", markup=False)
         left_out = report.cpu_status_note(measured)
@@ -510,7 +515,8 @@ def bench(
     threads: Annotated[int | None, typer.Option(metavar="N", help="synthetic stack on the CPU: torch threads (default: torch's, one per core; 1 gives steadier times on small or busy machines)")] = None,
     base: BaseOption = None,
     lora: LoraOption = None,
-    gpu_memory: Annotated[str | None, typer.Option(metavar="SIZE", help="with --family: run every row's steps on this much of the GPU, e.g. '24GiB' (torch.cuda.set_per_process_memory_fraction), as on a smaller card; rows that stream weights ('unsloth-compile + stream all') fit where resident ones do not")] = None,
+    gpu_memory: Annotated[str | None, typer.Option(metavar="SIZE", help="with --family: run every row's steps on this much of the GPU, e.g. '24GiB' (torch.cuda.set_per_process_memory_fraction), as on a smaller card; rows that stream weights ('unsloth-compile + stream all') fit where resident ones do not; the 'auto' row plans within it")] = None,
+    host_memory: Annotated[str | None, typer.Option(metavar="SIZE", help="with --row auto: the pinned host memory its plan may use (its gradient_checkpointing_host_memory), e.g. '48GiB' (default: 3/4 of this machine's available memory)")] = None,
 ) -> None:
     """Benchmark every strategy: memory, host memory and step time, side by side with the references.
 
@@ -527,6 +533,9 @@ def bench(
                              blocks=blocks, dim=dim, device=device, steps=steps, threads=threads, base=base, lora=lora)
     with refused():
         cap_gib = checks.gpu_cap(gpu_memory, family)
+        host_gib = checks.host_size(host_memory) if host_memory is not None else None
+    if host_gib is not None and not any(r.split(" @ ")[0] == "auto" for r in rows or ()):
+        fail("--host-memory is the budget the 'auto' row plans within; add --row auto (or --row 'auto @ 24GiB').")
     fam, preset = _family(family, preset) if family is not None else (None, preset)
     _check_depths(depths)
     with refused():
@@ -553,7 +562,7 @@ def bench(
         steps = b.CPU_STEPS if cpu else 5
     title = f"gradseam bench: {fam.name} {preset}" if fam is not None else b.synthetic_title(dev)
     meta = {"device": dev, "family": family, "preset": preset, "steps": steps, "base": base, "lora": lora,
-            "gpu_memory_gib": cap_gib}
+            "gpu_memory_gib": cap_gib, "host_memory_gib": host_gib}
     out = console()
     run = None
     if fam is not None:
@@ -563,7 +572,7 @@ def bench(
         if fam is not None:
             run = _sweep_family(sweep, fam.name, preset, depths=depths, full=full, depth=depth,
                                 full_rows=full_rows, tokens=tokens, rows=rows, skip_rows=skip_rows, steps=steps,
-                                base=base, lora=lora, gpu_memory_gib=cap_gib)
+                                base=base, lora=lora, gpu_memory_gib=cap_gib, host_memory_gib=host_gib)
             results = run.results
         else:
             results = _sweep_synthetic(sweep, cpu=cpu, blocks=blocks, tokens=tokens, dim=dim, steps=steps,

@@ -8,6 +8,10 @@ table serves every budget. A file is ``<directory>/costs/<hash of the key>.json`
 a reader can see what it is for, and a file whose key does not match (a hash collision, a hand edit) is
 ignored rather than trusted.
 
+A table is saved after every candidate measured, marked incomplete until the last: measuring a large model
+takes minutes (Wan 14B at 480p: every candidate at two depths of 32k-token blocks), and a run stopped meanwhile
+(killed, preempted, interrupted) resumes from the candidates already measured instead of starting over.
+
 The directory is ``$GRADSEAM_CACHE_DIR``, else ``$XDG_CACHE_HOME/gradseam``, else ``~/.cache/gradseam``.
 Deleting it costs one measurement on the next run.
 """
@@ -35,6 +39,11 @@ class Table:
     results: dict[str, Estimate | str]
     static_gib: float  # weights and inputs on the GPU when measured
     depth_note: str
+    complete: bool = True  # False while candidates are still being measured (saved after each one)
+
+    def missing(self) -> list[tuple[str, Mapping[str, Any]]]:
+        """The candidates not measured yet (an incomplete table's): a resumed run measures only these."""
+        return [(label, config) for label, config in self.candidates if label not in self.results]
 
     def ladder(self) -> list[tuple[str, dict[str, Any]]]:
         return [(label, dict(config)) for label, config in self.candidates if label in self.results]
@@ -55,9 +64,12 @@ class Table:
     def to_json(self, key: Mapping[str, Any]) -> dict[str, Any]:
         return {
             "format": FORMAT, "key": dict(key), "static_gib": self.static_gib, "depth_note": self.depth_note,
+            "complete": self.complete,
             "candidates": [{"label": label, "config": dict(config),
                             "result": asdict(r) if isinstance(r, Estimate) else r}
                            for label, config in self.candidates if (r := self.results.get(label)) is not None],
+            # an incomplete table's candidates still to measure, in order
+            "to_measure": [{"label": label, "config": dict(config)} for label, config in self.missing()],
         }
 
     @classmethod
@@ -70,7 +82,9 @@ class Table:
                 units = result.get("unit_costs")
                 result = Estimate(**{**result, "unit_costs": UnitCosts(**units) if units else None})
             results[item["label"]] = result
-        return cls(candidates, results, float(data["static_gib"]), str(data["depth_note"]))
+        candidates += [(item["label"], dict(item["config"])) for item in data.get("to_measure", ())]
+        return cls(candidates, results, float(data["static_gib"]), str(data["depth_note"]),
+                   bool(data.get("complete", True)))
 
 
 def directory(override: str | os.PathLike[str] | None = None) -> Path:

@@ -25,10 +25,13 @@ class Result:
     blocks: str | None = None  # real models: the blocks kept per list at that depth, e.g. "2 + 4 blocks"
     forward_peak_gib: float | None = None  # GPU rows: the forward's own activation peak (loss included)
     backward_peak_gib: float | None = None  # GPU rows: the backward's own peak (peak_gib is the larger)
-    first_step_ms: float | None = None  # compiled rows: the first (warm-up) step, where they compile
+    first_step_ms: float | None = None  # compiled rows: the first (warm-up) step, where they compile; auto: it plans
     gpu_peak_gib: float | None = None  # GPU rows: the whole GPU peak (weights on it, inputs, activations, loads)
     pinned_weights_gib: float | None = None  # rows that stream weights: their pinned host copies (in pinned_gib too)
     failure: str | None = None  # OOM rows: where and what the allocator said (measure.oom_detail)
+    # auto rows: the plan, {"source": "measured" | "cached" | "default", "config": the explicit keys it runs,
+    # "report": the planner's lines (what it measured, the plan, what it beat)}
+    plan: dict | None = None
 
 
 @dataclass
