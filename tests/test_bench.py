@@ -15,6 +15,7 @@ from gradseam.tools import bench as b
 from gradseam.tools import bench_report as report
 from gradseam.tools import bench_rows
 from gradseam.tools.advise import GiB, advise
+from gradseam.tools.compiled import compiles
 from gradseam.tools.measure import count_saved_bytes
 
 MiB = 1 << 20
@@ -267,10 +268,10 @@ def test_every_row_keeps_its_first_step_and_a_slow_one_is_named(results):
     assert len(got.warmup_times_ms) == 2 and len(got.step_times_ms) == 1
     # kept for the rows that compile (the CPU sweep's compiled rows need CUDA, so none here)
     assert all(r.first_step_ms is None for r in results)
-    assert b._compiles({"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth-compile"})
-    assert b._compiles({"compile_blocks": True, "compile_memory_budget": 0.1})
-    assert not b._compiles({"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth"})
-    assert not b._compiles(None)
+    assert compiles({"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth-compile"})
+    assert compiles({"compile_blocks": True, "compile_memory_budget": 0.1})
+    assert not compiles({"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth"})
+    assert not compiles(None)
     rows = [{"strategy": "none", "status": "ok", "step_ms": 494.0, "first_step_ms": 900.0, "depth": 2},
             {"strategy": "compile", "status": "ok", "step_ms": 483.3, "first_step_ms": 53101.0, "depth": 2},
             {"strategy": "unsloth-compile", "status": "ok", "step_ms": 491.0, "first_step_ms": 35713.3},

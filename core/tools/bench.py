@@ -37,7 +37,6 @@ import gradseam
 
 from ..config import CheckpointConfig
 from ..family import Family
-from ..kinds import backend_of, kind_of
 from . import measure as measuring
 from .bench_rows import (
     AUTO_ROW,
@@ -52,7 +51,7 @@ from .bench_rows import (
     synthetic_rows,
 )
 from .checks import parse_depths
-from .compiled import applied, gradseam_keys
+from .compiled import applied, compiles, gradseam_keys
 from .depth import at_depth
 from .results import RealRun, Result
 
@@ -166,17 +165,6 @@ def _diffusers_checkpointing(model: nn.Module) -> Iterator[None]:
         model.disable_gradient_checkpointing()
 
 
-def _compiles(config: dict[str, Any] | None) -> bool:
-    """Whether a row compiles blocks: the compiler's own rows (``compile_blocks``), or a gradseam row whose
-    region kind compiles."""
-    if not config:
-        return False
-    if config.get("compile_blocks"):
-        return True
-    kind = kind_of(backend_of(CheckpointConfig.from_dict(gradseam_keys(config))))
-    return kind is not None and kind.compiles
-
-
 def _gib(value: float | None) -> float | None:
     return round(value, 3) if value is not None else None
 
@@ -276,7 +264,7 @@ def _measure_row(sweep: _Sweep, name: str, config: dict[str, Any] | None) -> Res
             handle = getattr(ctx, "handle", None) or gradseam.handle_of(sweep.model)
             if naive:
                 handle.weights.naive = True
-            compiled = _compiles(config)
+            compiled = compiles(config)
             # looked up per call, so tests can replace measuring.measure
             with capped(cap):
                 got = measuring.measure(step, steps=sweep.steps, warmup=2 if compiled else 1, device=sweep.device,
@@ -302,8 +290,6 @@ def _measure_auto(sweep: _Sweep, name: str, config: dict[str, Any], cap: float |
     plan warms up (twice where it compiles) and ``sweep.steps`` steps are timed. A model whose weights are more than
     the GPU budget is patched on the CPU and then moved, as it would be loaded (built on the GPU, it could never
     start under the cap); it goes back to the GPU after."""
-    from .. import auto as auto_mod
-
     keys = gradseam_keys(config)
     if cap is not None:
         keys["gradient_checkpointing_gpu_memory"] = cap
@@ -320,7 +306,7 @@ def _measure_auto(sweep: _Sweep, name: str, config: dict[str, Any], cap: float |
             measuring.release(sweep.device)
         handle = gradseam.patch(model, keys)
         if via_cpu:
-            if auto_mod.unplanned(model, handle.config) is auto_mod.UNPLANNED:
+            if handle.weights is None:
                 raise gradseam.GradseamError("auto: the model on the CPU was not streamed from patch time")
             model.to(device)
         with capped(cap):
@@ -333,7 +319,7 @@ def _measure_auto(sweep: _Sweep, name: str, config: dict[str, Any], cap: float |
             planned = handle.auto.planned
             assert planned is not None, "auto did not plan at the first training step"
             plan_keys = _plan_keys(planned.config)
-            got = measuring.measure(step, steps=sweep.steps, warmup=2 if _plan_compiles(plan_keys) else 1,
+            got = measuring.measure(step, steps=sweep.steps, warmup=2 if _plancompiles(plan_keys) else 1,
                                     device=sweep.device,
                                     engine=getattr(handle, "engine", None))
         stream = handle.weights
@@ -370,11 +356,11 @@ def _plan_keys(config: CheckpointConfig) -> dict[str, Any]:
     return keys
 
 
-def _plan_compiles(keys: dict[str, Any]) -> bool:
+def _plancompiles(keys: dict[str, Any]) -> bool:
     """Whether any block of a plan runs a compiled kind (its warm-up then takes two steps)."""
     top = {k: v for k, v in keys.items() if k != "gradient_checkpointing_blocks"}
     entries = [{k: v for k, v in entry.items() if k != "blocks"} for entry in keys.get("gradient_checkpointing_blocks") or ()]
-    return any(_compiles({**top, **entry}) for entry in [{}, *entries])
+    return any(compiles({**top, **entry}) for entry in [{}, *entries])
 
 
 @contextmanager

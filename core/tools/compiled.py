@@ -52,6 +52,21 @@ def gradseam_keys(config: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in config.items() if k not in COMPILE_KEYS and not k.startswith("bench_")}
 
 
+def compiles(config: Mapping[str, Any] | None) -> bool:
+    """Whether a configuration compiles blocks: the compiler's own (``compile_blocks``), or a gradseam one whose region
+    kind compiles. Such a configuration's first steps compile (warm-ups), and it can be faster than no checkpointing
+    at all, which no eager checkpointing is."""
+    if not config:
+        return False
+    if config.get("compile_blocks"):
+        return True
+    from ..config import CheckpointConfig
+    from ..kinds import backend_of, kind_of
+
+    kind = kind_of(backend_of(CheckpointConfig.from_dict(gradseam_keys(config))))
+    return kind is not None and kind.compiles
+
+
 @contextmanager
 def applied(model: nn.Module, config: Mapping[str, Any], blocks: list[nn.Module] | None) -> Iterator[None]:
     """``model`` patched with ``config``'s gradseam keys, then its ``blocks`` compiled if it asks."""
