@@ -32,8 +32,7 @@ SLOW_FILES = {
 }
 SLOW_TESTS = {  # by function name, in any file (every parametrization)
     # subprocesses: `python -m gradseam run`, torchrun, accelerate, mkdocs, the docs' scripts
-    "test_trainer_under_gradseam_run_trains_bit_identically",
-    "test_trainer_under_gradseam_run_with_the_compiled_backend_trains_as_eager",
+    "test_trainer_under_gradseam_run_trains_as_the_plain_run",
     "test_every_torchrun_rank_is_patched", "test_accelerate_launch_runs_gradseam_as_the_program",
     "test_a_program_that_closes_its_streams_keeps_its_exit_code",
     "test_mkdocs_build_strict", "test_page_examples_run", "test_upstream_tests_script_patches_every_model_a_test_builds",

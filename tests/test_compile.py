@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_stack import SMALL, _compiled_step
+from test_stack import SMALL, _compiled_reference, _compiled_step
 from torch._dynamo.utils import counters
 
 import gradseam
@@ -37,17 +37,10 @@ class _Recorder:
         return self.inner(gm, example_inputs)
 
 
-def _reference(case):
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = case.build()
-    model.compile_repeated_blocks(backend="aot_eager")
-    return _compiled_step(model, case)
-
-
 @pytest.mark.parametrize("case", SMALL, ids=lambda c: c.name)
 def test_whole_block_regions_compile(case):
-    reference = _reference(case)
+    # the compiled unpatched model's step, computed once per process with tests/test_stack.py's rows
+    reference = _compiled_reference(case, "aot_eager")
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)

@@ -435,24 +435,36 @@ def _train(prefix: list[str], model: Path, out: Path, *extra: str) -> subprocess
     return subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=out.parent, timeout=300)
 
 
-def test_trainer_under_gradseam_run_trains_bit_identically(tmp_path, tiny_pipeline):
-    """The same unmodified trainer, plainly and through ``python -m gradseam run``: same losses, same LoRA bytes."""
-    plain, patched = tmp_path / "plain", tmp_path / "patched"
-    report = tmp_path / "report.json"
-    launcher = [sys.executable, "-m", "gradseam", "run", "--backend", "torch-ffn", "--report", str(report), "--"]
-    with ThreadPoolExecutor(2) as pool:  # two single-threaded processes: the CPU's two cores
-        runs = list(pool.map(lambda job: _train(*job),
-                             [([sys.executable], tiny_pipeline, plain), (launcher, tiny_pipeline, patched)]))
+def test_trainer_under_gradseam_run_trains_as_the_plain_run(tmp_path, tiny_pipeline):
+    """The same unmodified trainer, plainly and through ``python -m gradseam run``, one plain run for both
+    launches (the same command): with ``--backend torch-ffn`` the same losses and the same LoRA bytes; with
+    ``--backend compile`` (``aot_eager`` on the CPU, under the memory budget) the losses and the saved LoRA
+    match to the compiled tolerance, and every block ran compiled (the report's region counts)."""
+    from safetensors.torch import load_file
+
+    from gradseam.testing import COMPILED_TOLERANCE
+
+    plain, ffn, compiled = tmp_path / "plain", tmp_path / "ffn", tmp_path / "compiled"
+    ffn_report, compiled_report = tmp_path / "ffn.json", tmp_path / "compiled.json"
+    launcher = [sys.executable, "-m", "gradseam", "run", "--backend", "torch-ffn", "--report", str(ffn_report), "--"]
+    compiling = [sys.executable, "-m", "gradseam", "run", "--backend", "compile", "--memory-budget", "0.3",
+                 "--report", str(compiled_report), "--"]
+    with ThreadPoolExecutor(2) as pool:  # single-threaded processes, two at a time: the CPU's two cores
+        runs = list(pool.map(lambda job: _train(*job), [([sys.executable], tiny_pipeline, plain),
+                                                         (launcher, tiny_pipeline, ffn),
+                                                         (compiling, tiny_pipeline, compiled)]))
     for done in runs:
         assert done.returncode == 0, done.stderr[-3000:]
-    losses = json.loads((plain / "losses.json").read_text())
-    assert len(losses) == 3 and json.loads((patched / "losses.json").read_text()) == losses
-    lora = (plain / "pytorch_lora_weights.safetensors").read_bytes()
-    assert (patched / "pytorch_lora_weights.safetensors").read_bytes() == lora
     assert "[gradseam]" not in runs[0].stderr
+
+    # torch-ffn: bit-identical
+    losses = json.loads((plain / "losses.json").read_text())
+    assert len(losses) == 3 and json.loads((ffn / "losses.json").read_text()) == losses
+    lora = (plain / "pytorch_lora_weights.safetensors").read_bytes()
+    assert (ffn / "pytorch_lora_weights.safetensors").read_bytes() == lora
     assert "[gradseam] patched FluxTransformer2DModel: family flux, torch-ffn;" in runs[1].stderr
     # gradseam really checkpointed: every FFN region ran once per step, as one region, LoRA'd proj_mlp included
-    (model,) = json.loads(report.read_text())["models"]
+    (model,) = json.loads(ffn_report.read_text())["models"]
     runs_by_label = {r["label"]: (r["shape"], r["runs"], r["whole"]) for r in model["region_runs"]}
     assert runs_by_label == {
         "transformer_blocks[0].ff": ("ffn", 3, True),
@@ -460,33 +472,16 @@ def test_trainer_under_gradseam_run_trains_bit_identically(tmp_path, tiny_pipeli
         "single_transformer_blocks[0].proj_mlp→act_mlp": ("ffn", 3, True),
     }
 
-
-def test_trainer_under_gradseam_run_with_the_compiled_backend_trains_as_eager(tmp_path, tiny_pipeline):
-    """The same trainer through ``gradseam run --backend compile`` (``aot_eager`` on the CPU, under the
-    memory budget): the losses and the saved LoRA match the plain run to the compiled tolerance, and
-    every block ran compiled (the report's region counts)."""
-    from safetensors.torch import load_file
-
-    from gradseam.testing import COMPILED_TOLERANCE
-
-    plain, patched = tmp_path / "plain", tmp_path / "patched"
-    report = tmp_path / "report.json"
-    launcher = [sys.executable, "-m", "gradseam", "run", "--backend", "compile", "--memory-budget", "0.3",
-                "--report", str(report), "--"]
-    with ThreadPoolExecutor(2) as pool:
-        runs = list(pool.map(lambda job: _train(*job),
-                             [([sys.executable], tiny_pipeline, plain), (launcher, tiny_pipeline, patched)]))
-    for done in runs:
-        assert done.returncode == 0, done.stderr[-3000:]
-    want, got = (json.loads((d / "losses.json").read_text()) for d in (plain, patched))
-    assert len(want) == 3 and torch.allclose(torch.tensor(got), torch.tensor(want), rtol=COMPILED_TOLERANCE)
-    lora = load_file(plain / "pytorch_lora_weights.safetensors")
-    trained = load_file(patched / "pytorch_lora_weights.safetensors")
-    assert trained.keys() == lora.keys() and lora
-    for key, value in lora.items():
+    # compile: to the compiled tolerance
+    got = json.loads((compiled / "losses.json").read_text())
+    assert torch.allclose(torch.tensor(got), torch.tensor(losses), rtol=COMPILED_TOLERANCE)
+    want = load_file(plain / "pytorch_lora_weights.safetensors")
+    trained = load_file(compiled / "pytorch_lora_weights.safetensors")
+    assert trained.keys() == want.keys() and want
+    for key, value in want.items():
         assert torch.allclose(trained[key], value, rtol=COMPILED_TOLERANCE, atol=COMPILED_TOLERANCE), key
-    assert "[gradseam] patched FluxTransformer2DModel: family flux, compile" in runs[1].stderr
-    (model,) = json.loads(report.read_text())["models"]
+    assert "[gradseam] patched FluxTransformer2DModel: family flux, compile" in runs[2].stderr
+    (model,) = json.loads(compiled_report.read_text())["models"]
     assert all(row["strategy"].startswith("compile") for row in model["summary"]), model["summary"]
     assert [(r["runs"], r["fallbacks"]) for r in model["region_runs"]] == [(3, {}), (3, {})], model["region_runs"]
 

@@ -177,6 +177,11 @@ def check(args: argparse.Namespace) -> int:
         vs_control = max(rel_l2(g, control[n]) for n, g in grads.items())
         loss_err = abs(mean_loss - ref_loss) / abs(ref_loss)
         moved = handle.engine.stats()["offloaded_bytes"] if handle is not None and handle.engine else 0
+        # gradseam's checkpoint regions that ran in this step, of those it planned (its attention seams count no
+        # calls), and whether the model kept its handle through fully_shard: None for the rows without gradseam
+        runs = [r for r in handle.regions() if r.shape != "attention"] if handle is not None else None
+        ran = [sum(r.ran for r in runs), len(runs)] if runs is not None else None
+        kept = gradseam.handle_of(model) is handle if handle is not None else None
         ok = grads.keys() == ref_grads.keys() and worst < TOLERANCE and loss_err < TOLERANCE
         if isinstance(config, dict):
             ok = ok and len(handle.plan.regions) > 0
@@ -186,7 +191,8 @@ def check(args: argparse.Namespace) -> int:
         notes = sorted({str(w.message).split(";")[0] for w in caught if issubclass(w.category, GradseamWarning)})
         report.append({"strategy": label, "max_grad_rel_l2": worst, "worst_param": where,
                        "max_grad_rel_l2_vs_fsdp2_unpatched": vs_control, "loss_rel": loss_err,
-                       "offloaded_bytes": moved, "warnings": notes, "ok": ok})
+                       "offloaded_bytes": moved, "regions_ran": ran, "handle_kept": kept, "warnings": notes,
+                       "ok": ok})
         if rank == 0:
             print(f"{'ok  ' if ok else 'FAIL'} {label:42s} grad rel L2 max {worst:.2e} ({where}), "
                   f"vs FSDP2 unpatched {vs_control:.1e}, loss rel {loss_err:.1e}, offloaded {moved / 2**20:.2f} MiB",
