@@ -459,3 +459,24 @@ def test_a_run_stopped_while_measuring_resumes_from_the_candidates_it_measured(_
     table = cost_cache.load(key)
     assert table.complete and not table.missing() and planned.source == "measured"
     assert {label: table.results[label] for label in before} == before, "a row measured before was measured again"
+
+
+def test_a_candidate_out_of_memory_while_measuring_is_cached_with_where_it_ran_out():
+    """The cost table keeps each failure's reason; an out-of-memory one also says where it was raised (gradseam's
+    deepest frame and the innermost), so a table from a GPU run names the code that allocated."""
+    from gradseam.testing import run_step
+
+    model = WAN.fresh()
+    model.blocks[0].register_forward_pre_hook(_allocate_too_much)
+
+    def measure_on(request: Request):
+        return (lambda config: run_step(model, WAN)), "depth 5", 0.0  # a step through gradseam's own code
+
+    rows = auto_planner._Rows(Request(model, _inputs(), 40.0, 8.0, family_for(model)), measure_on)
+    got = rows.one("torch", {"gradient_checkpointing": True})
+    assert got.startswith("OOM while measuring: CUDA out of memory. Tried to allocate 50.00 MiB (at gradseam/testing/")
+    assert "run_step; innermost tests/test_auto.py:" in got and "_allocate_too_much" in got, got
+
+
+def _allocate_too_much(module, args):
+    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 50.00 MiB")

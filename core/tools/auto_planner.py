@@ -228,7 +228,34 @@ class _Rows:
         except Exception as exc:
             if not is_oom(exc):
                 raise
-            return f"OOM while measuring: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+            what = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            return f"OOM while measuring: {what} (at {where_raised(exc)})"
+
+
+def where_raised(exc: BaseException) -> str:
+    """Where ``exc`` was raised, for a cached failure to say: the deepest frame in gradseam's own code below the
+    measuring call, and the innermost frame (which tensor was being made). A row that runs out of memory for a
+    reason of gradseam's (weights brought onto the GPU, as Wan 14B's measuring did on the H200) then names it in
+    the cost table and the report, without a debugger on the machine that saw it."""
+    import os
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)[1:]  # below this measuring call
+    if not frames:
+        return "this measuring call"
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def short(frame: traceback.FrameSummary) -> str:
+        path = frame.filename
+        path = "gradseam/" + os.path.relpath(path, package) if path.startswith(package + os.sep) else \
+            os.path.join(*path.split(os.sep)[-2:])
+        return f"{path}:{frame.lineno} {frame.name}"
+
+    ours = [f for f in frames if os.path.abspath(f.filename).startswith(package + os.sep)]
+    innermost = short(frames[-1])
+    if ours and ours[-1] is not frames[-1]:
+        return f"{short(ours[-1])}; innermost {innermost}"
+    return innermost
 
 
 def measure(rows: _Rows, candidates: list[tuple[str, dict[str, Any]]], partial: cost_cache.Table | None = None, *,
