@@ -99,3 +99,11 @@ def test_host_memory_is_refused_without_an_auto_row_naming_the_fix():
     assert "--host-memory" in result.output and "--row auto" in result.output
     bad = CliRunner().invoke(app, ["bench", "--family", "wan", "--row", "auto", "--host-memory", "lots"])
     assert bad.exit_code != 0 and "--host-memory" in bad.output and "lots" in bad.output
+
+
+def test_a_model_goes_through_the_cpu_only_when_its_weights_are_more_than_the_cap():
+    """The auto row patches on the CPU (as a model is loaded) exactly when the cap could not hold its weights."""
+    model = WAN.fresh()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+    assert b._larger_than_gpu(model, 0.9 * weights)
+    assert not b._larger_than_gpu(model, 1.1 * weights)

@@ -245,16 +245,18 @@ def where_raised(exc: BaseException) -> str:
         return "this measuring call"
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+    def ours(frame: traceback.FrameSummary) -> bool:
+        return os.path.abspath(frame.filename).startswith(package + os.sep)
+
     def short(frame: traceback.FrameSummary) -> str:
-        path = frame.filename
-        path = "gradseam/" + os.path.relpath(path, package) if path.startswith(package + os.sep) else \
-            os.path.join(*path.split(os.sep)[-2:])
+        path = os.path.abspath(frame.filename)
+        path = "gradseam/" + os.path.relpath(path, package) if ours(frame) else os.path.join(*path.split(os.sep)[-2:])
         return f"{path}:{frame.lineno} {frame.name}"
 
-    ours = [f for f in frames if os.path.abspath(f.filename).startswith(package + os.sep)]
+    mine = [f for f in frames if ours(f)]
     innermost = short(frames[-1])
-    if ours and ours[-1] is not frames[-1]:
-        return f"{short(ours[-1])}; innermost {innermost}"
+    if mine and mine[-1] is not frames[-1]:
+        return f"{short(mine[-1])}; innermost {innermost}"
     return innermost
 
 
@@ -263,19 +265,19 @@ def measure(rows: _Rows, candidates: list[tuple[str, dict[str, Any]]], partial: 
     """Every candidate measured (a failure recorded with its reason), with a line of progress each; ``partial``, a
     table a stopped run left incomplete, is finished instead (its rows are kept, one line says so). ``save`` is
     called with the table after each candidate, so a run stopped in turn loses one candidate at most."""
-    table = partial or cost_cache.Table(candidates, {}, 0.0, "", complete=False)
+    table = partial or cost_cache.Table(candidates, {}, 0.0, "", complete=not candidates)
     if partial is not None:
         print(f"gradseam auto: {type(rows.request.model).__name__}: resuming: {len(partial.results)} of "
               f"{len(partial.candidates)} candidates were measured by a run that stopped before the rest",
               file=sys.stderr, flush=True)
-    for label, config in table.missing():
-        position = [lab for lab, _ in table.candidates].index(label) + 1
+    for position, (label, config) in enumerate(table.candidates, 1):
+        if label in table.results:
+            continue
         table.results[label] = rows.one(label, config, f"{position}/{len(table.candidates)} ")
         _, table.depth_note, table.static_gib = rows.setup
         table.complete = not table.missing()
         if save is not None:
             save(table)
-    table.complete = True
     return table
 
 

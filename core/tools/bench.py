@@ -35,18 +35,16 @@ from torch.utils.checkpoint import checkpoint
 
 import gradseam
 
-from ..config import CheckpointConfig
 from ..family import Family
 from . import measure as measuring
 from .bench_rows import (
-    AUTO_ROW,
-    CAP_SUFFIX,
     DIFFUSERS_ROW,
     GPU_CAP_KEY,
     NAIVE_KEY,
     NEEDS_CUDA,
     STREAM_SUFFIX,
     cpu_status,
+    is_auto_row,
     real_rows,
     synthetic_rows,
 )
@@ -249,11 +247,10 @@ def run_rows(
 
 def _measure_row(sweep: _Sweep, name: str, config: dict[str, Any] | None) -> Result:
     """One row, measured: the strategy applied, ``sweep.steps`` timed steps (two warm-ups where it compiles)."""
-    cpu = sweep.device == "cpu"
     measuring.release(sweep.device)
     # bench's own keys (a row's cap, the naive reference): gradseam_keys() leaves them out of the patch
     cap = (config or {}).get(GPU_CAP_KEY, sweep.gpu_cap_gib)
-    if name.split(CAP_SUFFIX)[0] == AUTO_ROW:
+    if is_auto_row(name):
         return _measure_auto(sweep, name, dict(config or {}), cap)
     naive = bool((config or {}).get(NAIVE_KEY))
     step = None
@@ -273,15 +270,24 @@ def _measure_row(sweep: _Sweep, name: str, config: dict[str, Any] | None) -> Res
             streamed_pinned = stream.pinned_bytes / GiB if stream is not None else None
     finally:
         step = None  # the step holds the model's activations: drop it before the next row, even on failure
+    return _result(sweep, name, got, streamed_pinned, pinned=name != "ref: save_on_cpu",
+                   first_step_ms=got.warmup_times_ms[0] if compiled and got.warmup_times_ms else None)
+
+
+def _result(sweep: _Sweep, name: str, got: measuring.Measurement, streamed_pinned: float | None, *, pinned: bool = True,
+            first_step_ms: float | None = None, plan: dict[str, Any] | None = None) -> Result:
+    """A measured row. ``streamed_pinned``: the GiB its streamed weights pin (None: nothing streams), counted in its
+    pinned host memory too; ``pinned=False``: a row whose pinned memory is not the engine's to read (save_on_cpu)."""
+    cpu = sweep.device == "cpu"
     # CPU counts are small (KiB to MiB): keep them to the byte
     return Result(sweep.workload, sweep.tokens, name, round(got.peak_gib, 9 if cpu else 3), round(got.step_ms, 1),
                   pinned_allocations_after_warmup=got.pinned_allocations_after_warmup,
-                  pinned_gib=None if cpu or name == "ref: save_on_cpu" else round(got.pinned_gib + (streamed_pinned or 0.0), 3),
+                  pinned_gib=None if cpu or not pinned else round(got.pinned_gib + (streamed_pinned or 0.0), 3),
                   pinned_weights_gib=None if cpu or streamed_pinned is None else round(streamed_pinned, 3),
                   depth=sweep.depth, blocks=sweep.blocks,
                   forward_peak_gib=_gib(got.forward_peak_gib), backward_peak_gib=_gib(got.backward_peak_gib),
-                  first_step_ms=round(got.warmup_times_ms[0], 1) if compiled and got.warmup_times_ms else None,
-                  gpu_peak_gib=None if cpu else round(got.base_gib + got.peak_gib, 3))
+                  first_step_ms=round(first_step_ms, 1) if first_step_ms is not None else None,
+                  gpu_peak_gib=None if cpu else round(got.base_gib + got.peak_gib, 3), plan=plan)
 
 
 def _measure_auto(sweep: _Sweep, name: str, config: dict[str, Any], cap: float | None) -> Result:
@@ -318,9 +324,8 @@ def _measure_auto(sweep: _Sweep, name: str, config: dict[str, Any], cap: float |
             planning_ms = (time.perf_counter() - start) * 1000
             planned = handle.auto.planned
             assert planned is not None, "auto did not plan at the first training step"
-            plan_keys = _plan_keys(planned.config)
-            got = measuring.measure(step, steps=sweep.steps, warmup=2 if _plancompiles(plan_keys) else 1,
-                                    device=sweep.device,
+            compiled = any(kind.compiles for kind in handle.plan.kinds)  # the plan installed, block by block
+            got = measuring.measure(step, steps=sweep.steps, warmup=2 if compiled else 1, device=sweep.device,
                                     engine=getattr(handle, "engine", None))
         stream = handle.weights
         streamed_pinned = stream.pinned_bytes / GiB if stream is not None else None
@@ -330,37 +335,16 @@ def _measure_auto(sweep: _Sweep, name: str, config: dict[str, Any], cap: float |
             handle.remove()
         if via_cpu:
             model.to(device)
-    cpu = sweep.device == "cpu"
-    return Result(sweep.workload, sweep.tokens, name, round(got.peak_gib, 9 if cpu else 3), round(got.step_ms, 1),
-                  pinned_allocations_after_warmup=got.pinned_allocations_after_warmup,
-                  pinned_gib=None if cpu else round(got.pinned_gib + (streamed_pinned or 0.0), 3),
-                  pinned_weights_gib=None if cpu or streamed_pinned is None else round(streamed_pinned, 3),
-                  depth=sweep.depth, blocks=sweep.blocks,
-                  forward_peak_gib=_gib(got.forward_peak_gib), backward_peak_gib=_gib(got.backward_peak_gib),
-                  first_step_ms=round(planning_ms, 1), gpu_peak_gib=None if cpu else round(got.base_gib + got.peak_gib, 3),
-                  plan={"source": planned.source, "config": plan_keys, "report": planned.report})
+    return _result(sweep, name, got, streamed_pinned, first_step_ms=planning_ms,
+                   plan={"source": planned.source, "config": planned.config.to_dict(), "report": planned.report})
 
 
 def _larger_than_gpu(model: nn.Module, cap: float | None) -> bool:
     """Whether ``model``'s weights are more than the GPU memory the row runs on (its cap, or the whole GPU)."""
-    tensors = [*model.parameters(), *model.buffers()]
-    budget = cap if cap is not None else torch.cuda.get_device_properties(tensors[0].device).total_memory / GiB
-    return sum(t.numel() * t.element_size() for t in tensors) / GiB > budget
+    from .bases import weight_bytes
 
-
-def _plan_keys(config: CheckpointConfig) -> dict[str, Any]:
-    """The plan's explicit keys, each per-block entry a plain dict (the JSON's and ``gradseam.patch``'s form)."""
-    keys = config.given_keys()
-    if keys.get("gradient_checkpointing_blocks"):
-        keys["gradient_checkpointing_blocks"] = [dict(entry) for entry in keys["gradient_checkpointing_blocks"]]
-    return keys
-
-
-def _plancompiles(keys: dict[str, Any]) -> bool:
-    """Whether any block of a plan runs a compiled kind (its warm-up then takes two steps)."""
-    top = {k: v for k, v in keys.items() if k != "gradient_checkpointing_blocks"}
-    entries = [{k: v for k, v in entry.items() if k != "blocks"} for entry in keys.get("gradient_checkpointing_blocks") or ()]
-    return any(compiles({**top, **entry}) for entry in [{}, *entries])
+    budget = cap if cap is not None else torch.cuda.get_device_properties(next(model.parameters()).device).total_memory / GiB
+    return weight_bytes(model) / GiB > budget
 
 
 @contextmanager
@@ -549,7 +533,7 @@ def capped_at_fit_depth(rows: list[tuple[str, dict[str, Any] | None]],
     caps = {name: (config or {}).get(GPU_CAP_KEY, gpu_memory_gib) for name, config in rows}
 
     def rule_out(name: str) -> str | None:
-        if name.split(CAP_SUFFIX)[0] == AUTO_ROW:
+        if is_auto_row(name):
             return ("not measured at a fit depth of a --full run: auto plans the model it is given, and a plan for "
                     "this cut model says nothing of the full one; see the full depth")
         if caps.get(name) is None:

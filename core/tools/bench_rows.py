@@ -41,6 +41,11 @@ AUTO_CONFIG: dict[str, Any] = {"gradient_checkpointing": True, "gradient_checkpo
 STREAM_SUFFIX = " + stream "  # "<gradseam row> + stream N" / "... + stream all": that row, weights streamed
 CAP_SUFFIX = " @ "  # "<gradseam row> @ 24GiB": that row's steps on 24 GiB of the GPU
 
+
+def is_auto_row(label: str) -> bool:
+    """Whether ``label`` is the planner's row, with or without its own cap (``"auto"``, ``"auto @ 24GiB"``)."""
+    return label.split(CAP_SUFFIX)[0] == AUTO_ROW
+
 # -- rows the CPU mode does not measure, and why ---------------------------------------------------
 
 NEEDS_CUDA = "needs CUDA"
@@ -64,7 +69,7 @@ _PINNED_REFERENCES = ("ref: naive unsloth", "ref: save_on_cpu")  # hand-written 
 
 def cpu_status(label: str) -> str | None:
     """Why the CPU mode does not measure the row ``label`` (one of :data:`CPU_STATUS_WHY`'s keys), or None."""
-    if label in _PINNED_REFERENCES or STREAM_SUFFIX in label or CAP_SUFFIX in label or label == AUTO_ROW:
+    if label in _PINNED_REFERENCES or STREAM_SUFFIX in label or CAP_SUFFIX in label or is_auto_row(label):
         return NEEDS_CUDA
     if label in {name for name, _ in COMPILE_ROWS}:
         return NOT_ON_CPU_COMPILED

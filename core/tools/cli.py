@@ -534,7 +534,9 @@ def bench(
     with refused():
         cap_gib = checks.gpu_cap(gpu_memory, family)
         host_gib = checks.host_size(host_memory) if host_memory is not None else None
-    if host_gib is not None and not any(r.split(" @ ")[0] == "auto" for r in rows or ()):
+    from .bench_rows import is_auto_row  # labels only: no torch
+
+    if host_gib is not None and not any(is_auto_row(r) for r in rows or ()):
         fail("--host-memory is the budget the 'auto' row plans within; add --row auto (or --row 'auto @ 24GiB').")
     fam, preset = _family(family, preset) if family is not None else (None, preset)
     _check_depths(depths)
