@@ -166,15 +166,15 @@ def test_fsdp2_script_check_passes_for_every_strategy_on_cpu(tmp_path):
     """The script the H200 pair runs, here on a tiny Flux: each rank its own batch, every row's
     gradients (the compiled backends' included) vs the mean of both batches on one unsharded model."""
     import json
-    import subprocess
     import sys
+
+    from ranks import run_ranks
 
     out = tmp_path / "check.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={_free_port()}",
-         SCRIPT, "check", "--cpu", "--tiny", "--json", str(out)],
-        capture_output=True, text=True, env=env, timeout=300,
+    result = run_ranks(
+        lambda: [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", f"--master-port={_free_port()}",
+         SCRIPT, "check", "--cpu", "--tiny", "--json", str(out)], env=env, timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(out.read_text())
@@ -200,6 +200,38 @@ def test_fsdp2_script_check_passes_for_every_strategy_on_cpu(tmp_path):
             assert row["handle_kept"] is True and ran == planned, (label, row)
             assert planned > 0 or label == "attention offload", (label, row)  # its attention seams count no calls
     assert "14/14 strategies match" in result.stdout
+
+
+def test_only_a_rank_killed_by_a_native_crash_runs_again(monkeypatch):
+    """tests/ranks.py: the launcher's report of a rank killed by SIGSEGV (as CI printed it) runs the command once
+    more, with a fresh command (port) and a warning; a rank that failed in Python is the result as it is."""
+    import subprocess
+
+    import ranks
+
+    crashed = ("  Root Cause (first observed failure):\n  [0]:\n    rank      : 0 (local_rank: 0)\n"
+               "    exitcode  : -11 (pid: 20816)  (SIGSEGV)\n    traceback : Signal 11 (SIGSEGV) received by PID 20816\n")
+    python_failure = "  [0]:\n    exitcode  : 1 (pid: 20816)\n    traceback : AssertionError: 13/14 strategies match\n"
+    for first, runs in ((crashed, 2), (python_failure, 1)):
+        calls: list[list[str]] = []
+
+        def fake_run(cmd, first=first, calls=calls, **kwargs):
+            calls.append(cmd)
+            return subprocess.CompletedProcess(cmd, 1 if len(calls) == 1 else 0, "", first if len(calls) == 1 else "")
+
+        monkeypatch.setattr(ranks.subprocess, "run", fake_run)
+        ports = iter(range(2))
+
+        def command(ports=ports) -> list[str]:
+            return ["torchrun", f"--master-port={next(ports)}"]
+
+        if runs == 2:
+            with pytest.warns(UserWarning, match=r"died in native code \(exit 1\); running it once more"):
+                done = ranks.run_ranks(command)
+        else:
+            done = ranks.run_ranks(command)
+        assert len(calls) == runs and done.returncode == (0 if runs == 2 else 1)
+        assert [c[-1] for c in calls] == [f"--master-port={i}" for i in range(runs)]
 
 
 # -- interval chunks and blocks with forward pre-hooks -------------------------------------------

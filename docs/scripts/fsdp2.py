@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import faulthandler
 import gc
 import json
 import os
@@ -370,4 +371,7 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    # a rank that dies in native code (a segfault in the collective library) prints every thread's Python stack, so
+    # the launcher's "exitcode -11" comes with where it happened
+    faulthandler.enable()
     raise SystemExit(main())
