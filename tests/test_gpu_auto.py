@@ -166,3 +166,89 @@ def test_gpu_bench_auto_row_patches_a_model_larger_than_its_cap_on_the_cpu_and_g
     assert gradseam.handle_of(model) is None
     assert all(p.device.type == "cuda" for p in model.parameters()), "the model did not go back to the GPU"
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def _live_at_peak(snapshot: dict) -> list[tuple[int, str]]:
+    """Replays the allocator's recorded trace: the allocations alive at its highest point, as (bytes, where), where
+    is the deepest frame in gradseam's code (else the innermost), largest first. For the message of a test that
+    fails on memory: it names the code that allocated, without a debugger on the machine that saw it."""
+    events = snapshot["device_traces"][0] if snapshot["device_traces"] else []
+    live: dict[int, tuple[int, list]] = {}
+    current = top = 0
+    at_top: dict[int, tuple[int, list]] = {}
+    for event in events:
+        if event["action"] == "alloc":
+            live[event["addr"]] = (event["size"], event.get("frames", []))
+            current += event["size"]
+            if current > top:
+                top, at_top = current, dict(live)
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            current -= live.pop(event["addr"])[0]
+
+    def where(frames: list) -> str:
+        ours = [f for f in frames if "gradseam" in f["filename"] and "/tests/" not in f["filename"]]
+        frame = ours[0] if ours else frames[0] if frames else {"filename": "?", "line": 0, "name": "?"}
+        return f"{frame['filename'].rsplit('/', 2)[-2:]}:{frame['line']} {frame['name']}"
+
+    grouped: dict[str, int] = {}
+    for size, frames in at_top.values():
+        grouped[where(frames)] = grouped.get(where(frames), 0) + size
+    return sorted(((size, place) for place, size in grouped.items()), reverse=True)
+
+
+def test_gpu_auto_measuring_a_model_streamed_from_patch_time_holds_a_few_blocks_weights_at_most(tmp_path, monkeypatch):
+    """Issue 41's Wan 2.1 14B fault, at a size a test can hold: bench's auto row on a model larger than its cap (moved
+    to the CPU, patched, moved back without its blocks' weights) ran out of memory measuring every candidate at
+    23.83 GiB, ~36 of its 40 blocks' weights on a 24 GiB cap. Measuring runs the model cut to 2 and 4 blocks, so
+    no more than those blocks' weights may come onto the GPU: here 16 blocks of 4 MiB each, a peak above 8 blocks'
+    weights while planning fails, naming where the memory was allocated (the allocator's recorded trace)."""
+    from diffusers import WanTransformer3DModel
+
+    import gradseam.patcher
+    from gradseam.auto import UNPLANNED_STREAMED
+    from gradseam.tools import bench as b
+    from gradseam.tools import measure as measuring
+    from gradseam.tools.bench_rows import real_rows
+
+    monkeypatch.setenv("GRADSEAM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(gradseam.patcher, "unplanned", lambda model, config: UNPLANNED_STREAMED)
+    monkeypatch.setattr(b, "_larger_than_gpu", lambda model, cap: True)
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=64, in_channels=4,
+                                  out_channels=4, text_dim=64, freq_dim=64, ffn_dim=1024, num_layers=16,
+                                  rope_max_seq_len=32).cuda()
+    model.requires_grad_(False)
+    model.proj_out.requires_grad_(True)  # what trains, outside the streamed weights
+    per_block = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    assert per_block > 3 * 2**20, per_block
+    g = torch.Generator().manual_seed(1)
+    inputs = {"hidden_states": torch.randn(1, 4, 2, 4, 4, generator=g).cuda().requires_grad_(),
+              "timestep": torch.tensor([500]).cuda(),
+              "encoder_hidden_states": torch.randn(1, 6, 64, generator=g).cuda().requires_grad_()}
+    sweep = b._Sweep("wan, 16 blocks", 1, model, lambda: measuring.forward_backward(model, inputs), 1, "blocks",
+                     "cuda", None, None, None, host_gib=8.0)
+    seen: dict[str, float] = {}
+    planner = gradseam.auto._planner
+
+    def watched(request):  # the GPU memory the measuring adds, from what the model held as it began
+        torch.cuda.synchronize()
+        seen["static"] = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=200_000)
+        try:
+            return planner(request)
+        finally:
+            seen["peak"] = torch.cuda.max_memory_allocated()
+            seen["where"] = _live_at_peak(torch.cuda.memory._snapshot())
+            torch.cuda.memory._record_memory_history(enabled=None)
+
+    monkeypatch.setattr(gradseam.auto, "_planner", watched)
+    label = "auto @ 4GiB"
+    result = b._measure_row(sweep, label, dict(real_rows([label]))[label])
+    assert "peak" in seen, result.status
+    added = seen["peak"] - seen["static"]
+    where = "; ".join(f"{size / 2**20:.1f} MiB at {place}" for size, place in seen["where"][:6])
+    assert added < 8 * per_block, (
+        f"measuring brought {added / 2**20:.1f} MiB onto the GPU, {added / per_block:.1f} blocks' weights "
+        f"({per_block / 2**20:.1f} MiB each); alive at the peak: {where}")
+    assert result.status == "ok", result.status
