@@ -147,12 +147,20 @@ class BlockList:
     block's ``forward`` (``"layer_cache"``); a dotted name follows keys of a dict argument, or
     attributes of another object (``"joint_attention_kwargs.kv_cache"``: Flux 2's loop puts each
     block's cache into the kwargs dict).
+
+    ``called_outside`` names the submodules of a block that the model calls outside that block's own
+    forward, as ``(index, path)`` pairs: DiT's forward calls ``transformer_blocks[0].norm1.emb`` again
+    after the loop, for the final layer's modulation (``(0, "norm1.emb")``; a negative index counts from
+    the end). Weight streaming keeps their weights on the GPU when it streams that block: streamed,
+    they would be in host memory when the call comes. The conformance kit watches every block
+    submodule's calls and fails a family that leaves one out.
     """
 
     path: str
     carry: Carry | None = None  # None: blocks of this list cannot be chunked (interval is ignored)
     optional: bool = False  # the attribute may be missing or None in some configs
     per_block: tuple[str, ...] = ()  # arguments carrying each block's own state (see above)
+    called_outside: tuple[tuple[int, str], ...] = ()  # (block index, submodule path) called outside it
 
     def __post_init__(self) -> None:
         owner = f"BlockList({self.path!r})" if isinstance(self.path, str) else "BlockList"
@@ -169,6 +177,23 @@ class BlockList:
         if not isinstance(self.optional, bool):
             raise TypeError(f"{owner}: field 'optional' must be True or False, got {_show(self.optional)}.")
         object.__setattr__(self, "per_block", self._per_block(owner))
+        object.__setattr__(self, "called_outside", self._called_outside(owner))
+
+    def _called_outside(self, owner: str) -> tuple[tuple[int, str], ...]:
+        expected = "a tuple of (block index, submodule path) pairs, e.g. ((0, 'norm1.emb'),)"
+        pairs = _sequence(owner, "called_outside", self.called_outside, expected, "((0, {v}),)")
+        for pair in pairs:
+            if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], int)
+                    and not isinstance(pair[0], bool) and _is_path(pair[1])):
+                raise TypeError(f"{owner}: field 'called_outside' must be {expected}, got {_show(self.called_outside)} "
+                                f"(item {_show(pair)}).")
+        if len(set(pairs)) != len(pairs):
+            raise ValueError(f"{owner}: field 'called_outside' names a submodule twice: {pairs!r}.")
+        return tuple(pairs)
+
+    def outside(self, index: int, length: int) -> tuple[str, ...]:
+        """The submodule paths of block ``index`` (of ``length`` in the list) the model calls outside it."""
+        return tuple(path for at, path in self.called_outside if at == index or at + length == index)
 
     def _per_block(self, owner: str) -> tuple[str, ...]:
         expected = "a tuple of argument names (a dotted name reaches into a dict argument)"

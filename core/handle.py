@@ -214,10 +214,13 @@ class PatchHandle:
         from .offload.weights import WeightStream
 
         name = type(self.model).__name__
+        lists = {bl.path: bl for bl in self.family.block_lists}
         blocks = [resolve(self.model, path)[index] for path, index in self.plan.streamed]
         labels = [f"{name}.{path}[{index}]" for path, index in self.plan.streamed]
+        # what the model calls outside a block (DiT's final modulation, block 0's norm1.emb) stays resident
+        keep = [lists[path].outside(index, len(resolve(self.model, path))) for path, index in self.plan.streamed]
         self.weights = WeightStream(blocks, labels, error=UnsupportedStrategyError, test_mode=cpu_allowed(),
-                                    prefetch=self.plan.config.gradient_checkpointing_stream_prefetch)
+                                    prefetch=self.plan.config.gradient_checkpointing_stream_prefetch, keep=keep)
         self.weights.install(self.model)
 
     def _unstream_weights(self) -> None:
@@ -346,6 +349,10 @@ class PatchHandle:
                 f"({'pinned' if w.pinned_bytes == w.host_bytes else 'pageable' if not w.pinned_bytes else 'partly pinned'})"
                 f", copied to the GPU {ahead}; {w.loads} block loads so far. Pinned host memory now: weights "
                 f"{w.pinned_bytes / 2**30:.2f} GiB, offloaded activations {activations / 2**30:.2f} GiB")
+            kept = [f"{block.label}.{path}" for block, paths in zip(w.blocks, w.keep) for path in paths]
+            if kept:
+                summary.notes.append(f"kept with the model, not streamed (the model calls them outside their block): "
+                                     f"{', '.join(kept)}")
         if self.auto is not None:
             summary.notes.insert(0, self.auto.describe())
         if not self.active and self.replaced_by is not None:

@@ -25,6 +25,7 @@ from gradseam.planning import plan
 from gradseam.testing import (
     Case,
     ConformanceSuite,
+    assert_same_step,
     check_bench_workload,
     check_builtin_flag,
     check_declared_sides,
@@ -198,26 +199,67 @@ def _frozen_dit() -> torch.nn.Module:
 FROZEN = Case("dit-frozen", _frozen_dit, dit_batch_inputs, output=_sample)
 
 
-@pytest.mark.parametrize(("stream", "host_call"), [(1, False), (2, False), (3, True), ("all", True)])
-def test_streaming_block_0_hands_the_call_after_the_loop_its_host_weights(
-    stream: object, host_call: bool,
-) -> None:
-    # After the loop the model calls transformer_blocks[0].norm1.emb itself, outside block 0's forward,
-    # where a streamed block's weights are their host copies. On the CPU that is still exact; on a GPU the
-    # forward stops with a device mismatch. Streamed blocks are spread from the middle: block 0 streams
-    # only past half of them.
+@pytest.mark.parametrize("stream", [1, 3, "all"])
+def test_block_0_streams_but_the_norm1_emb_the_model_calls_after_the_loop_stays_resident(stream, monkeypatch) -> None:
+    # After the loop the model calls transformer_blocks[0].norm1.emb itself, outside block 0's forward, where a
+    # streamed block's weights are their host copies (on a GPU: a device mismatch). The family declares the call
+    # (called_outside), so when block 0 streams (past half of the blocks: they are spread from the middle), that
+    # submodule stays with the model and the rest of the block streams. A released weight is poisoned (NaN) here
+    # instead of pointing at its host copy, so any use of a streamed weight outside its block's load would show.
+    from gradseam.offload import weights as weights_module
+
+    real_release = weights_module.WeightStream.release
+
+    def poisoning(self, index):
+        was_loaded = self.blocks[index].loaded
+        real_release(self, index)
+        if was_loaded:
+            for entry in self.blocks[index].tensors:
+                entry.tensor.data = torch.full_like(entry.host, float("nan"))
+
+    want = run_step(FROZEN.fresh(), FROZEN, count_bytes=False)
+    monkeypatch.setattr(weights_module.WeightStream, "release", poisoning)
     model = FROZEN.fresh()
-    linear = model.transformer_blocks[0].norm1.emb.timestep_embedder.linear_1
-    host_weights: list[bool] = []
+    first, second = model.transformer_blocks[0], model.transformer_blocks[1]
     with cpu_test_mode(), gradseam.patch(model, {"gradient_checkpointing": True, STREAM: stream}) as handle:
-        hosts = {id(e.tensor): e.host.data_ptr() for b in handle.weights.blocks for e in b.tensors}
-        linear.register_forward_pre_hook(
-            lambda m, _a: host_weights.append(m.weight.data_ptr() == hosts.get(id(m.weight))))
-        run_step(model, FROZEN, count_bytes=False)
-    # three calls: block 0's forward, the final modulation after the loop, block 0's recompute in backward
-    assert host_weights == [False, host_call, False]
-    with cpu_test_mode():
-        check_strategy(FROZEN, {"gradient_checkpointing": True, STREAM: stream})
+        streamed = {id(e.tensor) for b in handle.weights.blocks for e in b.tensors}
+        got = run_step(model, FROZEN, count_bytes=False)
+        said = str(handle.summary())
+    emb = {id(p) for p in first.norm1.emb.parameters()}
+    rest = {id(p) for p in first.parameters()} - emb
+    assert not streamed & emb, "the submodule called after the loop streamed"
+    assert (rest <= streamed) == (stream != 1), "block 0 streams past half of the blocks, apart from norm1.emb"
+    kept_note = "not streamed (the model calls them outside their block): DiTTransformer2DModel.transformer_blocks[0]" \
+        ".norm1.emb"
+    assert (kept_note in said) == (stream != 1), said
+    if stream == "all":  # only the call that is declared stays: block 1's norm1.emb streams
+        assert {id(p) for p in second.norm1.emb.parameters()} <= streamed
+    assert_same_step(want, got, what=f"stream {stream}, released weights poisoned")
+
+
+def test_the_kit_fails_dit_without_its_call_from_outside_block_0() -> None:
+    # What the conformance kit watches (gradseam.testing.outside): every block submodule's calls in one forward. The
+    # call after the loop is the only one outside its block, and without its declaration the kit fails the family,
+    # naming the call and the declaration to add; a declared path the block does not have fails too.
+    from dataclasses import replace
+
+    from gradseam.testing.outside import assert_outside_calls_declared, record_outside_calls
+
+    model = DIT.fresh()
+    family = family_for(model)
+    found = record_outside_calls(model, family, DIT.inputs(torch.Generator().manual_seed(1)))
+    assert found == {("transformer_blocks", 0, "norm1.emb")}
+    assert_outside_calls_declared(found, family, model, what="dit")
+
+    def declaring(calls) -> object:
+        return replace(family, block_lists=tuple(replace(bl, called_outside=calls) for bl in family.block_lists))
+
+    with pytest.raises(AssertionError, match=r"dit: the model calls transformer_blocks\[0\]\.norm1\.emb outside that "
+                       r"block's own forward.*called_outside=\(\(0, 'norm1\.emb'\),\)"):
+        assert_outside_calls_declared(found, declaring(()), model, what="dit")
+    assert_outside_calls_declared(found, declaring(((-4, "norm1"),)), model, what="dit")  # a parent, from the end
+    with pytest.raises(AssertionError, match=r"called_outside names 'norm1.embed', which block 0 does not have"):
+        assert_outside_calls_declared(found, declaring(((0, "norm1.embed"),)), model, what="dit")
 
 
 # -- presets at full size ------------------------------------------------------------------------

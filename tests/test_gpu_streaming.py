@@ -83,3 +83,24 @@ def test_gpu_streaming_without_expandable_segments_warns_once_naming_the_setting
             run_step(model, gpu, count_bytes=False)
     said = [w for w in caught if "expandable_segments:True" in str(w.message)]
     assert len(said) == 1, [str(w.message) for w in caught]
+
+
+def test_gpu_dit_streams_block_0_and_its_call_after_the_loop_finds_the_weights_on_the_gpu():
+    """DiT's forward calls transformer_blocks[0].norm1.emb after the loop: streamed whole, block 0 would hand that
+    call host weights and the forward would stop with a device mismatch. Declared (``called_outside``), that
+    submodule stays on the GPU, every block streams the rest, and the step matches the resident model."""
+    from test_family_dit import FROZEN
+
+    gpu = _on_cuda(FROZEN)
+    reference = gpu.fresh()
+    want = run_step(reference, gpu, count_bytes=False)
+    spread = _spread(want, run_step(reference, gpu, count_bytes=False))
+    del reference
+    model = FROZEN.fresh()  # on the CPU: patched, then moved
+    with gradseam.patch(model, {**ON, STREAM: "all"}) as handle:
+        model.to("cuda")
+        emb = model.transformer_blocks[0].norm1.emb
+        assert all(p.device.type == "cuda" for p in emb.parameters())
+        assert all(e.tensor.device.type == "cpu" for b in handle.weights.blocks for e in b.tensors)
+        got = run_step(model, gpu, count_bytes=False)
+        assert_same_step(want, got, atol=max(1e-5, 4 * spread), what="DiT, every block streamed")

@@ -625,6 +625,15 @@ _BL, _BC = (BlockList("blocks"),), (BlockClass("pkg.Block"),)
          ValueError,
          "BlockList('blocks'): field 'per_block' names 'hidden_states.cache', which the carry hands from each block "
          "to the next; a per-block state is what the model's loop passes each block, not a block's output."),
+        (lambda: BlockList("blocks", called_outside="norm1.emb"), TypeError,
+         "BlockList('blocks'): field 'called_outside' must be a tuple of (block index, submodule path) pairs, e.g. "
+         "((0, 'norm1.emb'),), got str 'norm1.emb'. A string here would be read as its characters: write "
+         "((0, 'norm1.emb'),)."),
+        (lambda: BlockList("blocks", called_outside=(("0", "norm1.emb"),)), TypeError,
+         "BlockList('blocks'): field 'called_outside' must be a tuple of (block index, submodule path) pairs, e.g. "
+         "((0, 'norm1.emb'),), got tuple (('0', 'norm1.emb'),) (item tuple ('0', 'norm1.emb'))."),
+        (lambda: BlockList("blocks", called_outside=((0, "norm1.emb"), (0, "norm1.emb"))), ValueError,
+         "BlockList('blocks'): field 'called_outside' names a submodule twice: ((0, 'norm1.emb'), (0, 'norm1.emb'))."),
         (lambda: Carry({"hidden_states": -1}), ValueError,
          "Carry: field 'outputs' maps 'hidden_states' to -1; positions count from 0 (negative indices would "
          "silently follow the length of the returned tuple)."),
@@ -671,6 +680,9 @@ def test_declarations_are_normalised_and_private():
     assert BlockList("blocks", per_block=["layer_cache", "kwargs.kv_cache"]).per_block == (
         "layer_cache", "kwargs.kv_cache"
     )
+    outside = BlockList("blocks", called_outside=[(0, "norm1.emb"), (-1, "proj")])
+    assert outside.called_outside == ((0, "norm1.emb"), (-1, "proj"))
+    assert outside.outside(0, 4) == ("norm1.emb",) and outside.outside(3, 4) == ("proj",) and not outside.outside(1, 4)
     from dataclasses import replace
 
     assert replace(family, name="y").block_classes == (declared,)  # replace() validates again, and passes

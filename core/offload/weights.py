@@ -137,11 +137,13 @@ class WeightStream:
     rows), not a way to train: each block's weights are copied in on the compute stream when it runs, the
     host waiting, and copied back out when it is released, as ``block.to("cuda")`` / ``block.to("cpu")``
     around each use would; nothing is prefetched.
+    ``keep``: per block, submodule paths whose tensors do not stream (the model calls them outside the
+    block: :attr:`gradseam.family.BlockList.called_outside`); they stay where the model's tensors are.
     """
 
     def __init__(self, blocks: Sequence[nn.Module], labels: Sequence[str], *,
                  error: Callable[[str], Exception], test_mode: bool = False, prefetch: int = 1,
-                 naive: bool = False) -> None:
+                 naive: bool = False, keep: Sequence[Sequence[str]] = ()) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0 blocks, got {prefetch}.")
         self.test_mode = test_mode
@@ -151,6 +153,7 @@ class WeightStream:
         self._copy_stream: Any = None  # made at the first load on a GPU
         self.error = error
         self.blocks = [_Block(module, label, [], None, False, 0) for module, label in zip(blocks, labels)]
+        self.keep = [tuple(paths) for paths in keep] or [() for _ in self.blocks]
         self.device: torch.device | None = None  # where loads go: set from the model's resident tensors
         self.selected = False  # whether the frozen tensors were chosen and moved to host memory (select())
         self.loads = 0
@@ -351,7 +354,7 @@ class WeightStream:
         """Hook every streamed block, keep its streamed tensors in host memory through ``model.to()``, and
         select them now if the base is frozen already (:meth:`select`)."""
         self.device = _resident_device(model, {id(e.tensor) for block in self.blocks for e in block.tensors})
-        self._shared = _shared_tensors(model, [block.module for block in self.blocks])
+        self._shared = _shared_tensors(model, [block.module for block in self.blocks]) | self._kept()
         self._hooks.append(model.register_forward_pre_hook(self._model_pre))
         self._hooks.append(model.register_forward_hook(self._model_post))
         for index, block in enumerate(self.blocks):
@@ -363,6 +366,19 @@ class WeightStream:
                     self._applies.append(module)
         if any(True for block in self.blocks for _ in streamable(block.module)):
             self.select()
+
+    def _kept(self) -> set[int]:
+        """Ids of the tensors in each block's ``keep`` submodules (one a config leaves out is skipped)."""
+        kept: set[int] = set()
+        for block, paths in zip(self.blocks, self.keep):
+            for path in paths:
+                try:
+                    sub = block.module.get_submodule(path)
+                except AttributeError:
+                    continue
+                kept |= {id(t) for m in sub.modules() for t in (*m._parameters.values(), *m._buffers.values())
+                         if t is not None}
+        return kept
 
     def _model_pre(self, module: nn.Module, args: tuple) -> None:
         """A step starts: nothing of the last one stays loaded, and the first streamed block's copy starts now,
