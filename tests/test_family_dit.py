@@ -206,19 +206,10 @@ def test_block_0_streams_but_the_norm1_emb_the_model_calls_after_the_loop_stays_
     # (called_outside), so when block 0 streams (past half of the blocks: they are spread from the middle), that
     # submodule stays with the model and the rest of the block streams. A released weight is poisoned (NaN) here
     # instead of pointing at its host copy, so any use of a streamed weight outside its block's load would show.
-    from gradseam.offload import weights as weights_module
-
-    real_release = weights_module.WeightStream.release
-
-    def poisoning(self, index):
-        was_loaded = self.blocks[index].loaded
-        real_release(self, index)
-        if was_loaded:
-            for entry in self.blocks[index].tensors:
-                entry.tensor.data = torch.full_like(entry.host, float("nan"))
+    from test_weight_streaming import poison_releases
 
     want = run_step(FROZEN.fresh(), FROZEN, count_bytes=False)
-    monkeypatch.setattr(weights_module.WeightStream, "release", poisoning)
+    poison_releases(monkeypatch)
     model = FROZEN.fresh()
     first, second = model.transformer_blocks[0], model.transformer_blocks[1]
     with cpu_test_mode(), gradseam.patch(model, {"gradient_checkpointing": True, STREAM: stream}) as handle:

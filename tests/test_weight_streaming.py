@@ -3,7 +3,8 @@ chosen blocks live in host memory between calls and are copied in for each block
 backward (:mod:`gradseam.offload.weights`).
 
 A LoRA over streamed blocks trains exactly as over resident ones with every backend; every use of a streamed
-weight happens while its block is loaded (checked by poisoning a released weight); the host copies are what
+weight happens while its block is loaded (checked by poisoning a released weight), also through gradient
+accumulation, retained graphs and sampling forwards in the middle of a step; the host copies are what
 ``state_dict()`` and ``model.to()`` see; ``remove()`` puts the weights back; each refusal names its fix.
 """
 
@@ -81,13 +82,9 @@ def test_a_lora_over_streamed_weights_trains_exactly_as_over_resident_ones(case,
         check_strategy(LORA[case.name], {**config, STREAM: stream})
 
 
-@pytest.mark.parametrize("config", [ROWS[0], ROWS[2], ROWS[7]], ids=config_id)
-def test_every_use_of_a_streamed_weight_happens_while_its_block_is_loaded(config, monkeypatch):
-    """A released weight is poisoned (NaN) instead of pointing at its host copy: a forward, recompute or backward
-    that used a weight outside its block's load would give NaN gradients, not the unpatched model's."""
-    pytest.importorskip("peft")
-    case = LORA[WAN.name]
-    want = run_step(case.fresh(), case)
+def poison_releases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From now on a released streamed weight is poisoned (NaN) instead of pointing at its host copy: a forward,
+    recompute or backward that used a weight outside its block's load then gives NaN, not the unpatched result."""
     real_release = weights_module.WeightStream.release
 
     def poisoning(self, index):
@@ -99,11 +96,70 @@ def test_every_use_of_a_streamed_weight_happens_while_its_block_is_loaded(config
                 entry.tensor.data = torch.full_like(entry.host, math.nan)
 
     monkeypatch.setattr(weights_module.WeightStream, "release", poisoning)
+
+
+@pytest.mark.parametrize("config", [ROWS[0], ROWS[2], ROWS[7]], ids=config_id)
+def test_every_use_of_a_streamed_weight_happens_while_its_block_is_loaded(config, monkeypatch):
+    """With released weights poisoned, a LoRA step over streamed weights is the unpatched one."""
+    pytest.importorskip("peft")
+    case = LORA[WAN.name]
+    want = run_step(case.fresh(), case)
+    poison_releases(monkeypatch)
     model = case.fresh()
     with cpu_test_mode(), gradseam.patch(model, {**config, STREAM: "all"}) as handle:
         got = run_step(model, case, count_bytes=False)
         assert handle.weights.loads == 2 * len(handle.weights.blocks), "one load for forward, one for backward"
     assert_same_step(want, got, atol=1e-5 if "compile" in config_id(config) else 0.0, what=config_id(config))
+
+
+def _accumulated(model: torch.nn.Module, case: Case) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Gradient accumulation as trainers write it in one backward: two forwards, then the summed loss."""
+    outs = [case.output(model(**case.inputs(torch.Generator().manual_seed(seed)))) for seed in (1, 2)]
+    loss = sum(out.square().mean() for out in outs)
+    loss.backward()
+    return loss.detach(), _grads(model)
+
+
+def _retained(model: torch.nn.Module, case: Case) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One forward, two backwards through the retained graph (the gradients add up)."""
+    loss = case.output(model(**case.inputs(torch.Generator().manual_seed(1)))).square().mean()
+    loss.backward(retain_graph=True)
+    loss.backward()
+    return loss.detach(), _grads(model)
+
+
+def _validated_between(model: torch.nn.Module, case: Case) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A sampling forward without gradients before the step, and one between its forward and its backward."""
+    with torch.no_grad():
+        before = case.output(model(**case.inputs(torch.Generator().manual_seed(3))))
+    out = case.output(model(**case.inputs(torch.Generator().manual_seed(1))))
+    with torch.no_grad():
+        between = case.output(model(**case.inputs(torch.Generator().manual_seed(4))))
+    loss = out.square().mean()
+    loss.backward()
+    return torch.stack([before.sum(), between.sum(), loss.detach()]), _grads(model)
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("use", [_accumulated, _retained, _validated_between], ids=lambda f: f.__name__[1:])
+@pytest.mark.parametrize("backend", ["torch-ffn", "unsloth"])
+def test_accumulation_retained_graphs_and_sampling_between_steps_stream_exactly(use, backend, monkeypatch):
+    """Two forwards before one backward (each forward starts by releasing what the last one left loaded), two
+    backwards through one graph, and forwards without gradients in the middle of a step: every block's weights
+    streamed, released weights poisoned, the losses, outputs and every gradient bitwise the unpatched model's."""
+    pytest.importorskip("peft")
+    case = LORA[WAN.name]
+    want_values, want_grads = use(case.fresh(), case)
+    poison_releases(monkeypatch)
+    model = case.fresh()
+    with cpu_test_mode(), gradseam.patch(model, {**ON, "gradient_checkpointing_backend": backend, STREAM: "all"}):
+        values, grads = use(model, case)
+    assert torch.equal(values, want_values), (values, want_values)
+    assert grads.keys() == want_grads.keys() and all(torch.equal(grads[n], want_grads[n]) for n in grads), \
+        [n for n in grads if not torch.equal(grads[n], want_grads[n])]
 
 
 @pytest.mark.parametrize(("config", "freed"), [
