@@ -113,6 +113,7 @@ class PatchHandle:
         self._blocks: tuple[nn.Module, ...] = ()  # the same modules, for the kinds' changed_since()
         self.engines: dict[Any, Any] = {}  # an OffloadEngine per store of the plan (offload configurations)
         self.weights: Any = None  # the WeightStream of the plan's streamed blocks (gradseam.offload.weights), or None
+        self.inherited_weights: Any = None  # the replaced patch's stream, whose host copies this one takes over
         self.deferred_device = False  # load-time patching: offload starts once the model is on a GPU
         self.active = False
         self.replaced_by: PatchHandle | None = None  # the later patch() of the same model that replaced this one
@@ -220,7 +221,8 @@ class PatchHandle:
         # what the model calls outside a block (DiT's final modulation, block 0's norm1.emb) stays resident
         keep = [lists[path].outside(index, len(resolve(self.model, path))) for path, index in self.plan.streamed]
         self.weights = WeightStream(blocks, labels, error=UnsupportedStrategyError, test_mode=cpu_allowed(),
-                                    prefetch=self.plan.config.gradient_checkpointing_stream_prefetch, keep=keep)
+                                    prefetch=self.plan.config.gradient_checkpointing_stream_prefetch, keep=keep,
+                                    inherit=self.inherited_weights)
         self.weights.install(self.model)
 
     def _unstream_weights(self) -> None:

@@ -209,16 +209,29 @@ def patch_models(
     try:
         for name, model in models.items():
             previous = handle_of(model)
+            handed = None
             if previous is not None:
+                if previous.weights is not None and plans[name].streamed:
+                    # the new patch streams too: it takes the host copies of the blocks both stream, and only what
+                    # it does not stream goes back to the device (removed first, a model larger than its GPU would
+                    # have to fit there for a moment)
+                    handed, previous.weights = previous.weights, None
+                    handed.unhook()
                 previous.remove()  # a second patch replaces the first, never stacks
                 replaced.append(previous)
             handle = PatchHandle(model, plans[name])
             handle.deferred_device = not check_device
+            handle.inherited_weights = handed
             if requested.backend == AUTO:
                 handle.auto = AutoPlanning(handle, requested)
             if previous is not None:
                 previous.replaced_by = handle  # its remove() says so, and which handle to remove
-            handle.install()
+            try:
+                handle.install()
+            finally:
+                handle.inherited_weights = None
+                if handed is not None:
+                    handed.remove()  # what the new stream did not take goes back to the device, its host memory freed
             done[name] = handle
     except BaseException:
         for handle in done.values():

@@ -104,3 +104,32 @@ def test_gpu_dit_streams_block_0_and_its_call_after_the_loop_finds_the_weights_o
         assert all(e.tensor.device.type == "cpu" for b in handle.weights.blocks for e in b.tensors)
         got = run_step(model, gpu, count_bytes=False)
         assert_same_step(want, got, atol=max(1e-5, 4 * spread), what="DiT, every block streamed")
+
+
+def test_gpu_re_patching_a_streamed_model_keeps_its_weights_in_the_same_pinned_memory():
+    """A second patch that streams too takes the first one's pinned host copies: nothing streamed comes onto the GPU
+    while it replaces the first (a model larger than its card could not), no second copy is pinned, and the step
+    still matches the resident model."""
+    pytest.importorskip("peft")
+    import torch
+
+    from gradseam.offload.pinned import pinned_bytes
+
+    gpu = _on_cuda(LORA[WAN.name])
+    reference = gpu.fresh()
+    want = run_step(reference, gpu, count_bytes=False)
+    spread = _spread(want, run_step(reference, gpu, count_bytes=False))
+    del reference
+    model = LORA[WAN.name].fresh()
+    first = gradseam.patch(model, {**ON, STREAM: "all"})
+    model.to("cuda")
+    pinned, streamed = pinned_bytes(), first.weights.host_bytes
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    resident = torch.cuda.memory_allocated()
+    with gradseam.patch(model, {**ON, "gradient_checkpointing_backend": "unsloth", STREAM: "all"}) as second:
+        assert torch.cuda.max_memory_allocated() - resident < streamed / 4, "streamed weights came onto the GPU"
+        assert pinned_bytes() == pinned and second.weights.pinned_bytes == streamed
+        got = run_step(model, gpu, count_bytes=False)
+        assert_same_step(want, got, atol=max(1e-5, 4 * spread), what="re-patched, streamed")
+    assert pinned - pinned_bytes() >= streamed, "the handed-over pinned memory was not freed on remove()"

@@ -162,6 +162,40 @@ def test_accumulation_retained_graphs_and_sampling_between_steps_stream_exactly(
         [n for n in grads if not torch.equal(grads[n], want_grads[n])]
 
 
+def test_re_patching_a_streamed_model_hands_its_host_copies_to_the_new_patch(monkeypatch):
+    """A second ``patch()`` replaces the first; when both stream, the new stream takes the blocks they share with
+    their host copies as they are (the same memory), so a model larger than its GPU never has to come back there
+    while it is re-patched, nor sit in host memory twice. A block the new patch no longer streams goes back to the
+    model's device; a third patch without streaming brings everything back, and each step is the unpatched one."""
+    pytest.importorskip("peft")
+    case = LORA[WAN.name]
+    want = run_step(case.fresh(), case)
+    poison_releases(monkeypatch)
+    model = case.fresh()
+
+    def hosts(handle) -> dict[int, int]:
+        return {id(e.tensor): e.host.data_ptr() for b in handle.weights.blocks for e in b.tensors}
+
+    with cpu_test_mode():
+        first = gradseam.patch(model, {**ON, STREAM: "all"})
+        before = hosts(first)
+        second = gradseam.patch(model, {**ON, "gradient_checkpointing_backend": "unsloth", STREAM: "all"})
+        assert first.weights is None and hosts(second) == before, "the host copies were not handed over as they are"
+        assert all(p.data_ptr() == before[id(p)] for p in _streamed(model, second)), "a weight left host memory"
+        assert_same_step(want, run_step(model, case), what="re-patched, every block streamed")
+        third = gradseam.patch(model, {**ON, STREAM: 1})
+        kept = hosts(third)
+        assert len(kept) < len(before) and all(before[t] == ptr for t, ptr in kept.items())
+        back = [p for p in model.parameters() if id(p) in before and id(p) not in kept]
+        assert back and all(p.data_ptr() != before[id(p)] for p in back), "a block no longer streamed stayed on the host"
+        assert_same_step(want, run_step(model, case), what="re-patched, one block streamed")
+        fourth = gradseam.patch(model, ON)
+        assert fourth.weights is None and all(p.data_ptr() != before[id(p)] for p in model.parameters() if id(p) in before)
+        assert_same_step(want, run_step(model, case), what="re-patched without streaming")
+        fourth.remove()
+    assert_same_step(want, run_step(model, case), what="removed")
+
+
 @pytest.mark.parametrize(("config", "freed"), [
     (ROWS[0], True), (ROWS[2], True), (ROWS[6], True), (ROWS[7], True),
     (ROWS[1], False), (ROWS[5], False),

@@ -139,11 +139,14 @@ class WeightStream:
     around each use would; nothing is prefetched.
     ``keep``: per block, submodule paths whose tensors do not stream (the model calls them outside the
     block: :attr:`gradseam.family.BlockList.called_outside`); they stay where the model's tensors are.
+    ``inherit``: the stream of the patch this one replaces (a second ``patch()`` of the model), unhooked: a block
+    both stream is taken over with its host copies as they are (:meth:`_to_host`), so re-patching a model larger
+    than its GPU never brings its weights back there, nor holds two host copies of them.
     """
 
     def __init__(self, blocks: Sequence[nn.Module], labels: Sequence[str], *,
                  error: Callable[[str], Exception], test_mode: bool = False, prefetch: int = 1,
-                 naive: bool = False, keep: Sequence[Sequence[str]] = ()) -> None:
+                 naive: bool = False, keep: Sequence[Sequence[str]] = (), inherit: WeightStream | None = None) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0 blocks, got {prefetch}.")
         self.test_mode = test_mode
@@ -154,6 +157,7 @@ class WeightStream:
         self.error = error
         self.blocks = [_Block(module, label, [], None, False, 0) for module, label in zip(blocks, labels)]
         self.keep = [tuple(paths) for paths in keep] or [() for _ in self.blocks]
+        self.inherit = inherit
         self.device: torch.device | None = None  # where loads go: set from the model's resident tensors
         self.selected = False  # whether the frozen tensors were chosen and moved to host memory (select())
         self.loads = 0
@@ -199,6 +203,8 @@ class WeightStream:
 
     def _to_host(self, block: _Block) -> None:
         found = [(path, t) for path, _, _, t in streamable(block.module) if id(t) not in self._shared]
+        if self._take_over(block, {id(t) for _, t in found}):
+            return
         sizes = [-(-t.nbytes // ALIGN) * ALIGN for _, t in found]
         total = sum(sizes)
         buffer, pinned = (self._allocate(total) if total else (None, False))
@@ -212,6 +218,18 @@ class WeightStream:
         for entry in tensors:
             entry.tensor.data = entry.host  # the device storage goes when nothing else holds it
         block.tensors, block.buffer, block.pinned, block.nbytes = tensors, buffer, pinned, total
+
+    def _take_over(self, block: _Block, ids: set[int]) -> bool:
+        """Take ``block``'s host copies from the stream this one replaces (``inherit``) when it streamed the same
+        tensors of the same module and they point at those copies now (parked): no copy, no second buffer. The
+        inherited stream keeps nothing of the block, so its ``remove()`` leaves it alone."""
+        old = next((b for b in self.inherit.blocks if b.module is block.module), None) if self.inherit else None
+        if old is None or not old.tensors or {id(e.tensor) for e in old.tensors} != ids \
+                or any(e.tensor.data.data_ptr() != e.host.data_ptr() for e in old.tensors):
+            return False
+        block.tensors, block.buffer, block.pinned, block.nbytes = old.tensors, old.buffer, old.pinned, old.nbytes
+        old.tensors, old.buffer, old.pinned, old.nbytes = [], None, False, 0
+        return True
 
     def _allocate(self, nbytes: int) -> tuple[torch.Tensor, bool]:
         if self.test_mode or not torch.cuda.is_available():
