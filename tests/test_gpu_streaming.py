@@ -17,14 +17,19 @@ from gradseam.testing import assert_same_step, run_step
 pytestmark = pytest.mark.cuda
 
 
+def _resident(case):
+    """The case on the GPU, its unpatched step, and the GPU's own spread between two runs of that step."""
+    gpu = _on_cuda(case)
+    reference = gpu.fresh()
+    want = run_step(reference, gpu, count_bytes=False)
+    return gpu, want, _spread(want, run_step(reference, gpu, count_bytes=False))
+
+
+
 @pytest.mark.parametrize("backend", ["torch", "unsloth", "unsloth-compile"])
 def test_gpu_streamed_weights_stay_in_pinned_host_memory_and_train_exactly(backend):
     pytest.importorskip("peft")
-    gpu = _on_cuda(LORA[WAN.name])
-    reference = gpu.fresh()
-    want = run_step(reference, gpu, count_bytes=False)
-    spread = _spread(want, run_step(reference, gpu, count_bytes=False))
-    del reference
+    gpu, want, spread = _resident(LORA[WAN.name])
     model = LORA[WAN.name].fresh()  # on the CPU: patched before it moves, as a model too large for the card
     handle = gradseam.patch(model, {**ON, "gradient_checkpointing_backend": backend, STREAM: "all"})
     try:
@@ -91,11 +96,7 @@ def test_gpu_dit_streams_block_0_and_its_call_after_the_loop_finds_the_weights_o
     submodule stays on the GPU, every block streams the rest, and the step matches the resident model."""
     from test_family_dit import FROZEN
 
-    gpu = _on_cuda(FROZEN)
-    reference = gpu.fresh()
-    want = run_step(reference, gpu, count_bytes=False)
-    spread = _spread(want, run_step(reference, gpu, count_bytes=False))
-    del reference
+    gpu, want, spread = _resident(FROZEN)
     model = FROZEN.fresh()  # on the CPU: patched, then moved
     with gradseam.patch(model, {**ON, STREAM: "all"}) as handle:
         model.to("cuda")
@@ -115,11 +116,7 @@ def test_gpu_re_patching_a_streamed_model_keeps_its_weights_in_the_same_pinned_m
 
     from gradseam.offload.pinned import pinned_bytes
 
-    gpu = _on_cuda(LORA[WAN.name])
-    reference = gpu.fresh()
-    want = run_step(reference, gpu, count_bytes=False)
-    spread = _spread(want, run_step(reference, gpu, count_bytes=False))
-    del reference
+    gpu, want, spread = _resident(LORA[WAN.name])
     model = LORA[WAN.name].fresh()
     first = gradseam.patch(model, {**ON, STREAM: "all"})
     model.to("cuda")
