@@ -196,6 +196,55 @@ def test_re_patching_a_streamed_model_hands_its_host_copies_to_the_new_patch(mon
     assert_same_step(want, run_step(model, case), what="removed")
 
 
+def test_a_state_dict_of_blocks_mixing_dtypes_saves_and_loads_while_streamed(tmp_path):
+    """diffusers loads Wan in bf16 with its norms and modulation tables kept in fp32, so one block's host copies mix
+    dtypes. Each dtype has a host buffer of its own: ``torch.save`` refuses views of one storage in two dtypes, and
+    a checkpoint saved mid-training would fail. Saved with torch and with safetensors, the values load back."""
+    from safetensors.torch import load_file, save_file
+
+    model = WAN.fresh().requires_grad_(False)
+    for name, p in model.named_parameters():
+        p.data = p.data.to(torch.float32 if "norm" in name or "scale_shift" in name else torch.bfloat16)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    assert len({v.dtype for v in want.values()}) == 2
+    with cpu_test_mode(), gradseam.patch(model, {**ON, STREAM: "all"}) as handle:
+        assert any(len(b.buffers) == 2 for b in handle.weights.blocks)
+        torch.save(model.state_dict(), tmp_path / "model.pt")
+        save_file(model.state_dict(), str(tmp_path / "model.safetensors"))
+    for loaded in (torch.load(tmp_path / "model.pt"), load_file(str(tmp_path / "model.safetensors"))):
+        assert loaded.keys() == want.keys() and all(torch.equal(loaded[k], want[k]) for k in want)
+
+
+def test_a_streamed_model_deep_copied_or_pickled_streams_its_own_weights(monkeypatch, tmp_path):
+    """``copy.deepcopy`` (an EMA copy) and ``torch.save`` of a whole streamed model carry the stream over: the copy's
+    hooks load the copy's blocks from the copy's host memory (its own, plain, never counted as pinned), each copy
+    steps exactly with released weights poisoned, and ``remove()`` on each restores each."""
+    import copy
+
+    pytest.importorskip("peft")
+    case = LORA[WAN.name]
+    want = run_step(case.fresh(), case)
+    poison_releases(monkeypatch)
+    model = case.fresh()
+    with cpu_test_mode():
+        handle = gradseam.patch(model, {**ON, STREAM: "all"})
+        run_step(model, case)
+        twin = copy.deepcopy(model)
+        torch.save(model, tmp_path / "model.pt")
+        loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+        for other in (twin, loaded):
+            stream = gradseam.handle_of(other).weights
+            assert stream is not handle.weights and [b.module for b in stream.blocks] == list(other.blocks)
+            assert stream.pinned_bytes == 0 and stream.host_bytes == handle.weights.host_bytes
+            mine = {e.host.data_ptr() for b in stream.blocks for e in b.tensors}
+            assert not mine & {e.host.data_ptr() for b in handle.weights.blocks for e in b.tensors}
+            assert_same_step(want, run_step(other, case), what="a copy of the streamed model")
+        assert_same_step(want, run_step(model, case), what="the original after the copies ran")
+        for other in (twin, loaded, model):
+            gradseam.handle_of(other).remove()
+            assert_same_step(want, run_step(other, case), what="removed")
+
+
 @pytest.mark.parametrize(("config", "freed"), [
     (ROWS[0], True), (ROWS[2], True), (ROWS[6], True), (ROWS[7], True),
     (ROWS[1], False), (ROWS[5], False),

@@ -35,7 +35,7 @@ it (:mod:`gradseam.planning`, :mod:`gradseam.handle`). Why it is built this way:
   have been freed by kernels not yet run), and the compute stream waits for the copy's event before the
   block's first kernel. A prefetched block released unused (the forward ended early) is waited for
   before its memory goes back, so no later kernel can get memory the copy still writes.
-* **The host copies are pinned when CUDA allows it** (``cudaHostRegister`` on one buffer per block,
+* **The host copies are pinned when CUDA allows it** (``cudaHostRegister`` on one buffer per block and dtype,
   as the activation pool does, :mod:`gradseam.offload.pinned`); if pinning fails the copies are
   pageable, with one warning, never a crash. Pinned, they count toward the process's pinned total with
   the offloaded activations, which warns once past a share of the host's memory.
@@ -43,6 +43,9 @@ it (:mod:`gradseam.planning`, :mod:`gradseam.handle`). Why it is built this way:
   train a model too large for it: build on the CPU, patch, move) must not bring the streamed
   weights along: each module holding one skips them in ``_apply`` and records the device they are
   to be used on. A dtype change would need new host copies: refused, naming the tensor.
+* **A copy of the model streams its own weights.** The hooks and the ``_apply`` guards are objects holding the
+  stream, not closures, so ``copy.deepcopy`` (an EMA copy) and pickling carry a stream over that loads the copy's
+  blocks from the copy's host memory (plain, never pinned or counted).
 * **The CPU test mode** lets a CPU model stand in: the "device" copy is a fresh CPU tensor, so the
   suite checks the loads, the releases and the exactness without a GPU.
 """
@@ -51,9 +54,7 @@ from __future__ import annotations
 
 import mmap
 import os
-import types
 import warnings
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -104,15 +105,32 @@ class _Tensor:
 
 
 @dataclass
+class _Buffer:
+    """Host memory of one block and one dtype: each of the block's host copies of that dtype is a view of it. One
+    buffer per dtype, not per block: ``torch.save`` refuses views of one storage in two dtypes, so a ``state_dict()``
+    of a block mixing bf16 weights and fp32 norms (Wan's, as diffusers loads it) could not be saved."""
+
+    memory: torch.Tensor | None  # None in a copy of the model (copy.deepcopy, pickling): only the views remain
+    pinned: bool
+    nbytes: int
+
+
+@dataclass
 class _Block:
     module: nn.Module
     label: str
     tensors: list[_Tensor]
-    buffer: torch.Tensor | None  # the block's host memory (one buffer, every host copy a view of it)
-    pinned: bool
-    nbytes: int
+    buffers: list[_Buffer]  # the block's host memory
     loaded: bool = False
     copied: Any = None  # the copy stream's event for a load the compute stream has not waited for yet
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.nbytes for buffer in self.buffers)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(buffer.nbytes for buffer in self.buffers if buffer.pinned)
 
 
 def streamable(block: nn.Module) -> Iterator[tuple[str, nn.Module, str, torch.Tensor]]:
@@ -155,7 +173,7 @@ class WeightStream:
         self.copies_back = 0  # blocks copied back to host memory (the naive reference only)
         self._copy_stream: Any = None  # made at the first load on a GPU
         self.error = error
-        self.blocks = [_Block(module, label, [], None, False, 0) for module, label in zip(blocks, labels)]
+        self.blocks = [_Block(module, label, [], []) for module, label in zip(blocks, labels)]
         self.keep = [tuple(paths) for paths in keep] or [() for _ in self.blocks]
         self.inherit = inherit
         self.device: torch.device | None = None  # where loads go: set from the model's resident tensors
@@ -163,7 +181,7 @@ class WeightStream:
         self.loads = 0
         self.most_loaded = 0  # the most blocks loaded at once, for tests and the summary
         self._shared: set[int] = set()  # tensors a streamed block shares (tied weights): they stay (install())
-        self._owned: dict[int, list[_Tensor]] = {}  # per module: the streamed tensors it holds
+        self._owned: dict[nn.Module, list[_Tensor]] = {}  # per module: the streamed tensors it holds
         self._hooks: list[Any] = []
         self._applies: list[nn.Module] = []
         self._end_queued = False
@@ -199,25 +217,28 @@ class WeightStream:
             self._to_host(block)
             for entry in block.tensors:
                 owner = block.module.get_submodule(entry.name.rpartition(".")[0])
-                self._owned.setdefault(id(owner), []).append(entry)
+                self._owned.setdefault(owner, []).append(entry)
 
     def _to_host(self, block: _Block) -> None:
         found = [(path, t) for path, _, _, t in streamable(block.module) if id(t) not in self._shared]
         if self._take_over(block, {id(t) for _, t in found}):
             return
-        sizes = [-(-t.nbytes // ALIGN) * ALIGN for _, t in found]
-        total = sum(sizes)
-        buffer, pinned = (self._allocate(total) if total else (None, False))
-        tensors, offset = [], 0
-        for (path, t), size in zip(found, sizes):
-            assert buffer is not None
-            host = buffer[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
-            host.copy_(t.data)
-            tensors.append(_Tensor(path, t, host, t.device))
-            offset += size
+        hosts: dict[int, torch.Tensor] = {}
+        buffers = []
+        for dtype in dict.fromkeys(t.dtype for _, t in found):  # in the order they come
+            of_dtype = [(i, t) for i, (_, t) in enumerate(found) if t.dtype == dtype]
+            sizes = [-(-t.nbytes // ALIGN) * ALIGN for _, t in of_dtype]
+            memory, pinned = self._allocate(sum(sizes)) if sum(sizes) else (pageable(0), False)
+            offset = 0
+            for (i, t), size in zip(of_dtype, sizes):
+                hosts[i] = memory[offset:offset + t.nbytes].view(t.dtype).view(t.shape)
+                hosts[i].copy_(t.data)
+                offset += size
+            buffers.append(_Buffer(memory, pinned, sum(sizes)))
+        tensors = [_Tensor(path, t, hosts[i], t.device) for i, (path, t) in enumerate(found)]
         for entry in tensors:
             entry.tensor.data = entry.host  # the device storage goes when nothing else holds it
-        block.tensors, block.buffer, block.pinned, block.nbytes = tensors, buffer, pinned, total
+        block.tensors, block.buffers = tensors, buffers
 
     def _take_over(self, block: _Block, ids: set[int]) -> bool:
         """Take ``block``'s host copies from the stream this one replaces (``inherit``) when it streamed the same
@@ -227,8 +248,8 @@ class WeightStream:
         if old is None or not old.tensors or {id(e.tensor) for e in old.tensors} != ids \
                 or any(e.tensor.data.data_ptr() != e.host.data_ptr() for e in old.tensors):
             return False
-        block.tensors, block.buffer, block.pinned, block.nbytes = old.tensors, old.buffer, old.pinned, old.nbytes
-        old.tensors, old.buffer, old.pinned, old.nbytes = [], None, False, 0
+        block.tensors, block.buffers = old.tensors, old.buffers
+        old.tensors, old.buffers = [], []
         return True
 
     def _allocate(self, nbytes: int) -> tuple[torch.Tensor, bool]:
@@ -248,7 +269,7 @@ class WeightStream:
 
     @property
     def pinned_bytes(self) -> int:
-        return sum(b.nbytes for b in self.blocks if b.pinned)
+        return sum(b.pinned_bytes for b in self.blocks)
 
     # -- loads and releases ----------------------------------------------------------------------------
 
@@ -376,11 +397,11 @@ class WeightStream:
         self._hooks.append(model.register_forward_pre_hook(self._model_pre))
         self._hooks.append(model.register_forward_hook(self._model_post))
         for index, block in enumerate(self.blocks):
-            self._hooks.append(block.module.register_forward_pre_hook(self._pre(index)))
-            self._hooks.append(block.module.register_forward_hook(self._post(index), always_call=True))
+            self._hooks.append(block.module.register_forward_pre_hook(_BlockHook(self, index, "pre")))
+            self._hooks.append(block.module.register_forward_hook(_BlockHook(self, index, "post"), always_call=True))
             for module in block.module.modules():
                 if "_apply" not in module.__dict__:  # a module in two streamed blocks is wrapped once
-                    module._apply = types.MethodType(_apply_keeping_host(module._apply, weakref.ref(self)), module)
+                    module._apply = _KeepingHost(module, self)
                     self._applies.append(module)
         if any(True for block in self.blocks for _ in streamable(block.module)):
             self.select()
@@ -417,24 +438,20 @@ class WeightStream:
         if self.ahead and torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(output)):
             self.load(self.order[-1], ahead=True)
 
-    def _pre(self, index: int) -> Callable[..., None]:
-        def pre(module: nn.Module, args: tuple) -> None:
-            self.load(index)
-            if torch._C._current_graph_task_id() == -1:  # a recompute inside backward prefetches from the hook
-                self._ran.append(index)
-                self.prefetch_after(index, 1)
-        return pre
+    def _pre(self, index: int) -> None:
+        self.load(index)
+        if torch._C._current_graph_task_id() == -1:  # a recompute inside backward prefetches from the hook
+            self._ran.append(index)
+            self.prefetch_after(index, 1)
 
-    def _post(self, index: int) -> Callable[..., None]:
-        def post(module: nn.Module, args: tuple, output: Any) -> None:
-            if torch._C._current_graph_task_id() != -1:
-                return  # a forward run inside backward (a recompute): its backward comes next, keep the weights
-            if torch.is_grad_enabled():
-                for t in _tensors(output):
-                    if t.requires_grad:
-                        t.register_hook(self._before_backward(index))
-            self.release(index)
-        return post
+    def _post(self, index: int, output: Any) -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # a forward run inside backward (a recompute): its backward comes next, keep the weights
+        if torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(self._before_backward(index))
+        self.release(index)
 
     def _before_backward(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
@@ -446,6 +463,20 @@ class WeightStream:
                 self._end_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self.release_all)
         return hook
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``copy.deepcopy`` and pickling of the model carry over (the hooks and each module's ``_apply`` guard
+        hold this stream, so they copy it with the model): everything but the CUDA copy stream and its events, and
+        the stream this one replaced. The copied host copies are plain memory, not pinned (nothing registered
+        them), so the copy neither unregisters them nor counts them pinned."""
+        state = self.__dict__.copy()
+        state["_copy_stream"] = None
+        state["inherit"] = None
+        # the host copies keep their memory alive; the raw byte buffer is dropped (the copy never unregisters it, and
+        # torch.save refuses one storage seen as bytes and as the copies' dtypes)
+        state["blocks"] = [_Block(b.module, b.label, b.tensors, [_Buffer(None, False, x.nbytes) for x in b.buffers],
+                                  b.loaded) for b in self.blocks]
+        return state
 
     def unhook(self) -> None:
         """Take the hooks off (and ``model.to()``'s guard), leaving every streamed tensor in host memory: the
@@ -476,11 +507,12 @@ class WeightStream:
             for entry in block.tensors:
                 home = entry.home if self.test_mode or self.device is None else self.device
                 entry.tensor.data = entry.host.to(home, copy=True)
-            if block.pinned and block.buffer is not None:
-                if torch.cuda.is_initialized():
-                    torch.cuda.synchronize()  # no copy out of the buffer is still in flight
-                unregister_pinned(block.buffer)
-            block.buffer = None
+            if any(buffer.pinned for buffer in block.buffers) and torch.cuda.is_initialized():
+                torch.cuda.synchronize()  # no copy out of a buffer is still in flight
+            for buffer in block.buffers:
+                if buffer.pinned and buffer.memory is not None:
+                    unregister_pinned(buffer.memory)
+            block.buffers = []
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -515,38 +547,56 @@ def _resident_device(model: nn.Module, streamed: set[int] | None = None) -> torc
                 torch.device("cpu"))
 
 
-def _apply_keeping_host(apply: Callable[..., Any], stream: weakref.ref[WeightStream]) -> Callable[..., Any]:
+class _BlockHook:
+    """A streamed block's forward pre-hook (``pre``: load it) or forward hook (``post``: release it), an object
+    rather than a closure so that ``copy.deepcopy`` and pickling of the model carry it over with its stream (a
+    closure would be shared by the copy, which would then load the original's blocks)."""
+
+    def __init__(self, stream: WeightStream, index: int, which: str) -> None:
+        self.stream, self.index, self.which = stream, index, which
+
+    def __call__(self, module: nn.Module, args: tuple, *output: Any) -> None:
+        if self.which == "pre":
+            self.stream._pre(self.index)
+        else:
+            self.stream._post(self.index, output[0])
+
+
+class _KeepingHost:
     """``module._apply`` that leaves the module's streamed tensors in host memory: they are taken out of the
     module for the call (and put back in their places, so the order of ``state_dict()`` keys stays), and the
     device ``fn`` moves tensors to becomes the stream's device. A first move to a GPU selects what streams
-    (:meth:`WeightStream.select`) before anything moves; ``fn`` changing a streamed dtype is refused first."""
-    def _apply(self: nn.Module, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
-        owner = stream()
-        if owner is not None and not owner.selected and fn(torch.empty(0)).device.type != "cpu":
+    (:meth:`WeightStream.select`) before anything moves; ``fn`` changing a streamed dtype is refused first.
+    An object holding its module and stream (not a closure), so a copy of the model guards its own tensors."""
+
+    def __init__(self, module: nn.Module, stream: WeightStream) -> None:
+        self.module, self.stream = module, stream
+
+    def __call__(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Any:
+        module, owner = self.module, self.stream
+        if not owner.selected and fn(torch.empty(0)).device.type != "cpu":
             owner.select()
-        entries = owner._owned.get(id(self), []) if owner is not None else []
+        entries = owner._owned.get(module, [])
         for entry in entries:
             probe = fn(torch.empty(0, dtype=entry.host.dtype))
             if probe.dtype != entry.host.dtype:
                 raise TypeError(
-                    f"gradseam: {type(self).__name__}.{entry.name.rsplit('.', 1)[-1]} streams from host memory in "
+                    f"gradseam: {type(module).__name__}.{entry.name.rsplit('.', 1)[-1]} streams from host memory in "
                     f"{entry.host.dtype}; changing it to {probe.dtype} after patching is not supported. Change the "
                     "model's dtype before patching."
                 )
-            if owner is not None:
-                owner.device = probe.device  # where the model's other tensors go: the loads follow
+            owner.device = probe.device  # where the model's other tensors go: the loads follow
         held = {}
         for kind in ("_parameters", "_buffers"):
-            table = getattr(self, kind)
+            table = getattr(module, kind)
             order = list(table)
             taken = {k: table.pop(k) for k in order if any(table.get(k) is e.tensor for e in entries)}
             held[kind] = (order, taken)
         try:
-            return apply(fn, recurse)
+            return type(module)._apply(module, fn, recurse)  # the class's own: the guard is set only where none was
         finally:
             for kind, (order, taken) in held.items():
-                table = getattr(self, kind)
+                table = getattr(module, kind)
                 rebuilt = {k: taken[k] if k in taken else table[k] for k in order}
                 table.clear()
                 table.update(rebuilt)
-    return _apply
