@@ -242,6 +242,44 @@ def test_pickle_whole_model(case, name, checkpoint_calls):
     assert_same_step(reference, run_step(loaded, case), what="unpickled, then removed")
 
 
+# The backends and variants the matrix above leaves out, whose regions hold more: kernel outputs kept on the device
+# or offloaded (the kernel set's memos, keyed by torch's own callables), a compiled block (its compiled functions and
+# weak per-block maps).
+COPIED = {
+    "unsloth + attention offload": {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth",
+                                    "gradient_checkpointing_offload_attention": True},
+    "torch-ffn + attention kept": {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn",
+                                   "gradient_checkpointing_keep_attention": True},
+    "unsloth-compile": {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth-compile"},
+}
+
+
+@pytest.mark.parametrize("name", list(COPIED))
+def test_deep_copies_and_pickles_of_the_other_backends_train_on_their_own(name):
+    """After a step (when the regions' caches are full), ``copy.deepcopy`` and ``torch.save`` of the whole model give
+    a patched copy that steps like the unpatched model, and ``remove()`` restores each; the original is unchanged.
+    (Before, the kernel set's memos made both fail, and a compiled block's caches made pickling fail.)"""
+    from gradseam.testing import COMPILED_TOLERANCE
+
+    atol = COMPILED_TOLERANCE if "compile" in name else 0.0
+    reference = unpatched(WAN, "step")
+    model = build(WAN)
+    with cpu_test_mode():
+        handle = gradseam.patch(model, COPIED[name])
+        run_step(model, WAN)
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        for copied in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+            other = gradseam.handle_of(copied)
+            assert other is not None and other is not handle and other.model is copied
+            assert_same_step(reference, run_step(copied, WAN), atol=atol, what=f"{name}: a copy")
+            other.remove()
+            assert_same_step(reference, run_step(copied, WAN), atol=atol, what=f"{name}: a copy, removed")
+        assert_same_step(reference, run_step(model, WAN), atol=atol, what=f"{name}: the original")
+        handle.remove()
+
+
 # -- freezing ------------------------------------------------------------------------------------------
 
 

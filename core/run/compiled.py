@@ -50,6 +50,7 @@ Why it is built this way (each point a decision, measured on the H200; docs/benc
 from __future__ import annotations
 
 import contextlib
+import copy
 import types
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -163,6 +164,23 @@ class CompiledBlocks:
         self._shapes: dict[type, set[tuple]] = {}
         self._past_limit: set[type] = set()
         self._apart: dict[str, Any] = {}  # functions dynamo compiled on their own after a graph break
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickling the model (``torch.save(model)``) takes the budget, the engine and the backend, not the caches:
+        compiled functions, dynamo's frames and the per-block weak maps do not pickle. The unpickled model compiles
+        its blocks at their first call, as a fresh patch does."""
+        return {"budget": self.budget, "engine": self.engine, "backend": self.backend}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["budget"], state["engine"], backend=state["backend"])
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CompiledBlocks:
+        """``copy.deepcopy`` copies everything as before, the compiled functions shared (they take the block as an
+        argument); only pickling starts afresh (:meth:`__getstate__`)."""
+        clone = object.__new__(type(self))
+        memo[id(self)] = clone
+        clone.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return clone
 
     def _check_apart(self, block: nn.Module) -> None:
         """After a call that compiled (a new input shape): warn once if a graph break made dynamo compile

@@ -58,6 +58,11 @@ class KernelSet:
         self._dropout: dict[Any, int | None] = {}  # where an op takes dropout_p, by position
         self._entries: dict[Any, bool] = {}  # torch-level callables the gate has seen -> leads to a kernel
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy of the model (``copy.deepcopy``, pickling) takes the names, not the memos: they are keyed by
+        operator objects and torch's own callables, which neither copy nor pickle, and are rebuilt at first use."""
+        return {"names": self.names, "_known": {}, "_dropout": {}, "_entries": {}}
+
     def __call__(self, func: Any) -> bool:
         found = self._known.get(func)
         if found is None:

@@ -185,6 +185,12 @@ class UnusedOutputs:
     def __init__(self) -> None:
         self._reach: weakref.WeakKeyDictionary[nn.Module, _Reach | None] = weakref.WeakKeyDictionary()
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {}  # a copy (deepcopy, pickling) probes its own blocks again: the map is a cache, and weak
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()
+
     def watch(self, function: Callable[..., Any], first: Any, block: nn.Module, args: tuple, kwargs: dict,
               outputs: Any) -> None:
         """Called with each compiled call's outputs (training, gradients on). ``function(first, ...)`` is the
