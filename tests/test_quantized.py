@@ -81,7 +81,8 @@ COMPILED_ROWS = {
     FLUX.name: {"unsloth-compile": ("torchao-fp8", "torchao-int8", "torchao-float8-training", "quanto-qfloat8",
                                     "bnb-nf4", "bnb-int8"),
                 "compile": ("torchao-fp8", "quanto-qfloat8")},
-    WAN.name: {"unsloth-compile": ("torchao-fp8", "torchao-int8", "quanto-qfloat8")},
+    WAN.name: {"unsloth-compile": ("torchao-fp8", "torchao-int8", "torchao-float8-training", "quanto-qfloat8",
+                                   "bnb-nf4", "bnb-int8")},
 }
 # Of those, the rows another test covers run under `-m compiled` only (pyproject.toml deselects the mark by
 # default), to keep the suite within CI's time. ``compile`` on Flux is covered by the same base's
@@ -90,9 +91,12 @@ COMPILED_ROWS = {
 # blocks keep of a wrapper weight (its inner tensors) is left out of the count, which
 # test_the_saved_bytes_count_leaves_quantized_weights_out checks for both wrapper libraries.
 # flux-torchao-fp8-unsloth-compile is covered by wan-torchao-fp8-unsloth-compile (the base and backend) and
-# flux-torchao-int8-unsloth-compile (Flux's two slices of one tensor over a torchao wrapper weight).
+# flux-torchao-int8-unsloth-compile (Flux's two slices of one tensor over a torchao wrapper weight); Flux's
+# unsloth-compile rows over float8 training, quanto qfloat8 and the two bitsandbytes bases by Wan's rows of the
+# same base and backend, which compile one block class instead of two (about half the time on a 2-core runner).
 COVERED_COMPILED_ROWS = {(FLUX.name, "compile", "torchao-fp8"), (FLUX.name, "compile", "quanto-qfloat8"),
-                         (FLUX.name, "unsloth-compile", "torchao-fp8")}
+                         *((FLUX.name, "unsloth-compile", base) for base in
+                           ("torchao-fp8", "torchao-float8-training", "quanto-qfloat8", "bnb-nf4", "bnb-int8"))}
 
 
 def _rows() -> list:
