@@ -60,6 +60,16 @@ SLOW_TESTS = {  # by function name, in any file (every parametrization)
     "test_the_saved_bytes_count_leaves_quantized_weights_out",  # compiles
     "test_compiled_blocks_leave_hidreams_eval_routed_gates_without_a_gradient_as_eager",  # compiles
     "test_bench_family_sweep_writes_full_depth_rows",  # a bench --family sweep, end to end
+    # copies and saves of whole patched models (one compiles), streaming's hostile uses beyond one step
+    "test_deep_copies_and_pickles_of_the_other_backends_train_on_their_own",
+    "test_a_streamed_model_deep_copied_or_pickled_streams_its_own_weights",
+    "test_accumulation_retained_graphs_and_sampling_between_steps_stream_exactly",
+    "test_re_patching_a_streamed_model_hands_its_host_copies_to_the_new_patch",
+    # auto measuring every candidate at two depths (the quick subset keeps its cached and refused paths), bench's
+    # auto row end to end, and a gloo process group for DDP
+    "test_a_run_stopped_while_measuring_resumes_from_the_candidates_it_measured",
+    "test_the_auto_row_plans_at_its_first_step_within_bench_budgets_and_reports_the_plan",
+    "test_distributed_data_parallel_is_unwrapped",
 }
 SLOW_FIXTURES = {  # (file, fixture): tests using the fixture are slow
     ("test_bench.py", "results"),  # a CPU bench sweep, once per module
@@ -70,7 +80,7 @@ SLOW_FIXTURES = {  # (file, fixture): tests using the fixture are slow
 MATRIX_FILES = {
     "test_conformance.py", "test_lifecycle.py", "test_faults.py", "test_peft.py", "test_numerics.py",
     "test_offload.py", "test_stack.py", "test_hostile.py", "test_loading.py", "test_image_families.py",
-    "test_video_families.py", "test_exactness.py", "test_patch_api.py", "test_quantized.py",
+    "test_video_families.py", "test_exactness.py", "test_patch_api.py", "test_quantized.py", "test_weight_streaming.py",
 }
 
 
