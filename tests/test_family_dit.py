@@ -229,16 +229,19 @@ def test_block_0_streams_but_the_norm1_emb_the_model_calls_after_the_loop_stays_
 
 
 def test_the_kit_fails_dit_without_its_call_from_outside_block_0() -> None:
-    # What the conformance kit watches (gradseam.testing.outside): every block submodule's calls in one forward. The
-    # call after the loop is the only one outside its block, and without its declaration the kit fails the family,
-    # naming the call and the declaration to add; a declared path the block does not have fails too.
+    # What the conformance kit watches (locate_kernels' call stack over every block submodule, in its unpatched
+    # step): the call after the loop is the only one outside its block, and without its declaration the kit fails
+    # the family, naming the call and the declaration to add; a declared path the block does not have fails too.
     from dataclasses import replace
 
-    from gradseam.testing.outside import assert_outside_calls_declared, record_outside_calls
+    from gradseam.testing import locate_kernels
+    from gradseam.testing.outside import assert_outside_calls_declared
 
     model = DIT.fresh()
     family = family_for(model)
-    found = record_outside_calls(model, family, DIT.inputs(torch.Generator().manual_seed(1)))
+    with torch.no_grad(), locate_kernels(model, family) as kernels:
+        model(**DIT.inputs(torch.Generator().manual_seed(1)))
+    found = kernels.outside
     assert found == {("transformer_blocks", 0, "norm1.emb")}
     assert_outside_calls_declared(found, family, model, what="dit")
 

@@ -12,8 +12,8 @@ nothing, and an interval chunk that falls back to per-block regions is exact but
 user asked for. :func:`check_strategy` therefore also records, per planned region, how often it
 ran and whether it ran as one region, and :func:`check_declared_sides` where attention kernels run
 against what the family declares (no FFN seam around attention, no kernel outside the attention side), and
-:func:`check_called_outside` that every call into a block from outside its forward is declared (weight streaming
-keeps those submodules resident).
+every call into a block from outside its forward against ``BlockList.called_outside`` (weight streaming keeps
+those submodules resident).
 
 The package is the kit's public surface (everything in ``__all__``); its modules hold one idea each:
 
@@ -44,7 +44,6 @@ from .checks import (
     ParityReport,
     check_bench_workload,
     check_builtin_flag,
-    check_called_outside,
     check_declared_sides,
     check_no_grad,
     check_strategy,
@@ -76,7 +75,7 @@ __all__ = [
     "COMPILED_MARK", "COMPILED_TOLERANCE", "MARKERS", "QUANTIZED_BASES", "Case", "ConformanceSuite", "Inputs",
     "KernelMap", "KernelSite", "ParityReport", "RegionView", "Step", "assert_attention_side_covers_kernels",
     "assert_regions_ran", "assert_regions_whole", "assert_same_step", "assert_seams_hold_no_attention",
-    "check_bench_workload", "check_builtin_flag", "check_called_outside", "check_declared_sides", "check_no_grad", "check_quantized", "check_strategy", "config_id",
+    "check_bench_workload", "check_builtin_flag", "check_declared_sides", "check_no_grad", "check_quantized", "check_strategy", "config_id",
     "count_kernels", "count_saved_bytes", "cpu_configs", "locate_kernels", "offload_configs", "pick",
     "preset_model", "pytest_collection_modifyitems", "pytest_configure", "pytest_terminal_summary", "quantized_case",
     "randn",

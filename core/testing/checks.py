@@ -4,8 +4,7 @@
 unpatched reference (:mod:`gradseam.testing.references`), to the bit on the CPU, with fewer bytes
 kept, regions that ran (whole), kept attention kernels not recomputed, an offload that moved
 something, and a ``remove()`` that restores the model. :func:`check_declared_sides` checks where
-attention kernels run against the declaration; :func:`check_called_outside` that every call into a block from
-outside it is declared; :func:`check_no_grad` that sampling is untouched;
+attention kernels run against the declaration, and that every call into a block from outside it is declared; :func:`check_no_grad` that sampling is untouched;
 :func:`check_bench_workload` that ``gradseam bench`` and ``advise`` can run the family.
 """
 
@@ -34,31 +33,22 @@ from .steps import Case, Step, as_tuple, assert_same_step, run_step
 def check_declared_sides(case: Case) -> KernelMap:
     """One unpatched step of ``case``'s model, watched for where attention kernels run: no FFN seam may call
     one (:func:`assert_seams_hold_no_attention`), and every one a block with an attention side calls must run
-    inside that side (:func:`assert_attention_side_covers_kernels`). Returns what it saw.
+    inside that side (:func:`assert_attention_side_covers_kernels`); and every submodule the model calls while its
+    block is not running must be declared (``BlockList.called_outside``: weight streaming keeps those resident,
+    :func:`~gradseam.testing.outside.assert_outside_calls_declared`). Returns what it saw.
 
     The step is the case's reference with kernel location (:func:`~gradseam.testing.references.reference`),
     shared with the rows of :func:`check_strategy` that locate kernels too."""
     from ..patcher import family_for
-
-    model = case.fresh()
-    found = reference(case, model, family=family_for(model)).kernels
-    assert found is not None
-    assert_seams_hold_no_attention(found, what=case.name)
-    assert_attention_side_covers_kernels(found, what=case.name)
-    return found
-
-
-def check_called_outside(case: Case) -> set[Any]:
-    """One unpatched forward of ``case``'s model, every submodule of every declared block watched: each one the
-    model calls while its block is not running must be declared (``BlockList.called_outside``), or weight streaming
-    would hand that call host weights (:mod:`gradseam.testing.outside`). Returns the calls seen."""
-    from ..patcher import family_for
-    from .outside import assert_outside_calls_declared, record_outside_calls
+    from .outside import assert_outside_calls_declared
 
     model = case.fresh()
     family = family_for(model)
-    found = record_outside_calls(model, family, case.inputs(torch.Generator().manual_seed(1)))
-    assert_outside_calls_declared(found, family, model, what=case.name)
+    found = reference(case, model, family=family).kernels
+    assert found is not None
+    assert_seams_hold_no_attention(found, what=case.name)
+    assert_attention_side_covers_kernels(found, what=case.name)
+    assert_outside_calls_declared(found.outside, family, model, what=case.name)
     return found
 
 

@@ -75,6 +75,9 @@ class KernelMap:
     called: set[tuple[str, str]] = field(default_factory=set)  # (block, submodule path) of every call
     declared: dict[str, Any] = field(default_factory=dict)  # block label -> its BlockClass
     keepable: int = 0  # the calls kept attention keeps (enough keys, no dropout): what count_kernels counts
+    # (list path, block index, submodule path) of each call into a block made while that block was not running,
+    # outermost only (DiT's norm1.emb after the loop): what BlockList.called_outside must declare
+    outside: set[tuple[str, int, str]] = field(default_factory=set)
 
     @property
     def count(self) -> int:
@@ -82,7 +85,7 @@ class KernelMap:
 
     def copy(self) -> KernelMap:
         """A copy with containers of its own (the sites and declarations are immutable and shared)."""
-        return KernelMap(list(self.sites), set(self.called), dict(self.declared), self.keepable)
+        return KernelMap(list(self.sites), set(self.called), dict(self.declared), self.keepable, set(self.outside))
 
 
 @contextmanager
@@ -91,8 +94,9 @@ def locate_kernels(model: nn.Module, family: Any) -> Iterator[KernelMap]:
     does, and record for each which submodule of which declared block made it.
 
     For an unpatched model: forward hooks on every submodule of every block the family declares keep
-    a call stack, and an outermost dispatch mode reads it whenever a kernel runs. The hooks are removed
-    on exit.
+    a call stack, and an outermost dispatch mode reads it whenever a kernel runs. The same stack says which
+    submodules are called while their block is not running (:attr:`KernelMap.outside`; a module two blocks
+    share is left out of that). The hooks are removed on exit.
     """
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -105,8 +109,10 @@ def locate_kernels(model: nn.Module, family: Any) -> Iterator[KernelMap]:
     handles: list[Any] = []
     block_types: dict[str, str] = {}  # block label -> the block's class name
 
-    def enter(label: str, path: str) -> Callable[..., None]:
+    def enter(label: str, path: str, outside: tuple[str, int, str] | None) -> Callable[..., None]:
         def pre(module: nn.Module, args: Any) -> None:
+            if outside is not None and not any(owner == label for owner, _ in stack):
+                found.outside.add(outside)  # neither its block nor an outer call into it is running
             stack.append((label, path))
             found.called.add((label, path))
 
@@ -121,6 +127,13 @@ def locate_kernels(model: nn.Module, family: Any) -> Iterator[KernelMap]:
 
         return post
 
+    every = [unwrap(raw) for block_list in family.block_lists for raw in (resolve(model, block_list.path) or ())]
+    seen: set[int] = set()
+    shared: set[int] = set()  # modules two blocks hold (one rotary module handed to every block)
+    for block in every:
+        mine = {id(m) for m in block.modules() if m is not block}
+        shared |= seen & mine
+        seen |= mine
     for block_list in family.block_lists:
         blocks = resolve(model, block_list.path)
         if blocks is None:
@@ -134,7 +147,8 @@ def locate_kernels(model: nn.Module, family: Any) -> Iterator[KernelMap]:
             found.declared[label] = declared
             block_types[label] = type(block).__qualname__
             for path, sub in block.named_modules():
-                handles.append(sub.register_forward_pre_hook(enter(label, path)))
+                outside = (block_list.path, index, path) if path and id(sub) not in shared else None
+                handles.append(sub.register_forward_pre_hook(enter(label, path, outside)))
                 handles.append(sub.register_forward_hook(leave(label, path), always_call=True))
 
     class _Locate(TorchDispatchMode):

@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 from ..config import CheckpointConfig
 from ..tools.named_strategies import BACKEND, OFFLOAD_ATTENTION, ON
-from .checks import check_called_outside, check_declared_sides, check_no_grad, check_strategy
+from .checks import check_declared_sides, check_no_grad, check_strategy
 from .facts import backends, compiles, moves_to_host, strategy_for
 from .matrices import config_id, cpu_configs, offload_configs, reduced_configs, reduced_offload_configs
 from .plugin import use_as_pytest_plugin
@@ -173,8 +173,8 @@ class ConformanceSuite:
         """The model resolves to an installed family, every block list the family declares for this model is
         found and every block is planned (a list path or block class that does not match the installed
         diffusers fails here by name), no FFN seam calls an attention kernel, and every kernel a block with an
-        attention side calls runs inside that side (:func:`check_declared_sides`), and every block submodule the
-        model calls outside its block is declared (:func:`check_called_outside`)."""
+        attention side calls runs inside that side, and every block submodule the model calls outside its block is
+        declared (:func:`check_declared_sides`)."""
         from ..planning import plan, resolve
 
         family = self.family()
@@ -192,7 +192,6 @@ class ConformanceSuite:
             )
         assert planned.regions, f"{self.case.name}: the family plans no region for this model"
         check_declared_sides(self.case)
-        check_called_outside(self.case)
 
     @_over("strategy")
     def test_strategy(self, config: dict[str, Any]) -> None:
