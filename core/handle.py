@@ -113,7 +113,6 @@ class PatchHandle:
         self._blocks: tuple[nn.Module, ...] = ()  # the same modules, for the kinds' changed_since()
         self.engines: dict[Any, Any] = {}  # an OffloadEngine per store of the plan (offload configurations)
         self.weights: Any = None  # the WeightStream of the plan's streamed blocks (gradseam.offload.weights), or None
-        self.inherited_weights: Any = None  # the replaced patch's stream, whose host copies this one takes over
         self.deferred_device = False  # load-time patching: offload starts once the model is on a GPU
         self.active = False
         self.replaced_by: PatchHandle | None = None  # the later patch() of the same model that replaced this one
@@ -124,8 +123,9 @@ class PatchHandle:
         """The offload engine (host memory), or None when the plan moves nothing."""
         return next(iter(self.engines.values()), None)
 
-    def install(self) -> None:
-        """Take over the model's checkpointing and install the plan (the patcher calls this once)."""
+    def install(self, inherit: Any = None) -> None:
+        """Take over the model's checkpointing and install the plan (the patcher calls this once). ``inherit``: the
+        stream of the patch this one replaces, whose host copies the new stream takes over where it can."""
         model = self.model
         # Own checkpointing: the model's built-in flag would nest a second checkpoint around ours.
         for module in model.modules():
@@ -135,7 +135,7 @@ class PatchHandle:
         self._guard_enable()
         self._make_engines()
         self._install_regions()
-        self._stream_weights()
+        self._stream_weights(inherit)
         hooks = _ModelHooks(self)
         self._hooks = [model.register_forward_pre_hook(hooks), model.register_forward_hook(hooks.after, always_call=True)]
         if self.auto is not None:  # first among the pre-hooks: the handle's own then sees the planned regions
@@ -207,8 +207,9 @@ class PatchHandle:
         ]
         self._blocks = tuple(m for _, _, m in self._entries)
 
-    def _stream_weights(self) -> None:
-        """Hand the plan's streamed blocks to a WeightStream, which keeps their frozen weights in host memory."""
+    def _stream_weights(self, inherit: Any = None) -> None:
+        """Hand the plan's streamed blocks to a WeightStream, which keeps their frozen weights in host memory
+        (taken over from ``inherit``, the replaced patch's stream, where it streamed the same block)."""
         if not self.plan.streamed:
             return
         from .offload import cpu_allowed
@@ -222,7 +223,7 @@ class PatchHandle:
         keep = [lists[path].outside(index, len(resolve(self.model, path))) for path, index in self.plan.streamed]
         self.weights = WeightStream(blocks, labels, error=UnsupportedStrategyError, test_mode=cpu_allowed(),
                                     prefetch=self.plan.config.gradient_checkpointing_stream_prefetch, keep=keep,
-                                    inherit=self.inherited_weights)
+                                    inherit=inherit)
         self.weights.install(self.model)
 
     def _unstream_weights(self) -> None:

@@ -221,15 +221,13 @@ def patch_models(
                 replaced.append(previous)
             handle = PatchHandle(model, plans[name])
             handle.deferred_device = not check_device
-            handle.inherited_weights = handed
             if requested.backend == AUTO:
                 handle.auto = AutoPlanning(handle, requested)
             if previous is not None:
                 previous.replaced_by = handle  # its remove() says so, and which handle to remove
             try:
-                handle.install()
+                handle.install(inherit=handed)
             finally:
-                handle.inherited_weights = None
                 if handed is not None:
                     handed.remove()  # what the new stream did not take goes back to the device, its host memory freed
             done[name] = handle

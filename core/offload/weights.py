@@ -43,8 +43,8 @@ it (:mod:`gradseam.planning`, :mod:`gradseam.handle`). Why it is built this way:
   train a model too large for it: build on the CPU, patch, move) must not bring the streamed
   weights along: each module holding one skips them in ``_apply`` and records the device they are
   to be used on. A dtype change would need new host copies: refused, naming the tensor.
-* **A copy of the model streams its own weights.** The hooks and the ``_apply`` guards are objects holding the
-  stream, not closures, so ``copy.deepcopy`` (an EMA copy) and pickling carry a stream over that loads the copy's
+* **A copy of the model streams its own weights.** The hooks (partials of the stream's methods) and the
+  ``_apply`` guards (objects) hold the stream, not closures, so ``copy.deepcopy`` (an EMA copy) and pickling carry a stream over that loads the copy's
   blocks from the copy's host memory (plain, never pinned or counted).
 * **The CPU test mode** lets a CPU model stand in: the "device" copy is a fresh CPU tensor, so the
   suite checks the loads, the releases and the exactness without a GPU.
@@ -52,6 +52,7 @@ it (:mod:`gradseam.planning`, :mod:`gradseam.handle`). Why it is built this way:
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import warnings
@@ -397,8 +398,11 @@ class WeightStream:
         self._hooks.append(model.register_forward_pre_hook(self._model_pre))
         self._hooks.append(model.register_forward_hook(self._model_post))
         for index, block in enumerate(self.blocks):
-            self._hooks.append(block.module.register_forward_pre_hook(_BlockHook(self, index, "pre")))
-            self._hooks.append(block.module.register_forward_hook(_BlockHook(self, index, "post"), always_call=True))
+            # partials of bound methods, not closures: copy.deepcopy and pickling of the model carry them over with
+            # their stream (a closure would be shared by the copy, which would then load the original's blocks)
+            self._hooks.append(block.module.register_forward_pre_hook(functools.partial(self._pre, index)))
+            self._hooks.append(block.module.register_forward_hook(functools.partial(self._post, index),
+                                                                  always_call=True))
             for module in block.module.modules():
                 if "_apply" not in module.__dict__:  # a module in two streamed blocks is wrapped once
                     module._apply = _KeepingHost(module, self)
@@ -438,13 +442,13 @@ class WeightStream:
         if self.ahead and torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(output)):
             self.load(self.order[-1], ahead=True)
 
-    def _pre(self, index: int) -> None:
+    def _pre(self, index: int, module: nn.Module, args: tuple) -> None:
         self.load(index)
         if torch._C._current_graph_task_id() == -1:  # a recompute inside backward prefetches from the hook
             self._ran.append(index)
             self.prefetch_after(index, 1)
 
-    def _post(self, index: int, output: Any) -> None:
+    def _post(self, index: int, module: nn.Module, args: tuple, output: Any) -> None:
         if torch._C._current_graph_task_id() != -1:
             return  # a forward run inside backward (a recompute): its backward comes next, keep the weights
         if torch.is_grad_enabled():
@@ -545,21 +549,6 @@ def _resident_device(model: nn.Module, streamed: set[int] | None = None) -> torc
     the model moved, the streamed ones are in host memory)."""
     return next((t.device for t in (*model.parameters(), *model.buffers()) if id(t) not in (streamed or ())),
                 torch.device("cpu"))
-
-
-class _BlockHook:
-    """A streamed block's forward pre-hook (``pre``: load it) or forward hook (``post``: release it), an object
-    rather than a closure so that ``copy.deepcopy`` and pickling of the model carry it over with its stream (a
-    closure would be shared by the copy, which would then load the original's blocks)."""
-
-    def __init__(self, stream: WeightStream, index: int, which: str) -> None:
-        self.stream, self.index, self.which = stream, index, which
-
-    def __call__(self, module: nn.Module, args: tuple, *output: Any) -> None:
-        if self.which == "pre":
-            self.stream._pre(self.index)
-        else:
-            self.stream._post(self.index, output[0])
 
 
 class _KeepingHost:
