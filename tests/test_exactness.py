@@ -414,10 +414,10 @@ def test_pipeline_patch_rolls_back_when_installing_fails(monkeypatch):
     earlier = gradseam.patch(pipe.transformer, gradient_checkpointing=True)  # replaced, then put back
     real = PatchHandle.install
 
-    def install(self):
+    def install(self, inherit=None):
         if self.model is pipe.transformer_2:
             raise RuntimeError("injected install failure")
-        real(self)
+        real(self, inherit)
 
     monkeypatch.setattr(PatchHandle, "install", install)
     with pytest.raises(RuntimeError, match="injected install failure"):

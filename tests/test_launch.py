@@ -364,11 +364,12 @@ sys.stderr.close()
 """
 
 
+# A program that closes its streams and ends well is the exit-3 case with status 0: one subprocess pair fewer (~7 s
+# on a 2-core runner); exit status 0 through `gradseam run` is the trainer tests' and the in-process CLI tests'.
 @pytest.mark.parametrize(("tail", "code", "stderr"), [
-    ("", 0, None),
     ("sys.exit(3)", 3, None),
     ("raise ValueError('boom')", 1, "ValueError: boom"),
-], ids=["ok", "exit-3", "exception"])
+], ids=["exit-3", "exception"])
 def test_a_program_that_closes_its_streams_keeps_its_exit_code(tmp_path, tail, code, stderr):
     """Python exits with the program's status whatever it did to sys.stdout / sys.stderr; so does
     ``gradseam run``, and its summary (and the program's last words) still reach the stderr it was
