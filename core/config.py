@@ -201,10 +201,17 @@ def _parse_block_overrides(key: str, value: Any, nullable: bool = True) -> tuple
     if value is None or (isinstance(value, (list, tuple)) and not value):
         return None
     if isinstance(value, str):
+        text = value
         try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{_where(key)}: expected a JSON list of entries, got {value!r} ({exc}).") from None
+            value = json.loads(text, parse_int=_json_int)
+        except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nesting too deep
+            raise ValueError(f"{_where(key)}: expected a JSON list of entries, got {_clipped(text)} ({exc}).") from None
+        huge = next((node for _, node in _walk(value) if isinstance(node, _HugeInt)), None)
+        if huge is not None:
+            raise ValueError(
+                f"{_where(key)}: the JSON {_clipped(text)} holds an integer of {huge.digits} digits, more than Python "
+                f"converts ({sys.get_int_max_str_digits()}, see sys.set_int_max_str_digits); no gradseam setting takes "
+                "such a number.")
     if not isinstance(value, (list, tuple)):
         raise ValueError(
             f"{_where(key)}: expected a list of entries such as "
@@ -349,6 +356,12 @@ def _json_int(text: str) -> int | _HugeInt:
         return int(text)
     except ValueError:  # only raised past sys.get_int_max_str_digits(); json validated the syntax
         return _HugeInt(len(text.lstrip("-")))
+
+
+def _clipped(text: str, keep: int = 120) -> str:
+    """``repr(text)``, its middle cut out past ``keep`` characters: an error names the value without a page of it."""
+    shown = repr(text)
+    return shown if len(shown) <= keep else f"{shown[:keep // 2]}...{shown[-keep // 2:]} ({len(text)} characters)"
 
 
 def _walk(data: Any) -> Iterator[tuple[str, Any]]:

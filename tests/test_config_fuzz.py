@@ -203,6 +203,8 @@ def test_good_values_always_parse(data):
 @example("gradient_checkpointing_interval", "²")
 @example("gradient_checkpointing_segment_stride", "--2")
 @example("gradient_checkpointing_offload_pin_memory_max_buckets", "9" * 5000)
+@example("gradient_checkpointing_blocks", "9" * 5000)  # json.loads raises a ValueError of its own past int()'s limit
+@example("gradient_checkpointing_blocks", "[" * 100_000)  # and a RecursionError nested this deep
 def test_single_key_any_value(key, value):
     try:
         cfg = CheckpointConfig(**{key: value})
