@@ -228,6 +228,17 @@ def test_block_0_streams_but_the_norm1_emb_the_model_calls_after_the_loop_stays_
     assert_same_step(want, got, what=f"stream {stream}, released weights poisoned")
 
 
+def test_the_advice_counts_block_0_without_the_norm1_emb_that_stays_resident() -> None:
+    # advise and auto price each block's streamed weights; block 0's norm1.emb never streams, so it is not in them
+    from gradseam.tools.advise import frozen_block_gib
+
+    model = FROZEN.fresh()
+    got = frozen_block_gib(model, family_for(model))
+    size = [sum(p.nbytes for p in block.parameters()) / 2**30 for block in model.transformer_blocks]
+    emb = sum(p.nbytes for p in model.transformer_blocks[0].norm1.emb.parameters()) / 2**30
+    assert emb > 0 and got == pytest.approx([size[0] - emb, *size[1:]], rel=0, abs=1e-15)
+
+
 def test_the_kit_fails_dit_without_its_call_from_outside_block_0() -> None:
     # What the conformance kit watches (locate_kernels' call stack over every block submodule, in its unpatched
     # step): the call after the loop is the only one outside its block, and without its declaration the kit fails

@@ -547,20 +547,22 @@ def stream_at_depth(config: Mapping[str, Any], plan: Any, depth: int) -> Mapping
 
 
 def frozen_block_gib(model: Any, family: Any, plan: Any = None) -> list[float]:
-    """Each block's frozen weights (what streaming moves: :func:`gradseam.offload.weights.streamable`) in GiB,
-    in forward order at the full depth: a list cut short by a truncated workload (``plan``: the full model's
-    depth plan) counts its first block's weights once for each block it had."""
+    """Each block's frozen weights (what streaming moves: :func:`gradseam.offload.weights.streamable`, less the
+    submodules the model calls outside the block, which stay resident) in GiB, in forward order at the full
+    depth: a list cut short by a truncated workload (``plan``: the full model's depth plan) counts its first
+    block's weights once for each block it had."""
     import torch
 
     from ..modules import resolve
-    from ..offload.weights import streamable
+    from ..offload.weights import kept_tensor_ids, streamable
 
     found: list[float] = []
     for block_list in family.block_lists:
         kept = resolve(model, block_list.path)
         if kept is None or not len(kept):
             continue
-        tensors = [[t for *_, t in streamable(block)] for block in kept]
+        resident = [kept_tensor_ids(block, block_list.outside(index, len(kept))) for index, block in enumerate(kept)]
+        tensors = [[t for *_, t in streamable(block) if id(t) not in ids] for block, ids in zip(kept, resident)]
         if any(type(t) not in (torch.nn.Parameter, torch.Tensor) for ts in tensors for t in ts):
             return []  # quantized weights: streaming moves plain tensors only (gradseam.planning refuses them)
         sizes = [sum(t.nbytes for t in ts) / GiB for ts in tensors]
