@@ -130,3 +130,55 @@ def test_gpu_re_patching_a_streamed_model_keeps_its_weights_in_the_same_pinned_m
         got = run_step(model, gpu, count_bytes=False)
         assert_same_step(want, got, atol=max(1e-5, 4 * spread), what="re-patched, streamed")
     assert pinned - pinned_bytes() >= streamed, "the handed-over pinned memory was not freed on remove()"
+
+
+def test_gpu_a_measuring_patch_over_a_set_aside_stream_leaves_the_weights_in_host_memory():
+    """What ``auto`` does at the first step of a model larger than its card (streamed from patch time): the stream
+    steps aside, its weights parked in host memory, and each candidate is a patch of its own streaming the blocks it
+    keeps. Removed, that patch leaves the weights in host memory, where it found them. It used to bring them onto the
+    GPU (where the model computes), which on Wan 2.1 14B at 24 GiB ran out of memory beside the activations of a
+    candidate that had just run out itself, and every later candidate found the card full (issue 41)."""
+    pytest.importorskip("peft")
+    import torch
+
+    gpu, want, spread = _resident(LORA[WAN.name])
+    model = LORA[WAN.name].fresh()
+    outer = gradseam.patch(model, {**ON, STREAM: "all"})
+    try:
+        model.to("cuda")
+        streamed = outer.weights.host_bytes
+        torch.cuda.synchronize()
+        resident = torch.cuda.memory_allocated()
+        outer.active = False  # as auto's first step: the measuring patches do not replace this one
+        try:
+            with outer.set_aside():
+                with gradseam.patch(model, {**ON, "gradient_checkpointing_backend": "unsloth", STREAM: "all"}) as one:
+                    run_step(model, gpu, count_bytes=False)
+                    tensors = [e.tensor for b in one.weights.blocks for e in b.tensors]
+                assert tensors and all(t.device.type == "cpu" for t in tensors), "the measuring patch's remove()"
+                torch.cuda.synchronize()
+                assert torch.cuda.memory_allocated() - resident < streamed / 4, "streamed weights stayed on the GPU"
+        finally:
+            outer.active = True
+        got = run_step(model, gpu, count_bytes=False)
+        assert_same_step(want, got, atol=max(1e-5, 4 * spread), what="streamed again after the measuring patch")
+    finally:
+        outer.remove()
+
+
+def test_gpu_moving_a_streamed_model_to_the_dtype_it_has_keeps_loading_onto_the_gpu():
+    """Trainers call ``model.to(dtype=weight_dtype)`` on a model already in that dtype. ``.to(dtype)`` keeps each
+    tensor's device, so the stream's device stays the GPU: read as a move to the CPU, every block ran with its
+    weights in host memory (a device mismatch in the first block)."""
+    pytest.importorskip("peft")
+
+    gpu, want, spread = _resident(LORA[WAN.name])
+    model = LORA[WAN.name].fresh()
+    with gradseam.patch(model, {**ON, STREAM: "all"}) as handle:
+        model.to("cuda")
+        model.to(next(model.parameters()).dtype)
+        assert handle.weights.device.type == "cuda"
+        got = run_step(model, gpu, count_bytes=False)
+        assert_same_step(want, got, atol=max(1e-5, 4 * spread), what="streamed, after .to(its own dtype)")
+        streamed = [e for b in handle.weights.blocks for e in b.tensors]
+    assert all(e.tensor.device.type == "cuda" for e in streamed), "remove() puts them where the model is"

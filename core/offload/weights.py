@@ -102,7 +102,7 @@ class _Tensor:
     name: str  # its path in the block, for messages
     tensor: torch.Tensor
     host: torch.Tensor
-    home: torch.device  # where it was when streaming began, for remove()
+    home: torch.device  # where remove() puts it: where it was when streaming began, then where the model moved
 
 
 @dataclass
@@ -144,6 +144,20 @@ def streamable(block: nn.Module) -> Iterator[tuple[str, nn.Module, str, torch.Te
                     continue
                 seen.add(id(t))
                 yield (f"{path}.{name}" if path else name), owner, name, t
+
+
+def kept_tensor_ids(block: nn.Module, paths: Sequence[str]) -> set[int]:
+    """Ids of the tensors of ``block``'s submodules at ``paths``, which stay resident: the model calls them outside
+    the block (:attr:`gradseam.family.BlockList.called_outside`). A path the block lacks (a config leaves that
+    submodule out) is skipped."""
+    kept: set[int] = set()
+    for path in paths:
+        try:
+            sub = block.get_submodule(path)
+        except AttributeError:
+            continue
+        kept |= {id(t) for m in sub.modules() for t in (*m._parameters.values(), *m._buffers.values()) if t is not None}
+    return kept
 
 
 class WeightStream:
@@ -412,16 +426,7 @@ class WeightStream:
 
     def _kept(self) -> set[int]:
         """Ids of the tensors in each block's ``keep`` submodules (one a config leaves out is skipped)."""
-        kept: set[int] = set()
-        for block, paths in zip(self.blocks, self.keep):
-            for path in paths:
-                try:
-                    sub = block.module.get_submodule(path)
-                except AttributeError:
-                    continue
-                kept |= {id(t) for m in sub.modules() for t in (*m._parameters.values(), *m._buffers.values())
-                         if t is not None}
-        return kept
+        return set().union(*(kept_tensor_ids(block.module, paths) for block, paths in zip(self.blocks, self.keep)))
 
     def _model_pre(self, module: nn.Module, args: tuple) -> None:
         """A step starts: nothing of the last one stays loaded, and the first streamed block's copy starts now,
@@ -503,14 +508,16 @@ class WeightStream:
                 entry.tensor.data = entry.host
 
     def remove(self) -> None:
-        """Put every streamed tensor back on the device the model's other tensors are on now (where they were,
-        if the model never moved), and free the host memory."""
+        """Put every streamed tensor back where it was when streaming began, or where the model moved since (a
+        model patched on the CPU and moved to a GPU gets its weights on the GPU), and free the host memory."""
         self.unhook()
         for index, block in enumerate(self.blocks):
             self.release(index)
             for entry in block.tensors:
-                home = entry.home if self.test_mode or self.device is None else self.device
-                entry.tensor.data = entry.host.to(home, copy=True)
+                # where it was, not where the model computes: a measuring patch of "auto" streams weights that
+                # the set-aside stream keeps in host memory, and on a card they do not fit, bringing them to the
+                # GPU on remove() ran out of memory (issue 41's Wan 2.1 14B fault at 24 GiB)
+                entry.tensor.data = entry.host.to(entry.home, copy=True)
             if any(buffer.pinned for buffer in block.buffers) and torch.cuda.is_initialized():
                 torch.cuda.synchronize()  # no copy out of a buffer is still in flight
             for buffer in block.buffers:
@@ -567,14 +574,16 @@ class _KeepingHost:
             owner.select()
         entries = owner._owned.get(module, [])
         for entry in entries:
-            probe = fn(torch.empty(0, dtype=entry.host.dtype))
+            # the probe starts where the module's tensors would be had they not streamed: fn of .to(dtype) keeps a
+            # tensor's device, and a probe on the CPU read as a move there stopped every load
+            probe = fn(torch.empty(0, dtype=entry.host.dtype, device=entry.home))
             if probe.dtype != entry.host.dtype:
                 raise TypeError(
                     f"gradseam: {type(module).__name__}.{entry.name.rsplit('.', 1)[-1]} streams from host memory in "
                     f"{entry.host.dtype}; changing it to {probe.dtype} after patching is not supported. Change the "
                     "model's dtype before patching."
                 )
-            owner.device = probe.device  # where the model's other tensors go: the loads follow
+            owner.device = entry.home = probe.device  # where the model's other tensors go: the loads follow
         held = {}
         for kind in ("_parameters", "_buffers"):
             table = getattr(module, kind)
