@@ -208,3 +208,40 @@ def test_a_mix_streams_the_fewest_units_that_free_the_gpu_and_trains_exactly():
         check_strategy(LORA[WAN.name], mixed.config)  # outputs and every gradient, against the unpatched model
         with gradseam.patch(LORA[WAN.name].fresh(), mixed.config) as handle:
             assert len(handle.plan.streamed) == 3
+
+
+def test_a_mix_runs_the_largest_working_set_first_and_expects_the_peak_of_that_order():
+    # Backward runs the units last to first: a unit's working set comes while the units before it hold what they
+    # keep. The mix is laid out so the largest working sets come first, which no other order of its ranges beats;
+    # the peak expected there is reported beside the search's bound (held by every unit plus the largest set).
+    from itertools import permutations
+
+    from gradseam.tools.mixed_plan import expected_peak_gib
+
+    advice = _advise(gpu=8.0, host=5.0)
+    mixed = advice.per_block
+    options = {t.label: option(t) for t in advice.trials if t.label in TABLE and t.unit_costs is not None}
+    transients = [options[label].transient_gib for label, _, _ in mixed.ranges]
+    assert len(transients) >= 2 and transients == sorted(transients, reverse=True)
+
+    def laid_out(order):
+        out, start = [], 0
+        for label, a, b in order:
+            out.append((label, start, start + b - a))
+            start += b - a
+        return out
+
+    fixed = STATIC  # nothing streams here: the static memory is the fixed part
+    every = [expected_peak_gib(laid_out(order), options, fixed) for order in permutations(mixed.ranges)]
+    assert mixed.expected_gpu_gib == pytest.approx(min(every))
+    # by hand, for the first order: the fixed memory, then per range what is held up to its end plus its working set
+    held, peak = 0.0, 0.0
+    for label, a, b in mixed.ranges:
+        held += (b - a) * TABLE[label][0][1]
+        peak = max(peak, held + TABLE[label][1][1])
+    assert mixed.expected_gpu_gib == pytest.approx(STATIC + peak)
+    assert mixed.expected_gpu_gib <= mixed.plan.gpu_gib
+    if mixed.expected_gpu_gib < mixed.plan.gpu_gib - 0.005:
+        assert f"{mixed.expected_gpu_gib:.2f} GiB expected in this block order ({mixed.plan.gpu_gib:.2f} GiB at most)" \
+            in advice.report()
+    assert advice.to_dict()["per_block"]["expected_gpu_gib"] == mixed.expected_gpu_gib

@@ -351,7 +351,7 @@ def _report(advice: Advice, table: cost_cache.Table, source: str, added: int = 0
         how += f", {added} with streamed weights measured now for this budget"
     if advice.per_block is not None:
         mix = advice.per_block
-        what = (f"a per-block plan, {mix.plan.describe()}: GPU {mix.plan.gpu_gib:.2f} GiB, pinned host "
+        what = (f"a per-block plan, {mix.plan.describe()}: GPU {mix.gpu_words()}, pinned host "
                 f"{mix.plan.host_gib:.1f} GiB, step {mix.plan.time_ms:.1f} ms predicted")
         if advice.chosen is not None:
             what += f" (the best uniform candidate, {advice.chosen.label}: {advice.chosen.step_ms:.1f} ms)"
