@@ -139,25 +139,21 @@ def test_gpu_a_measuring_patch_over_a_set_aside_stream_leaves_the_weights_in_hos
     GPU (where the model computes), which on Wan 2.1 14B at 24 GiB ran out of memory beside the activations of a
     candidate that had just run out itself, and every later candidate found the card full (issue 41)."""
     pytest.importorskip("peft")
-    import torch
 
     gpu, want, spread = _resident(LORA[WAN.name])
     model = LORA[WAN.name].fresh()
     outer = gradseam.patch(model, {**ON, STREAM: "all"})
     try:
         model.to("cuda")
-        streamed = outer.weights.host_bytes
-        torch.cuda.synchronize()
-        resident = torch.cuda.memory_allocated()
         outer.active = False  # as auto's first step: the measuring patches do not replace this one
         try:
             with outer.set_aside():
                 with gradseam.patch(model, {**ON, "gradient_checkpointing_backend": "unsloth", STREAM: "all"}) as one:
                     run_step(model, gpu, count_bytes=False)
                     tensors = [e.tensor for b in one.weights.blocks for e in b.tensors]
-                assert tensors and all(t.device.type == "cpu" for t in tensors), "the measuring patch's remove()"
-                torch.cuda.synchronize()
-                assert torch.cuda.memory_allocated() - resident < streamed / 4, "streamed weights stayed on the GPU"
+                # (by device, not by the allocator's count: this model's weights are 68 KB, less than what a first
+                # step's workspaces add, ~1 MiB on an H100)
+                assert tensors and all(t.device.type == "cpu" for t in tensors), "remove() moved them to the GPU"
         finally:
             outer.active = True
         got = run_step(model, gpu, count_bytes=False)
