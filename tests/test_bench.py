@@ -232,6 +232,42 @@ def test_an_oom_row_says_where_and_what_the_allocator_held(monkeypatch) -> None:
     assert by["torch-ffn"].status == "ok" and by["torch-ffn"].failure is None
 
 
+def test_a_step_out_of_memory_frees_its_activations_before_the_row_unwinds() -> None:
+    # Until an exception is handled its traceback keeps the failed step's frames alive, activations and all; a
+    # patch removed while it unwinds (streamed weights copied back to the GPU) then found the card full and ran out
+    # of memory itself (issue 41's Wan 2.1 14B run). measure() drops the frames' variables of an out-of-memory
+    # error, and where it was raised still reads from it.
+    import weakref
+
+    from gradseam.tools.measure import measure, oom_detail
+
+    held: dict[str, object] = {}
+
+    def backward() -> None:  # named as autograd's frame is
+        activations = torch.ones(1 << 16)
+        held["activations"] = weakref.ref(activations)
+        raise torch.OutOfMemoryError(TORCH_OOM)
+
+    def other() -> None:
+        activations = torch.ones(1 << 16)
+        held["activations"] = weakref.ref(activations)
+        raise ValueError("not a memory error: left as it is")
+
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        try:
+            measure(backward, steps=1, warmup=1, device="cpu")
+        finally:
+            held["alive while unwinding"] = held["activations"]() is not None
+    assert held["alive while unwinding"] is False
+    assert oom_detail(caught.value).startswith("GPU, in the backward; Tried to allocate 2.25 GiB")
+    with pytest.raises(ValueError):
+        try:
+            measure(other, steps=1, warmup=1, device="cpu")
+        finally:
+            held["alive while unwinding"] = held["activations"]() is not None
+    assert held["alive while unwinding"] is True
+
+
 def test_a_row_that_breaks_the_device_ends_the_sweep_with_the_row_to_skip(monkeypatch):
     # An illegal memory access (torch's save_on_cpu on Qwen-Image, H200) poisons the CUDA context:
     # every later row would fail the same way, so the sweep stops and names the row to leave out.

@@ -349,6 +349,32 @@ def measure(
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1 (the median of the timed steps is reported), got {steps}.")
+    try:
+        return _measure(step, steps, warmup, device, engine)
+    except BaseException as exc:
+        if is_oom(exc):
+            drop_frames(exc)
+        raise
+
+
+def drop_frames(exc: BaseException) -> None:
+    """Clear the local variables of the finished frames ``exc`` (and the exceptions it chains) holds.
+
+    Why: until an exception is handled, its traceback keeps every frame it passed through alive, and with them a
+    failed step's activations. What runs while it unwinds then finds the GPU as full as when it failed: a patch's
+    ``remove()`` putting streamed weights back on the GPU ran out of memory itself there and left the model
+    half-restored, so every later row of the sweep failed too (issue 41's Wan 2.1 14B run). Where it was raised
+    (file, line, function) stays readable; only the frames' variables go."""
+    import traceback
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)  # skips the frames still running (the callers)
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+
+
+def _measure(step: Callable[[], Any], steps: int, warmup: int, device: str, engine: Any) -> Measurement:
     cuda = device != "cpu"
     warmups = []
     for _ in range(warmup):
