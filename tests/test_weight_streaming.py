@@ -309,6 +309,37 @@ def test_streamed_weights_are_host_copies_between_calls_and_fresh_copies_inside_
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+class _NoRoom(torch.Tensor):
+    """A host copy whose copy back runs out of memory, as on a GPU still full of a failed step's activations."""
+
+    def to(self, *args, **kwargs):  # noqa: ANN002, ANN003
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 50.00 MiB.")
+
+
+def test_remove_that_runs_out_of_memory_changes_nothing_and_can_be_called_again():
+    # Every copy back is made before anything changes: the model still streams and trains exactly, the error says
+    # how much would come back and what to free, and a second remove() restores the original model.
+    pytest.importorskip("peft")
+    case = LORA[WAN.name]
+    want = run_step(case.fresh(), case, count_bytes=False)
+    model = case.fresh()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with cpu_test_mode():
+        handle = gradseam.patch(model, {**ON, STREAM: "all"})
+        last = handle.weights.blocks[-1].tensors[-1]
+        host = last.host
+        last.host = host.as_subclass(_NoRoom)
+        with pytest.raises(torch.OutOfMemoryError, match=r"remove\(\) could not bring the streamed weights \(0\.00 GiB\) "
+                           r"back .*Nothing changed: the weights still stream\. Free GPU memory"):
+            handle.remove()
+        assert handle.active and handle.weights is not None
+        assert all(e.tensor.data_ptr() == e.host.data_ptr() for b in handle.weights.blocks for e in b.tensors)
+        last.host = host
+        assert_same_step(want, run_step(model, case, count_bytes=False), what="streamed, after a failed remove()")
+        handle.remove()
+    assert not handle.active and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_a_dtype_change_of_streamed_weights_after_patching_is_refused_by_name():
     pytest.importorskip("peft")
     model = LORA[WAN.name].fresh()

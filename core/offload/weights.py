@@ -510,14 +510,24 @@ class WeightStream:
     def remove(self) -> None:
         """Put every streamed tensor back where it was when streaming began, or where the model moved since (a
         model patched on the CPU and moved to a GPU gets its weights on the GPU), and free the host memory."""
+        # Every copy is made before anything changes: out of memory half-way (a GPU still full of a failed step's
+        # activations), the stream stays as it was, working, and remove() can be called again. Where to: where the
+        # tensor was, not where the model computes (a measuring patch of "auto" streams weights that the set-aside
+        # stream keeps in host memory; bringing them to the GPU ran out of memory on Wan 2.1 14B at 24 GiB).
+        try:
+            copies = [[entry.host.to(entry.home, copy=True) for entry in block.tensors] for block in self.blocks]
+        except torch.OutOfMemoryError as exc:
+            total = sum(e.host.nbytes for b in self.blocks for e in b.tensors) / 2**30
+            raise torch.OutOfMemoryError(
+                f"gradseam: remove() could not bring the streamed weights ({total:.2f} GiB) back where the model "
+                f"keeps them ({exc}). Nothing changed: the weights still stream. Free GPU memory (drop the last "
+                "step's outputs, and an exception caught from it, which holds its activations) and call remove() "
+                "again, or move the model to the CPU first.") from exc
         self.unhook()
-        for index, block in enumerate(self.blocks):
+        for index, (block, restored) in enumerate(zip(self.blocks, copies)):
             self.release(index)
-            for entry in block.tensors:
-                # where it was, not where the model computes: a measuring patch of "auto" streams weights that
-                # the set-aside stream keeps in host memory, and on a card they do not fit, bringing them to the
-                # GPU on remove() ran out of memory (issue 41's Wan 2.1 14B fault at 24 GiB)
-                entry.tensor.data = entry.host.to(entry.home, copy=True)
+            for entry, copy in zip(block.tensors, restored):
+                entry.tensor.data = copy
             if any(buffer.pinned for buffer in block.buffers) and torch.cuda.is_initialized():
                 torch.cuda.synchronize()  # no copy out of a buffer is still in flight
             for buffer in block.buffers:
