@@ -151,9 +151,11 @@ class BlockList:
     ``called_outside`` names the submodules of a block that the model calls outside that block's own
     forward, as ``(index, path)`` pairs: DiT's forward calls ``transformer_blocks[0].norm1.emb`` again
     after the loop, for the final layer's modulation (``(0, "norm1.emb")``; a negative index counts from
-    the end). Weight streaming keeps their weights on the GPU when it streams that block: streamed,
-    they would be in host memory when the call comes. The conformance kit watches every block
-    submodule's calls and fails a family that leaves one out.
+    the end). A path may also name one parameter or buffer the model reads itself (``(1,
+    "scale_shift_table")``). Weight streaming keeps their weights on the GPU when it streams that block:
+    streamed, they would be in host memory when the call comes. The conformance kit watches every block
+    submodule's calls, and every read of a block's tensors in the model's forward, and fails a family that
+    leaves one out.
     """
 
     path: str

@@ -267,6 +267,46 @@ def test_the_kit_fails_dit_without_its_call_from_outside_block_0() -> None:
         assert_outside_calls_declared(found, declaring(((0, "norm1.embed"),)), model, what="dit")
 
 
+def test_the_kit_fails_a_model_reading_a_blocks_tensor_outside_it_until_declared() -> None:
+    # A read, not a call: the model uses one of block 1's tensors itself (as a final layer reading a block's
+    # modulation table would). locate_kernels' torch function mode sees it inside the model's forward while no
+    # call into block 1 runs; the kit names the tensor and the declaration, which may name the tensor itself, and
+    # streaming then keeps exactly that tensor resident.
+    from dataclasses import replace
+
+    from gradseam.offload.weights import kept_tensor_ids
+    from gradseam.testing import locate_kernels
+    from gradseam.testing.outside import assert_outside_calls_declared
+
+    model = DIT.fresh()
+    family = family_for(model)
+    bias = model.transformer_blocks[1].ff.net[2].bias
+    original = model.forward
+
+    def reading(*args, **kwargs):
+        out = original(*args, **kwargs)
+        bias.mean()  # the read: block 1 is not running
+        return out
+
+    model.forward = reading
+    with torch.no_grad(), locate_kernels(model, family) as kernels:
+        model(**DIT.inputs(torch.Generator().manual_seed(1)))
+    assert kernels.reads == {("transformer_blocks", 1, "ff.net.2.bias")}
+
+    def declaring(calls) -> object:
+        return replace(family, block_lists=tuple(replace(bl, called_outside=calls) for bl in family.block_lists))
+
+    with pytest.raises(AssertionError, match=r"dit: the model reads transformer_blocks\[1\]\.ff\.net\.2\.bias outside "
+                       r"that block's own forward.*called_outside=\(\(1, 'ff\.net\.2\.bias'\),\)"):
+        assert_outside_calls_declared(kernels.outside, family, model, what="dit", reads=kernels.reads)
+    for declared in ("ff.net.2.bias", "ff.net.2"):  # the tensor, or a submodule holding it
+        assert_outside_calls_declared(kernels.outside, declaring(((0, "norm1.emb"), (1, declared))), model,
+                                      what="dit", reads=kernels.reads)
+    block = model.transformer_blocks[1]
+    assert kept_tensor_ids(block, ["ff.net.2.bias"]) == {id(bias)}
+    assert kept_tensor_ids(block, ["ff.net.2"]) == {id(bias), id(block.ff.net[2].weight)}
+
+
 # -- presets at full size ------------------------------------------------------------------------
 
 PRESETS = {"xl-2-256": 32, "xl-2-512": 64}  # latent side: resolution / 8

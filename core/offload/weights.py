@@ -146,17 +146,33 @@ def streamable(block: nn.Module) -> Iterator[tuple[str, nn.Module, str, torch.Te
                 yield (f"{path}.{name}" if path else name), owner, name, t
 
 
+def block_part(block: nn.Module, path: str) -> nn.Module | torch.Tensor | None:
+    """The submodule, parameter or buffer of ``block`` at ``path``, or None where the block has none."""
+    owner, _, name = path.rpartition(".")
+    try:
+        return block.get_submodule(path)
+    except AttributeError:
+        pass
+    try:
+        parent = block.get_submodule(owner)
+    except AttributeError:
+        return None
+    found = parent._parameters.get(name, parent._buffers.get(name))
+    return found
+
+
 def kept_tensor_ids(block: nn.Module, paths: Sequence[str]) -> set[int]:
-    """Ids of the tensors of ``block``'s submodules at ``paths``, which stay resident: the model calls them outside
-    the block (:attr:`gradseam.family.BlockList.called_outside`). A path the block lacks (a config leaves that
-    submodule out) is skipped."""
+    """Ids of the tensors of ``block`` at ``paths`` (submodules, or single parameters and buffers), which stay
+    resident: the model uses them outside the block (:attr:`gradseam.family.BlockList.called_outside`). A path the
+    block lacks (a config leaves that submodule out) is skipped."""
     kept: set[int] = set()
     for path in paths:
-        try:
-            sub = block.get_submodule(path)
-        except AttributeError:
-            continue
-        kept |= {id(t) for m in sub.modules() for t in (*m._parameters.values(), *m._buffers.values()) if t is not None}
+        part = block_part(block, path)
+        if isinstance(part, torch.Tensor):
+            kept.add(id(part))
+        elif part is not None:
+            kept |= {id(t) for m in part.modules() for t in (*m._parameters.values(), *m._buffers.values())
+                     if t is not None}
     return kept
 
 

@@ -12,8 +12,8 @@ nothing, and an interval chunk that falls back to per-block regions is exact but
 user asked for. :func:`check_strategy` therefore also records, per planned region, how often it
 ran and whether it ran as one region, and :func:`check_declared_sides` where attention kernels run
 against what the family declares (no FFN seam around attention, no kernel outside the attention side), and
-every call into a block from outside its forward against ``BlockList.called_outside`` (weight streaming keeps
-those submodules resident).
+every call into a block, or read of one of its tensors, from outside its forward against
+``BlockList.called_outside`` (weight streaming keeps those submodules and tensors resident).
 
 The package is the kit's public surface (everything in ``__all__``); its modules hold one idea each:
 

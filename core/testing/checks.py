@@ -33,8 +33,8 @@ from .steps import Case, Step, as_tuple, assert_same_step, run_step
 def check_declared_sides(case: Case) -> KernelMap:
     """One unpatched step of ``case``'s model, watched for where attention kernels run: no FFN seam may call
     one (:func:`assert_seams_hold_no_attention`), and every one a block with an attention side calls must run
-    inside that side (:func:`assert_attention_side_covers_kernels`); and every submodule the model calls while its
-    block is not running must be declared (``BlockList.called_outside``: weight streaming keeps those resident,
+    inside that side (:func:`assert_attention_side_covers_kernels`); and every submodule the model calls, and
+    every block tensor it reads, while its block is not running must be declared (``BlockList.called_outside``: weight streaming keeps those resident,
     :func:`~gradseam.testing.outside.assert_outside_calls_declared`). Returns what it saw.
 
     The step is the case's reference with kernel location (:func:`~gradseam.testing.references.reference`),
@@ -48,7 +48,7 @@ def check_declared_sides(case: Case) -> KernelMap:
     assert found is not None
     assert_seams_hold_no_attention(found, what=case.name)
     assert_attention_side_covers_kernels(found, what=case.name)
-    assert_outside_calls_declared(found.outside, family, model, what=case.name)
+    assert_outside_calls_declared(found.outside, family, model, what=case.name, reads=found.reads)
     return found
 
 

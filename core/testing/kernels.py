@@ -78,6 +78,9 @@ class KernelMap:
     # (list path, block index, submodule path) of each call into a block made while that block was not running,
     # outermost only (DiT's norm1.emb after the loop): what BlockList.called_outside must declare
     outside: set[tuple[str, int, str]] = field(default_factory=set)
+    # (list path, block index, tensor path) of each read of a block's parameter or buffer's values (or device)
+    # made while neither that block nor a call into it was running: the same declaration covers them
+    reads: set[tuple[str, int, str]] = field(default_factory=set)
 
     @property
     def count(self) -> int:
@@ -85,7 +88,23 @@ class KernelMap:
 
     def copy(self) -> KernelMap:
         """A copy with containers of its own (the sites and declarations are immutable and shared)."""
-        return KernelMap(list(self.sites), set(self.called), dict(self.declared), self.keepable, set(self.outside))
+        return KernelMap(list(self.sites), set(self.called), dict(self.declared), self.keepable, set(self.outside),
+                         set(self.reads))
+
+
+# What reading a tensor's metadata calls (torch function mode sees them): the same for a streamed weight's host copy,
+# so not a use of its values. ``device`` is left out on purpose: a streamed weight's is the host's.
+_METADATA = frozenset({"dtype", "shape", "requires_grad", "is_leaf", "ndim", "layout", "names", "grad_fn", "grad",
+                       "_version", "is_sparse", "is_quantized", "is_meta", "is_nested", "itemsize", "nbytes",
+                       "size", "dim", "numel", "nelement", "ndimension", "element_size", "is_floating_point",
+                       "is_complex", "stride", "__hash__", "__len__"})
+
+
+def _metadata(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        name = getattr(getattr(func, "__self__", None), "__name__", "")
+    return name in _METADATA
 
 
 @contextmanager
@@ -96,9 +115,13 @@ def locate_kernels(model: nn.Module, family: Any) -> Iterator[KernelMap]:
     For an unpatched model: forward hooks on every submodule of every block the family declares keep
     a call stack, and an outermost dispatch mode reads it whenever a kernel runs. The same stack says which
     submodules are called while their block is not running (:attr:`KernelMap.outside`; a module two blocks
-    share is left out of that). The hooks are removed on exit.
+    share is left out of that), and an outermost torch function mode which of a block's parameters and buffers
+    are read then (:attr:`KernelMap.reads`: ``block.scale_shift_table`` used by the model itself; a tensor two
+    blocks share is left out). The hooks are removed on exit.
     """
+    from torch.overrides import TorchFunctionMode
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
 
     from ..planning import resolve, unwrap
     from ..run.kernels import attention_kernels
@@ -108,6 +131,7 @@ def locate_kernels(model: nn.Module, family: Any) -> Iterator[KernelMap]:
     stack: list[tuple[str, str]] = []
     handles: list[Any] = []
     block_types: dict[str, str] = {}  # block label -> the block's class name
+    hooked: dict[str, tuple[str, int, nn.Module]] = {}  # block label -> (list path, index, block) of each declared one
 
     def enter(label: str, path: str, outside: tuple[str, int, str] | None) -> Callable[..., None]:
         def pre(module: nn.Module, args: Any) -> None:
@@ -145,11 +169,37 @@ def locate_kernels(model: nn.Module, family: Any) -> Iterator[KernelMap]:
                 continue
             label = f"{block_list.path}[{index}]"
             found.declared[label] = declared
+            hooked[label] = (block_list.path, index, block)
             block_types[label] = type(block).__qualname__
             for path, sub in block.named_modules():
                 outside = (block_list.path, index, path) if path and id(sub) not in shared else None
                 handles.append(sub.register_forward_pre_hook(enter(label, path, outside)))
                 handles.append(sub.register_forward_hook(leave(label, path), always_call=True))
+
+    # id of each tensor of a declared block -> (list path, index, tensor path); one two blocks hold is left out
+    owners: dict[int, tuple[str, int, str]] = {}
+    twice: set[int] = set()
+    for list_path, index, block in hooked.values():
+        for path, sub in block.named_modules():
+            if id(sub) in shared:
+                continue
+            for name, t in [*sub._parameters.items(), *sub._buffers.items()]:
+                if t is None:
+                    continue
+                if id(t) in owners and owners[id(t)][:2] != (list_path, index):
+                    twice.add(id(t))
+                owners.setdefault(id(t), (list_path, index, f"{path}.{name}" if path else name))
+    for key in twice:
+        del owners[key]
+
+    class _Reads(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            if not _metadata(func):
+                for leaf in tree_leaves((args, kwargs or {})):
+                    where = owners.get(id(leaf))
+                    if where is not None and not any(owner == f"{where[0]}[{where[1]}]" for owner, _ in stack):
+                        found.reads.add(where)
+            return func(*args, **(kwargs or {}))
 
     class _Locate(TorchDispatchMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
@@ -161,6 +211,18 @@ def locate_kernels(model: nn.Module, family: Any) -> Iterator[KernelMap]:
                 found.keepable += kernels.keeps(func, args, kwargs)
             return func(*args, **(kwargs or {}))
 
+    # reads are watched inside the model's forward only: the step around it hands the parameters to autograd and
+    # reads their gradients, which streaming does not mind
+    reads = _Reads()
+
+    def watch(module: nn.Module, args: Any) -> None:  # returns None: a pre-hook's value would replace the inputs
+        reads.__enter__()
+
+    def unwatch(module: nn.Module, args: Any, output: Any) -> None:
+        reads.__exit__(None, None, None)
+
+    handles.append(model.register_forward_pre_hook(watch))
+    handles.append(model.register_forward_hook(unwatch, always_call=True))
     try:
         with _Locate():
             yield found

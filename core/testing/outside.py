@@ -19,9 +19,13 @@ from torch import nn
 Outside = tuple[str, int, str]
 
 
-def assert_outside_calls_declared(found: set[Outside], family: Any, model: nn.Module, *, what: str) -> None:
-    """Each call in ``found`` is covered by its block list's ``called_outside`` (the declared path or one of its
-    parents), and each declared path names a submodule the block has; the message says what to declare."""
+def assert_outside_calls_declared(found: set[Outside], family: Any, model: nn.Module, *, what: str,
+                                  reads: set[Outside] = frozenset()) -> None:  # type: ignore[assignment]
+    """Each call in ``found`` and each read in ``reads`` (a block's parameter or buffer used by the model outside
+    the block: :attr:`gradseam.testing.KernelMap.reads`) is covered by its block list's ``called_outside`` (the
+    declared path or one of its parents), and each declared path names a submodule or tensor the block has; the
+    message says what to declare."""
+    from ..offload.weights import block_part
     from ..planning import resolve
 
     lists = {bl.path: bl for bl in family.block_lists}
@@ -33,18 +37,17 @@ def assert_outside_calls_declared(found: set[Outside], family: Any, model: nn.Mo
             index = at if at >= 0 else at + len(blocks)
             assert 0 <= index < len(blocks), (
                 f"{what}: BlockList({path!r}).called_outside names block {at}, and the list has {len(blocks)}")
-            try:
-                blocks[index].get_submodule(sub)
-            except AttributeError:
+            if block_part(blocks[index], sub) is None:
                 raise AssertionError(f"{what}: BlockList({path!r}).called_outside names {sub!r}, which block {at} "
-                                     "does not have") from None
-    missing = sorted(
-        (path, index, sub) for path, index, sub in found
-        if not any(sub == known or sub.startswith(known + ".")
-                   for known in lists[path].outside(index, len(resolve(model, path))))
-    )
-    whose = "that block's" if len(missing) == 1 else "those blocks'"
-    assert not missing, (
-        f"{what}: the model calls {', '.join(f'{p}[{i}].{s}' for p, i, s in missing)} outside {whose} own "
-        "forward; weight streaming would leave its weights in host memory then. Declare it on the block list: "
-        + "; ".join(f"BlockList({p!r}, ..., called_outside=(({i}, {s!r}),))" for p, i, s in missing))
+                                     "does not have")
+    for seen, verb in ((found, "calls"), (reads, "reads")):
+        missing = sorted(
+            (path, index, sub) for path, index, sub in seen
+            if not any(sub == known or sub.startswith(known + ".")
+                       for known in lists[path].outside(index, len(resolve(model, path))))
+        )
+        whose = "that block's" if len(missing) == 1 else "those blocks'"
+        assert not missing, (
+            f"{what}: the model {verb} {', '.join(f'{p}[{i}].{s}' for p, i, s in missing)} outside {whose} own "
+            "forward; weight streaming would leave its weights in host memory then. Declare it on the block list: "
+            + "; ".join(f"BlockList({p!r}, ..., called_outside=(({i}, {s!r}),))" for p, i, s in missing))
