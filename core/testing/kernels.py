@@ -115,8 +115,8 @@ def locate_kernels(model: nn.Module, family: Any) -> Iterator[KernelMap]:
     For an unpatched model: forward hooks on every submodule of every block the family declares keep
     a call stack, and an outermost dispatch mode reads it whenever a kernel runs. The same stack says which
     submodules are called while their block is not running (:attr:`KernelMap.outside`; a module two blocks
-    share is left out of that), and an outermost torch function mode which of a block's parameters and buffers
-    are read then (:attr:`KernelMap.reads`: ``block.scale_shift_table`` used by the model itself; a tensor two
+    share is left out of that), and a torch function mode entered for the model's forward which of a block's
+    parameters and buffers are read then (:attr:`KernelMap.reads`: ``block.scale_shift_table`` used by the model itself; a tensor two
     blocks share is left out). The hooks are removed on exit.
     """
     from torch.overrides import TorchFunctionMode
