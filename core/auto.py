@@ -64,6 +64,9 @@ class Planned:
     config: CheckpointConfig
     source: str  # "measured", "cached" or "default" (nothing could be measured)
     report: str  # what was measured or read, the plan and what it beat, in a few lines
+    # what the plan is predicted to take: "gpu_gib" (the step's GPU peak, everything on the GPU counted), "host_gib"
+    # (pinned host memory, streamed weights included), "step_ms"; None for the default (nothing measured)
+    predicted: dict[str, float] | None = None
 
 
 Planner = Callable[[Request], Planned]

@@ -91,6 +91,23 @@ def test_the_auto_row_plans_at_its_first_step_within_bench_budgets_and_reports_t
     note = auto_plans_note(with_ratios([result]))
     assert note.startswith("auto @ 40GiB: its first step planned (measured costs) and took ")
     assert json.dumps(result.plan["config"]) in note
+    said = result.plan["predicted"]
+    assert said == answers[0].predicted and said["step_ms"] > 0
+    assert f"auto @ 40GiB: step {result.step_ms:.2f} ms measured, {said['step_ms']:.2f} predicted (" in note
+
+
+def test_the_auto_note_sets_each_measured_figure_against_the_plans_prediction():
+    # issue 41's Wan 2.1 14B row (H100, 24 GiB / 48 GiB host): what the plan predicted beside what the row measured
+    row = {"strategy": "auto @ 24GiB", "depth": 40, "first_step_ms": 262_800.0, "gpu_peak_gib": 19.54,
+           "pinned_gib": 47.34, "step_ms": 15_701.6,
+           "plan": {"source": "measured", "config": {"gradient_checkpointing": True}, "report": "",
+                    "predicted": {"gpu_gib": 19.33, "host_gib": 47.68, "step_ms": 15_444.6}}}
+    lines = auto_plans_note([row]).splitlines()
+    assert lines[1] == ("auto @ 24GiB at depth 40: GPU peak 19.54 GiB measured, 19.33 predicted (+1.1%); pinned host "
+                        "47.34 GiB measured, 47.68 predicted (-0.7%); step 15701.60 ms measured, 15444.60 predicted "
+                        "(+1.7%)")
+    row["plan"]["predicted"] = None  # the default plan (nothing measured) predicts nothing
+    assert len(auto_plans_note([row]).splitlines()) == 1
 
 
 def test_host_memory_is_refused_without_an_auto_row_naming_the_fix():

@@ -210,6 +210,22 @@ def test_a_mix_streams_the_fewest_units_that_free_the_gpu_and_trains_exactly():
             assert len(handle.plan.streamed) == 3
 
 
+def test_the_planner_predicts_what_a_run_measures_of_the_plan_it_chose():
+    # what bench sets its auto row's measurements against: the GPU peak with the static memory (a mix's in its
+    # block order), the pinned memory with the weights streamed from patch time, the step
+    from gradseam.tools.auto_planner import predicted
+
+    advice = _advise(gpu=8.0, host=5.0)
+    mix = advice.per_block
+    assert predicted(advice, streamed_gib=2.0) == {"gpu_gib": mix.expected_gpu_gib, "host_gib": mix.plan.host_gib + 2.0,
+                                                   "step_ms": mix.plan.time_ms}
+    uniform = _advise(gpu=64.0, host=64.0)  # compile on every block, no mix
+    chosen = uniform.chosen
+    assert uniform.per_block is None
+    assert predicted(uniform) == {"gpu_gib": STATIC + chosen.peak_gib, "host_gib": chosen.pinned_gib or 0.0,
+                                  "step_ms": chosen.step_ms}
+
+
 def test_a_mix_runs_the_largest_working_set_first_and_expects_the_peak_of_that_order():
     # Backward runs the units last to first: a unit's working set comes while the units before it hold what they
     # keep. The mix is laid out so the largest working sets come first, which no other order of its ranges beats;

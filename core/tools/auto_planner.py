@@ -129,7 +129,23 @@ def plan(request: Request, *, measure_on: MeasureOn | None = None, cache_dir: st
     if request.streamed:
         report = (f"every block's frozen weights ({sum(weights or ()):.2f} GiB) stream from host memory, the model "
                   f"being larger than the GPU budget; {report}")
-    return Planned(CheckpointConfig.from_dict(config), source, report)
+    return Planned(CheckpointConfig.from_dict(config), source, report, predicted(advice, sum(weights or ())
+                                                                                  if request.streamed else 0.0))
+
+
+def predicted(advice: Advice, streamed_gib: float = 0.0) -> dict[str, float] | None:
+    """The chosen plan's predicted GPU peak, pinned host memory and step, as a run measures them: the GPU peak with
+    the static memory in it (a mix's in its block order, :attr:`MixedPlan.expected_gpu_gib`), the pinned memory
+    with ``streamed_gib`` of weights the model streams from patch time (the planner's host budget leaves them out)."""
+    mix = advice.per_block
+    if mix is not None:
+        gpu = mix.expected_gpu_gib if mix.expected_gpu_gib is not None else mix.plan.gpu_gib
+        return {"gpu_gib": gpu, "host_gib": mix.plan.host_gib + streamed_gib, "step_ms": mix.plan.time_ms}
+    chosen = advice.chosen
+    if chosen is None or chosen.peak_gib is None or chosen.step_ms is None:
+        return None
+    return {"gpu_gib": advice.static_gib + chosen.peak_gib, "host_gib": (chosen.pinned_gib or 0.0) + streamed_gib,
+            "step_ms": chosen.step_ms}
 
 
 def streamable_gib(request: Request) -> list[float] | None:

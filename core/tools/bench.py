@@ -336,7 +336,8 @@ def _measure_auto(sweep: _Sweep, name: str, config: dict[str, Any], cap: float |
         if via_cpu:
             model.to(device)
     return _result(sweep, name, got, streamed_pinned, first_step_ms=planning_ms,
-                   plan={"source": planned.source, "config": planned.config.to_dict(), "report": planned.report})
+                   plan={"source": planned.source, "config": planned.config.to_dict(), "report": planned.report,
+                         "predicted": planned.predicted})
 
 
 def _larger_than_gpu(model: nn.Module, cap: float | None) -> bool:

@@ -42,7 +42,8 @@ The JSON written by ``gradseam bench`` (see :func:`payload`)::
          "gpu_peak_gib": float | null,  # GPU rows: the whole GPU's peak, weights included (streamed rows: loads)
          "pinned_weights_gib": float | null,  # rows that stream weights: their pinned host copies, also in pinned_gib
          "failure": str | null,  # OOM rows: GPU or pinned host, forward or backward, the allocator's words
-         "plan": {"source": str, "config": {...}, "report": str} | null,  # auto rows: the plan and its keys
+         "plan": {"source": str, "config": {...}, "report": str,  # auto rows: the plan and its keys, and what
+                  "predicted": {"gpu_gib": float, "host_gib": float, "step_ms": float} | null} | null,  # it predicted
          "vs_none": float | null, "vs_torch": float | null,  # step-time ratios at the same workload and depth
          "step_times_ms": [float] | null}  # every timed step (step_ms is their median); null: not measured
       ]
@@ -316,6 +317,14 @@ def auto_plans_note(rows: list[dict[str, Any]]) -> str | None:
         lines.append(f"{r['strategy']}{where}: its first step planned ({plan['source']} costs) and took "
                      f"{r['first_step_ms'] / 1000:.1f} s; the same plan without planning: "
                      f"{json.dumps(plan['config'])}")
+        said = plan.get("predicted")
+        if said:  # how close the plan came, each measured figure against its prediction
+            pairs = [("GPU peak", "gpu_gib", r.get("gpu_peak_gib"), "GiB"),
+                     ("pinned host", "host_gib", r.get("pinned_gib"), "GiB"), ("step", "step_ms", r.get("step_ms"), "ms")]
+            parts = [f"{what} {got:.2f} {unit} measured, {said[key]:.2f} predicted ({got / said[key] - 1:+.1%})"
+                     for what, key, got, unit in pairs if got is not None and said.get(key)]
+            if parts:
+                lines.append(f"{r['strategy']}{where}: " + "; ".join(parts))
     return "\n".join(lines) or None
 
 
