@@ -162,7 +162,7 @@ class BlockList:
     carry: Carry | None = None  # None: blocks of this list cannot be chunked (interval is ignored)
     optional: bool = False  # the attribute may be missing or None in some configs
     per_block: tuple[str, ...] = ()  # arguments carrying each block's own state (see above)
-    called_outside: tuple[tuple[int, str], ...] = ()  # (block index, submodule path) called outside it
+    called_outside: tuple[tuple[int, str], ...] = ()  # (block index, submodule or tensor path) used outside it
 
     def __post_init__(self) -> None:
         owner = f"BlockList({self.path!r})" if isinstance(self.path, str) else "BlockList"
@@ -194,7 +194,7 @@ class BlockList:
         return tuple(pairs)
 
     def outside(self, index: int, length: int) -> tuple[str, ...]:
-        """The submodule paths of block ``index`` (of ``length`` in the list) the model calls outside it."""
+        """The submodule and tensor paths of block ``index`` (of ``length`` in the list) the model uses outside it."""
         return tuple(path for at, path in self.called_outside if at == index or at + length == index)
 
     def _per_block(self, owner: str) -> tuple[str, ...]:

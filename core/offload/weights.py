@@ -157,8 +157,12 @@ def block_part(block: nn.Module, path: str) -> nn.Module | torch.Tensor | None:
         parent = block.get_submodule(owner)
     except AttributeError:
         return None
-    found = parent._parameters.get(name, parent._buffers.get(name))
-    return found
+    return parent._parameters.get(name, parent._buffers.get(name))
+
+
+def tensor_ids(module: nn.Module) -> set[int]:
+    """Ids of every parameter and buffer of ``module`` and its submodules."""
+    return {id(t) for m in module.modules() for t in (*m._parameters.values(), *m._buffers.values()) if t is not None}
 
 
 def kept_tensor_ids(block: nn.Module, paths: Sequence[str]) -> set[int]:
@@ -171,8 +175,7 @@ def kept_tensor_ids(block: nn.Module, paths: Sequence[str]) -> set[int]:
         if isinstance(part, torch.Tensor):
             kept.add(id(part))
         elif part is not None:
-            kept |= {id(t) for m in part.modules() for t in (*m._parameters.values(), *m._buffers.values())
-                     if t is not None}
+            kept |= tensor_ids(part)
     return kept
 
 
@@ -186,8 +189,8 @@ class WeightStream:
     rows), not a way to train: each block's weights are copied in on the compute stream when it runs, the
     host waiting, and copied back out when it is released, as ``block.to("cuda")`` / ``block.to("cpu")``
     around each use would; nothing is prefetched.
-    ``keep``: per block, submodule paths whose tensors do not stream (the model calls them outside the
-    block: :attr:`gradseam.family.BlockList.called_outside`); they stay where the model's tensors are.
+    ``keep``: per block, paths of submodules (or single tensors) that do not stream (the model uses them outside
+    the block: :attr:`gradseam.family.BlockList.called_outside`); they stay where the model's tensors are.
     ``inherit``: the stream of the patch this one replaces (a second ``patch()`` of the model), unhooked: a block
     both stream is taken over with its host copies as they are (:meth:`_to_host`), so re-patching a model larger
     than its GPU never brings its weights back there, nor holds two host copies of them.
@@ -441,7 +444,7 @@ class WeightStream:
             self.select()
 
     def _kept(self) -> set[int]:
-        """Ids of the tensors in each block's ``keep`` submodules (one a config leaves out is skipped)."""
+        """Ids of the tensors each block's ``keep`` paths name (one a config leaves out is skipped)."""
         return set().union(*(kept_tensor_ids(block.module, paths) for block, paths in zip(self.blocks, self.keep)))
 
     def _model_pre(self, module: nn.Module, args: tuple) -> None:
@@ -561,17 +564,13 @@ def _tensors(value: Any) -> list[torch.Tensor]:
 def _shared_tensors(model: nn.Module, blocks: list[nn.Module]) -> set[int]:
     """Ids of the tensors a streamed block holds together with another block or with a module outside them
     (tied weights): moving one holder's ``.data`` would move it under the others."""
-    def held(module: nn.Module) -> set[int]:
-        return {id(t) for m in module.modules() for t in (*m._parameters.values(), *m._buffers.values())
-                if t is not None}
-
     inside = {id(m) for block in blocks for m in block.modules()}
     outside = {id(t) for m in model.modules() if id(m) not in inside
                for t in (*m._parameters.values(), *m._buffers.values()) if t is not None}
     seen: set[int] = set()
     twice: set[int] = set()
     for block in blocks:
-        ids = held(block)
+        ids = tensor_ids(block)
         twice |= seen & ids
         seen |= ids
     return outside | twice

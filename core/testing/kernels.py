@@ -176,19 +176,20 @@ def locate_kernels(model: nn.Module, family: Any) -> Iterator[KernelMap]:
                 handles.append(sub.register_forward_pre_hook(enter(label, path, outside)))
                 handles.append(sub.register_forward_hook(leave(label, path), always_call=True))
 
-    # id of each tensor of a declared block -> (list path, index, tensor path); one two blocks hold is left out
-    owners: dict[int, tuple[str, int, str]] = {}
+    # id of each tensor of a declared block -> (block label, (list path, index, tensor path)); one two blocks hold
+    # is left out
+    owners: dict[int, tuple[str, tuple[str, int, str]]] = {}
     twice: set[int] = set()
-    for list_path, index, block in hooked.values():
+    for label, (list_path, index, block) in hooked.items():
         for path, sub in block.named_modules():
             if id(sub) in shared:
                 continue
             for name, t in [*sub._parameters.items(), *sub._buffers.items()]:
                 if t is None:
                     continue
-                if id(t) in owners and owners[id(t)][:2] != (list_path, index):
+                if id(t) in owners and owners[id(t)][0] != label:
                     twice.add(id(t))
-                owners.setdefault(id(t), (list_path, index, f"{path}.{name}" if path else name))
+                owners.setdefault(id(t), (label, (list_path, index, f"{path}.{name}" if path else name)))
     for key in twice:
         del owners[key]
 
@@ -196,9 +197,9 @@ def locate_kernels(model: nn.Module, family: Any) -> Iterator[KernelMap]:
         def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
             if not _metadata(func):
                 for leaf in tree_leaves((args, kwargs or {})):
-                    where = owners.get(id(leaf))
-                    if where is not None and not any(owner == f"{where[0]}[{where[1]}]" for owner, _ in stack):
-                        found.reads.add(where)
+                    owner = owners.get(id(leaf))
+                    if owner is not None and not any(running == owner[0] for running, _ in stack):
+                        found.reads.add(owner[1])
             return func(*args, **(kwargs or {}))
 
     class _Locate(TorchDispatchMode):

@@ -129,7 +129,18 @@ def option(trial: Trial, weight_gib: float = 0.0) -> Option:
     )
 
 
-def plan_units(advice: Advice, units: int) -> tuple[Plan, list[Trial]] | None:
+@dataclass
+class _Found:
+    """A mix the search found, with what it was searched over: the candidates, each one's costs per unit (by
+    label) and the GPU memory fixed at depth zero."""
+
+    plan: Plan
+    candidates: list[Trial]
+    options: dict[str, Option]
+    fixed_gib: float
+
+
+def plan_units(advice: Advice, units: int) -> _Found | None:
     """The fastest mix of advise's per-block candidates over ``units`` units within its GPU and host budgets.
     Where streamed candidates take part, the static memory is counted without the blocks' frozen weights and
     each unit carries its share (:func:`option`)."""
@@ -143,14 +154,11 @@ def plan_units(advice: Advice, units: int) -> tuple[Plan, list[Trial]] | None:
         # the weights out and each unit carries none.)
         candidates = [t for t in candidates if not streams(t)]
     host = advice.pinnable_gib if advice.pinnable_gib is not None else math.inf
-    found = search([Group(GROUP, units, tuple(option(t, weights / units) for t in candidates))],
-                   Budget(advice.gpu_gib, max(host, 1e-9)), fixed_gpu_gib=fixed_gpu_gib(advice, weights))
-    return (found, candidates) if found is not None else None
-
-
-def fixed_gpu_gib(advice: Advice, weights: float) -> float:
-    """What is on the GPU at depth zero: the static memory, less the weights where units carry their share."""
-    return max(advice.static_gib - weights, 0.0)
+    options = {t.label: option(t, weights / units) for t in candidates}
+    fixed = max(advice.static_gib - weights, 0.0)  # the weights go with the units where those carry their share
+    found = search([Group(GROUP, units, tuple(options.values()))], Budget(advice.gpu_gib, max(host, 1e-9)),
+                   fixed_gpu_gib=fixed)
+    return _Found(found, candidates, options, fixed) if found is not None else None
 
 
 def expected_peak_gib(ranges: list[tuple[str, int, int]], options: dict[str, Option], fixed_gib: float) -> float:
@@ -192,16 +200,14 @@ def attach(advice: Advice, model: Any, depth_plan: Any = None) -> None:
     if found is None:
         advice.per_block_note = "no mix of the per-block candidates fits both budgets"
         return
-    plan, candidates = found
+    plan, candidates = found.plan, found.candidates
     if chosen is not None and chosen.step_ms is not None and plan.time_ms > chosen.step_ms * (1 - FASTER):
         advice.per_block_note = (f"the best mix ({plan.describe()}, {plan.time_ms:.1f} ms predicted) is not faster "
                                  f"than {chosen.label}")
         return
-    weights = sum(advice.block_gib or ()) if any(streams(t) for t in candidates) else 0.0
-    options = {t.label: option(t, weights / units) for t in candidates}
-    ranges = _ranges(plan, candidates, options)
+    ranges = _ranges(plan, candidates, found.options)
     config = config_for(ranges, {t.label: t for t in candidates}, depth_plan)
-    expected = expected_peak_gib(ranges, options, fixed_gpu_gib(advice, weights))
+    expected = expected_peak_gib(ranges, found.options, found.fixed_gib)
     advice.per_block = MixedPlan(plan, config, ranges, chosen, units, min(expected, plan.gpu_gib))
 
 
