@@ -101,10 +101,10 @@ def test_the_auto_note_sets_each_measured_figure_against_the_plans_prediction():
     row = {"strategy": "auto @ 24GiB", "depth": 40, "first_step_ms": 262_800.0, "gpu_peak_gib": 19.54,
            "pinned_gib": 47.34, "step_ms": 15_701.6,
            "plan": {"source": "measured", "config": {"gradient_checkpointing": True}, "report": "",
-                    "predicted": {"gpu_gib": 19.33, "host_gib": 47.68, "step_ms": 15_444.6}}}
+                    "predicted": {"gpu_gib": 19.33, "host_gib": 47.65, "step_ms": 15_444.6}}}
     lines = auto_plans_note([row]).splitlines()
     assert lines[1] == ("auto @ 24GiB at depth 40: GPU peak 19.54 GiB measured, 19.33 predicted (+1.1%); pinned host "
-                        "47.34 GiB measured, 47.68 predicted (-0.7%); step 15701.60 ms measured, 15444.60 predicted "
+                        "47.34 GiB measured, 47.65 predicted (-0.7%); step 15701.60 ms measured, 15444.60 predicted "
                         "(+1.7%)")
     row["plan"]["predicted"] = None  # the default plan (nothing measured) predicts nothing
     assert len(auto_plans_note([row]).splitlines()) == 1
