@@ -31,6 +31,21 @@ def flux_inputs(g: torch.Generator, image: int = 16, text: int = 8) -> dict:
 FLUX = Case("flux", flux_model, flux_inputs)
 
 
+
+def tiny_flux_bench_family():
+    """The installed flux family with one preset, ``tiny``: a real-model ``gradseam bench`` sweep on the CPU in seconds
+    (the CLI's tests stand it in for the real-size preset)."""
+    import dataclasses
+
+    from gradseam.tools.checks import find_family
+
+    family = find_family("flux")
+    preset = dataclasses.replace(next(iter(family.presets.values())), config={
+        "in_channels": 4, "num_layers": 2, "num_single_layers": 4, "attention_head_dim": 8,
+        "num_attention_heads": 2, "joint_attention_dim": 16, "pooled_projection_dim": 8,
+        "axes_dims_rope": [2, 2, 4]}, inputs={"image_tokens": 16, "text_tokens": 8})
+    return dataclasses.replace(family, presets={"tiny": preset})
+
 # -- Wan ----------------------------------------------------------------------------------------
 def wan_model():
     from diffusers import WanTransformer3DModel

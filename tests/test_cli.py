@@ -598,17 +598,11 @@ def test_bench_family_sweep_writes_full_depth_rows(tmp_path, monkeypatch):
     """The --family path end to end on the CPU: a tiny Flux stands for the preset (bench.real is called as
     the command calls it, on the CPU), so the progress, the partial JSON, the full-depth table and the
     final JSON are those of a real-model sweep."""
-    import dataclasses
+    from cases import tiny_flux_bench_family
 
     from gradseam.tools import bench, cli
-    from gradseam.tools.checks import find_family
 
-    family = find_family("flux")
-    preset = dataclasses.replace(next(iter(family.presets.values())), config={
-        "in_channels": 4, "num_layers": 2, "num_single_layers": 4, "attention_head_dim": 8,
-        "num_attention_heads": 2, "joint_attention_dim": 16, "pooled_projection_dim": 8,
-        "axes_dims_rope": [2, 2, 4]}, inputs={"image_tokens": 16, "text_tokens": 8})
-    tiny = dataclasses.replace(family, presets={"tiny": preset})
+    tiny = tiny_flux_bench_family()
     real, calls = bench.real, []
 
     def on_cpu(name, preset_name, **kwargs):

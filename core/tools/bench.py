@@ -24,7 +24,7 @@ The JSON it writes is described in :mod:`gradseam.tools.bench_report`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -44,8 +44,11 @@ from .bench_rows import (
     NEEDS_CUDA,
     STREAM_SUFFIX,
     cpu_status,
+    full_depth_rows,
     is_auto_row,
+    is_config_row,
     real_rows,
+    streams_weights,
     synthetic_rows,
 )
 from .checks import parse_depths
@@ -134,6 +137,8 @@ def _strategy_context(
     model: nn.Module, name: str, config: dict[str, Any] | None, blocks_attr: str,
     compile_blocks: list[nn.Module] | None,
 ) -> Any:
+    if is_config_row(config):  # a user's own config (--config-row): patched whatever its keys turn on
+        return _patched(model, gradseam_keys(config))
     if config is not None:  # gradseam's rows and the compiler's, whose configs say what to compile
         return applied(model, config, compile_blocks)
     if name == "none":
@@ -149,6 +154,17 @@ def _strategy_context(
     if name == DIFFUSERS_ROW:
         return _diffusers_checkpointing(model)
     raise ValueError(f"unknown strategy {name!r}")
+
+
+@contextmanager
+def _patched(model: nn.Module, keys: dict[str, Any]) -> Iterator[None]:
+    """``model`` patched with ``keys`` as a trainer would (``gradseam.patch``), for the duration: a config row is
+    patched even where only a per-block entry turns checkpointing on, which :func:`applied`'s check would miss."""
+    handle = gradseam.patch(model, keys)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @contextmanager
@@ -227,7 +243,7 @@ def run_rows(
             on_row(result)
 
     for name, config in rows:
-        reason = (cpu_status(name) if device == "cpu" else None) or (rule_out(name) if rule_out else None)
+        reason = (cpu_status(name, config) if device == "cpu" else None) or (rule_out(name) if rule_out else None)
         if reason is not None:
             report(sweep.unmeasured(name, reason))
             continue
@@ -262,6 +278,8 @@ def _measure_row(sweep: _Sweep, name: str, config: dict[str, Any] | None) -> Res
             if naive:
                 handle.weights.naive = True
             compiled = compiles(config)
+            if is_config_row(config) and handle is not None:  # a per-block entry may compile where the top does not
+                compiled = compiled or any(kind.compiles for kind in handle.plan.kinds)
             # looked up per call, so tests can replace measuring.measure
             with capped(cap):
                 got = measuring.measure(step, steps=sweep.steps, warmup=2 if compiled else 1, device=sweep.device,
@@ -271,13 +289,16 @@ def _measure_row(sweep: _Sweep, name: str, config: dict[str, Any] | None) -> Res
     finally:
         step = None  # the step holds the model's activations: drop it before the next row, even on failure
     return _result(sweep, name, got, streamed_pinned, pinned=name != "ref: save_on_cpu",
-                   first_step_ms=got.warmup_times_ms[0] if compiled and got.warmup_times_ms else None)
+                   first_step_ms=got.warmup_times_ms[0] if compiled and got.warmup_times_ms else None,
+                   config=gradseam_keys(config) if is_config_row(config) else None)
 
 
 def _result(sweep: _Sweep, name: str, got: measuring.Measurement, streamed_pinned: float | None, *, pinned: bool = True,
-            first_step_ms: float | None = None, plan: dict[str, Any] | None = None) -> Result:
+            first_step_ms: float | None = None, plan: dict[str, Any] | None = None,
+            config: dict[str, Any] | None = None) -> Result:
     """A measured row. ``streamed_pinned``: the GiB its streamed weights pin (None: nothing streams), counted in its
-    pinned host memory too; ``pinned=False``: a row whose pinned memory is not the engine's to read (save_on_cpu)."""
+    pinned host memory too; ``pinned=False``: a row whose pinned memory is not the engine's to read (save_on_cpu);
+    ``config``: a ``--config-row`` row's gradseam keys, as its file gave them."""
     cpu = sweep.device == "cpu"
     # CPU counts are small (KiB to MiB): keep them to the byte
     return Result(sweep.workload, sweep.tokens, name, round(got.peak_gib, 9 if cpu else 3), round(got.step_ms, 1),
@@ -287,7 +308,7 @@ def _result(sweep: _Sweep, name: str, got: measuring.Measurement, streamed_pinne
                   depth=sweep.depth, blocks=sweep.blocks,
                   forward_peak_gib=_gib(got.forward_peak_gib), backward_peak_gib=_gib(got.backward_peak_gib),
                   first_step_ms=round(first_step_ms, 1) if first_step_ms is not None else None,
-                  gpu_peak_gib=None if cpu else round(got.base_gib + got.peak_gib, 3), plan=plan)
+                  gpu_peak_gib=None if cpu else round(got.base_gib + got.peak_gib, 3), plan=plan, config=config)
 
 
 def _measure_auto(sweep: _Sweep, name: str, config: dict[str, Any], cap: float | None) -> Result:
@@ -467,6 +488,7 @@ def real(
     lora: int | None = None,
     gpu_memory_gib: float | None = None,
     host_memory_gib: float | None = None,
+    config_rows: list[tuple[str, dict[str, Any]]] | None = None,
 ) -> RealRun:
     """Every row on a family preset's real-size model (random weights, built on ``device``).
 
@@ -480,14 +502,18 @@ def real(
     model is built on the whole GPU, so a row whose weights stay resident fails there when they do not fit.
     ``host_memory_gib``: the host memory the ``auto`` rows plan within. With ``full=True`` those rows are measured at
     the full depth only: each plans the model it is given, and a plan for a cut model says nothing of the full one.
+    ``config_rows``: a user's own configs as rows (:func:`gradseam.tools.bench_rows.config_rows`), measured after the
+    others; ``full_rows`` names them by label as it names the others.
     """
     from .bases import weight_bytes
     from .host import available_gib
     from .workloads import blocks as list_blocks
     from .workloads import build, sequence_length
 
-    chosen = real_rows(rows)
-    at_full = real_rows(full_rows) if full_rows is not None else chosen
+    chosen = real_rows(rows, extra=config_rows)
+    at_full = full_depth_rows(full_rows, config_rows)
+    if at_full is None:
+        at_full = chosen
     dtype = dtype or (torch.float32 if device == "cpu" else torch.bfloat16)
     workload = build(family, preset, device=device, dtype=dtype, depth=None if full else "fit", depths=depths,
                      base=base, lora=lora)
@@ -510,7 +536,8 @@ def real(
         for depth in measured_depths:
             rule_out = None
             if depth not in fit_depths:
-                rule_out = ruled_out_at(run, label, depth, device, gpu_memory_gib)
+                rule_out = ruled_out_at(run, label, depth, device, gpu_memory_gib,
+                                        streamed={name for name, config in at_full if streams_weights(config)})
             elif full and depth != plan.full:
                 rule_out = capped_at_fit_depth(chosen, gpu_memory_gib)
             with at_depth(workload.model, plan, depth):
@@ -545,9 +572,10 @@ def capped_at_fit_depth(rows: list[tuple[str, dict[str, Any] | None]],
     return rule_out
 
 
-def ruled_out_at(run: RealRun, workload: str, depth: int, device: str,
-                 gpu_memory_gib: float | None = None) -> Callable[[str], str | None]:
+def ruled_out_at(run: RealRun, workload: str, depth: int, device: str, gpu_memory_gib: float | None = None,
+                 streamed: Collection[str] = ()) -> Callable[[str], str | None]:
     """Why a row must not be tried at ``depth``, from its fit: too much pinned host memory or GPU memory.
+    ``streamed``: the rows whose weights stream without saying so in their label (a config row's keys).
 
     A row that would pin more host memory than the machine can spare is not run at all (pinning
     past the limit can take the machine down); one whose predicted peak is beyond the GPU by more
@@ -569,7 +597,8 @@ def ruled_out_at(run: RealRun, workload: str, depth: int, device: str,
             return (f"ruled out: needs ~{pinned[0]:.1f} GiB of pinned host memory at depth {depth}, more than "
                     f"the {pinnable:.1f} GiB this machine can pin")
         peak = predict_peak(run.results, workload, name, run.fit_depths, depth)
-        streams = STREAM_SUFFIX in name  # its weights leave the GPU: the resident model's static memory does not apply
+        # its weights leave the GPU: the resident model's static memory does not apply
+        streams = STREAM_SUFFIX in name or name in streamed
         if peak is not None and gpu_free is not None and not streams and peak[0] > 1.1 * gpu_free:
             return f"ruled out: predicted peak {peak[0]:.1f} GiB at depth {depth}, {gpu_free:.1f} GiB free on the GPU"
         return None

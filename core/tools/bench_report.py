@@ -44,6 +44,7 @@ The JSON written by ``gradseam bench`` (see :func:`payload`)::
          "failure": str | null,  # OOM rows: GPU or pinned host, forward or backward, the allocator's words
          "plan": {"source": str, "config": {...}, "report": str,  # auto rows: the plan and its keys, and what
                   "predicted": {"gpu_gib": float, "host_gib": float, "step_ms": float} | null} | null,  # it predicted
+         "config": {...},  # --config-row rows only (no such key in the others): the gradseam keys it ran, as given
          "vs_none": float | null, "vs_torch": float | null,  # step-time ratios at the same workload and depth
          "step_times_ms": [float] | null}  # every timed step (step_ms is their median); null: not measured
       ]
@@ -56,7 +57,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from .bench_rows import CAP_SUFFIX, CPU_STATUS_WHY, STREAM_SUFFIX
+from .bench_rows import CAP_SUFFIX, CPU_STATUS_WHY, STREAM_SUFFIX, streams_weights
 from .depth import predict, predict_peak
 from .measure import GiB, MiB, noise_marks, noise_note, spread
 
@@ -80,6 +81,8 @@ def with_ratios(
         none = next((o.step_ms for o in same if o.strategy == "none"), None)
         torch_ms = next((o.step_ms for o in same if o.strategy == "torch"), None)
         row = asdict(r)
+        if row["config"] is None:  # only a --config-row row has one
+            del row["config"]
         row["vs_none"] = round(r.step_ms / none, 3) if r.step_ms and none else None
         row["vs_torch"] = round(r.step_ms / torch_ms, 3) if r.step_ms and torch_ms else None
         row["step_times_ms"] = [round(t, 3) for t in steps] if steps and r.status == "ok" else None
@@ -248,7 +251,8 @@ def to_markdown(rows: list[dict[str, Any]], *, cpu: bool = False) -> str:
     depth_col = " depth |" if with_depth else ""
     # the whole GPU's peak (weights included): what a smaller card must hold, shown where weights stream or a
     # row has a memory cap of its own
-    with_gpu = any(STREAM_SUFFIX in r["strategy"] or CAP_SUFFIX in r["strategy"] for r in rows)
+    with_gpu = any(STREAM_SUFFIX in r["strategy"] or CAP_SUFFIX in r["strategy"] or streams_weights(r.get("config"))
+                   for r in rows)
     gpu_col = " GPU peak GiB |" if with_gpu else ""
     lines = [
         f"| workload |{depth_col} strategy | {memory} |{gpu_col} pinned host GiB | {step_col} | vs none | "

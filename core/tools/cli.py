@@ -407,10 +407,12 @@ def _sweep_family(sweep: _Sweep, family: str, preset: str, *, depths: str | None
                   full_rows: list[str] | None, tokens: list[int] | None, rows: list[str] | None,
                   skip_rows: list[str] | None, steps: int, base: str | None = None,
                   lora: int | None = None, gpu_memory_gib: float | None = None,
-                  host_memory_gib: float | None = None) -> RealRun:
-    """The rows chosen (--row, every row but --skip-row's, or all) on the family's real-size model
-    (bench.real), on a quantized ``base`` and with a LoRA where asked; a failure stops the command."""
+                  host_memory_gib: float | None = None,
+                  config_rows: list[tuple[str, dict[str, Any]]] | None = None) -> RealRun:
+    """The rows chosen (--row, every row but --skip-row's, or all, then --config-row's) on the family's real-size
+    model (bench.real), on a quantized ``base`` and with a LoRA where asked; a failure stops the command."""
     from . import bench as b
+    from .bench_rows import full_depth_rows
 
     rows = list(rows) if rows else None
     if skip_rows:
@@ -420,15 +422,15 @@ def _sweep_family(sweep: _Sweep, family: str, preset: str, *, depths: str | None
 
     def on_build(built: RealRun) -> None:
         sweep.meta["weights_gib"] = round(built.weights_gib, 2)
-        per_depth = len(b.real_rows(rows)) * per_tokens
-        last = len(b.real_rows(full_rows)) * per_tokens if full_rows else per_depth
+        per_depth = len(b.real_rows(rows, extra=config_rows)) * per_tokens
+        last = len(full_depth_rows(full_rows, config_rows) or []) * per_tokens if full_rows else per_depth
         sweep.expect(per_depth * len(built.fit_depths) + (last if full else 0))
 
     try:
         return b.real(family, preset, depths=depths, full=full, full_depth=depth, full_rows=full_rows,
                       tokens=list(tokens) if tokens else None, rows=rows, steps=steps, on_row=sweep.on_row,
                       on_build=on_build, base=base, lora=lora, gpu_memory_gib=gpu_memory_gib,
-                      host_memory_gib=host_memory_gib)
+                      host_memory_gib=host_memory_gib, config_rows=config_rows)
     except b.DeviceLostError as exc:
         fail(str(exc), code=1)
     except (gradseam.GradseamError, ValueError) as exc:
@@ -517,6 +519,7 @@ def bench(
     lora: LoraOption = None,
     gpu_memory: Annotated[str | None, typer.Option(metavar="SIZE", help="with --family: run every row's steps on this much of the GPU, e.g. '24GiB' (torch.cuda.set_per_process_memory_fraction), as on a smaller card; rows that stream weights ('unsloth-compile + stream all') fit where resident ones do not; the 'auto' row plans within it")] = None,
     host_memory: Annotated[str | None, typer.Option(metavar="SIZE", help="with --row auto: the pinned host memory its plan may use (its gradient_checkpointing_host_memory), e.g. '48GiB' (default: 3/4 of this machine's available memory)")] = None,
+    config_row_specs: Annotated[list[str] | None, typer.Option("--config-row", metavar="LABEL=FILE", help="with --family: also measure your own config as a row labelled LABEL, after the rows --row picks, by the same protocol (repeat for several). FILE is a JSON object of gradseam config keys as a trainer config writes them (a hand-chosen per-block plan, say), or an auto row's \"plan\" object from bench's JSON, whose \"config\" is such an object. 'mine @ 24GiB=FILE' runs its steps on 24 GiB of the GPU, as other rows' ' @ SIZE' does; --full-row LABEL measures it at the full depth")] = None,
 ) -> None:
     """Benchmark every strategy: memory, host memory and step time, side by side with the references.
 
@@ -534,8 +537,14 @@ def bench(
     with refused():
         cap_gib = checks.gpu_cap(gpu_memory, family)
         host_gib = checks.host_size(host_memory) if host_memory is not None else None
-    from .bench_rows import is_auto_row  # labels only: no torch
+    from .bench_rows import config_rows, is_auto_row  # labels and JSON files only: no torch
 
+    if config_row_specs and family is None:
+        fail("--config-row adds a row to a real-size model's sweep; it needs --family.")
+    try:
+        extra_rows = config_rows(config_row_specs or [])
+    except gradseam.GradseamError as exc:
+        bad("--config-row", str(exc))
     if host_gib is not None and not any(is_auto_row(r) for r in rows or ()):
         fail("--host-memory is the budget the 'auto' row plans within; add --row auto (or --row 'auto @ 24GiB').")
     fam, preset = _family(family, preset) if family is not None else (None, preset)
@@ -574,7 +583,8 @@ def bench(
         if fam is not None:
             run = _sweep_family(sweep, fam.name, preset, depths=depths, full=full, depth=depth,
                                 full_rows=full_rows, tokens=tokens, rows=rows, skip_rows=skip_rows, steps=steps,
-                                base=base, lora=lora, gpu_memory_gib=cap_gib, host_memory_gib=host_gib)
+                                base=base, lora=lora, gpu_memory_gib=cap_gib, host_memory_gib=host_gib,
+                                config_rows=extra_rows)
             results = run.results
         else:
             results = _sweep_synthetic(sweep, cpu=cpu, blocks=blocks, tokens=tokens, dim=dim, steps=steps,

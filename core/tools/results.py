@@ -32,6 +32,8 @@ class Result:
     # auto rows: the plan, {"source": "measured" | "cached" | "default", "config": the explicit keys it runs,
     # "report": the planner's lines (what it measured, the plan, what it beat)}
     plan: dict | None = None
+    # bench --config-row rows: the gradseam keys the row ran, as its file gave them (the JSON leaves it out of others)
+    config: dict | None = None
 
 
 @dataclass
