@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import warnings
 
 import pytest
@@ -152,6 +153,9 @@ def test_measured_inside_the_first_step_it_leaves_no_trace_and_the_next_run_read
             assert handle.auto.planned.source == "measured"
             progress = capsys.readouterr().err
             assert "gradseam auto: WanTransformer3DModel: measuring 1/" in progress and "torch" in progress
+            # each candidate's own time, and the total in the plan's report
+            assert re.search(r"gradseam auto: WanTransformer3DModel: 1/\d+ \S.*: measured in \d+\.\d s", progress)
+            assert re.search(r"measuring took \d+\.\d s", handle.auto.planned.report)
             assert list(_cache.glob("costs/*.json")), "the measured costs were not cached"
             config = handle.auto.config
             explicit = WAN.fresh()

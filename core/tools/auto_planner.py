@@ -42,6 +42,7 @@ first (or ``gradseam advise`` on the same shapes), as the error says.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -126,6 +127,8 @@ def plan(request: Request, *, measure_on: MeasureOn | None = None, cache_dir: st
             cost_cache.save(key, table, cache_dir)
     config = advice.per_block.config if advice.per_block is not None else gradseam_keys(advice.chosen.config)
     report = _report(advice, table, source, len(table.results) - known)
+    if rows is not None and rows.seconds:
+        report += f"; measuring took {rows.seconds:.1f} s"
     if request.streamed:
         report = (f"every block's frozen weights ({sum(weights or ()):.2f} GiB) stream from host memory, the model "
                   f"being larger than the GPU budget; {report}")
@@ -222,6 +225,7 @@ class _Rows:
     def __init__(self, request: Request, measure_on: MeasureOn) -> None:
         self.request, self.measure_on = request, measure_on
         self._run: tuple[Measure, str, float] | None = None
+        self.seconds = 0.0  # spent measuring rows, for the last progress line
 
     @property
     def setup(self) -> tuple[Measure, str, float]:
@@ -234,18 +238,26 @@ class _Rows:
         from .measure import is_oom
 
         run, note, _ = self.setup
-        print(f"gradseam auto: {type(self.request.model).__name__}: measuring {progress}{label} ({note})",
-              file=sys.stderr, flush=True)
+        name = type(self.request.model).__name__
+        print(f"gradseam auto: {name}: measuring {progress}{label} ({note})", file=sys.stderr, flush=True)
+        start = time.perf_counter()
         try:
             got = run(dict(config))
-            return got if isinstance(got, Estimate) else Estimate(*got)
+            outcome: Estimate | str = got if isinstance(got, Estimate) else Estimate(*got)
         except UnsupportedStrategyError as exc:
-            return f"unsupported: {exc}"
+            outcome = f"unsupported: {exc}"
         except Exception as exc:
             if not is_oom(exc):
                 raise
             what = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            return f"OOM while measuring: {what} (at {where_raised(exc)})"
+            outcome = f"OOM while measuring: {what} (at {where_raised(exc)})"
+        # each candidate's own time, so a user waiting on a big model sees where the planning goes (compiled
+        # candidates compile at both depths; a streamed one copies every block's weights in twice a step)
+        seconds = time.perf_counter() - start
+        self.seconds += seconds
+        result = "measured" if isinstance(outcome, Estimate) else outcome.split(":")[0]
+        print(f"gradseam auto: {name}: {progress}{label}: {result} in {seconds:.1f} s", file=sys.stderr, flush=True)
+        return outcome
 
 
 def where_raised(exc: BaseException) -> str:
