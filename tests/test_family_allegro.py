@@ -16,11 +16,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from family_checks import (
+    assert_ffn_seam_is_one_module,
+    assert_plans_cover_every_block,
+    prompt_mask,
+    sample_output,
+)
 
 import gradseam
 from gradseam.adapters.allegro import ALLEGRO_2_8B, rotary_emb
 from gradseam.patcher import family_for
-from gradseam.planning import plan
 from gradseam.testing import (
     Case,
     ConformanceSuite,
@@ -54,20 +59,12 @@ def _rope() -> tuple:
     return rotary_emb(SimpleNamespace(**{**ALLEGRO_2_8B, **TINY}), 2, 4, 4, "cpu")
 
 
-def _prompt_mask(*valid: int) -> torch.Tensor:
-    # the T5 tokenizer's mask (int64), right-padded to TEXT tokens
-    mask = torch.zeros(len(valid), TEXT, dtype=torch.int64)
-    for row, n in enumerate(valid):
-        mask[row, :n] = 1
-    return mask
-
-
 def allegro_inputs(g: torch.Generator) -> dict:
     return {
         "hidden_states": randn(g, 1, 4, 2, 4, 4, grad=True),
         "encoder_hidden_states": randn(g, 1, TEXT, 16, grad=True),
         "timestep": torch.tensor([500.0]),
-        "encoder_attention_mask": _prompt_mask(4),
+        "encoder_attention_mask": prompt_mask(TEXT, 4),
         "image_rotary_emb": _rope(),
     }
 
@@ -77,7 +74,7 @@ def allegro_batch_inputs(g: torch.Generator) -> dict:
         "hidden_states": randn(g, 2, 4, 2, 4, 4, grad=True),
         "encoder_hidden_states": randn(g, 2, TEXT, 16, grad=True),
         "timestep": torch.tensor([150.0, 850.0]),
-        "encoder_attention_mask": _prompt_mask(6, 3),
+        "encoder_attention_mask": prompt_mask(TEXT, 6, 3),
         "image_rotary_emb": _rope(),
     }
 
@@ -114,21 +111,15 @@ class TestAllegroVideoMask(ConformanceSuite):
     reduced = True
 
 
-def _output(case: Case, **changes: object) -> torch.Tensor:
-    model = case.fresh()
-    with torch.no_grad():
-        return model(**{**case.inputs(torch.Generator().manual_seed(1)), **changes}).sample
-
-
 def test_variant_inputs_change_the_output() -> None:
     # each input the cases vary reaches the blocks: the RoPE, the prompt padding, the video mask
-    plain = _output(ALLEGRO)
-    assert not torch.equal(plain, _output(ALLEGRO, image_rotary_emb=None))
-    assert not torch.equal(plain, _output(ALLEGRO, encoder_attention_mask=None))
-    masked = _output(ALLEGRO_VIDEO_MASK)
-    assert not torch.equal(masked, _output(ALLEGRO_VIDEO_MASK, attention_mask=None))
-    batch = _output(ALLEGRO_BATCH)
-    assert not torch.equal(batch[1], _output(ALLEGRO_BATCH, encoder_attention_mask=_prompt_mask(6, 6))[1])
+    plain = sample_output(ALLEGRO)
+    assert not torch.equal(plain, sample_output(ALLEGRO, image_rotary_emb=None))
+    assert not torch.equal(plain, sample_output(ALLEGRO, encoder_attention_mask=None))
+    masked = sample_output(ALLEGRO_VIDEO_MASK)
+    assert not torch.equal(masked, sample_output(ALLEGRO_VIDEO_MASK, attention_mask=None))
+    batch = sample_output(ALLEGRO_BATCH)
+    assert not torch.equal(batch[1], sample_output(ALLEGRO_BATCH, encoder_attention_mask=prompt_mask(TEXT, 6, 6))[1])
 
 
 def test_the_loop_hands_every_block_the_same_conditioning() -> None:
@@ -154,23 +145,10 @@ def test_the_loop_hands_every_block_the_same_conditioning() -> None:
 
 
 def test_the_ffn_seam_is_ff_on_the_modulated_norm2_output() -> None:
-    model = ALLEGRO.fresh()
-    family = family_for(model)
-    assert family.name == "allegro" and family.has_ffn and family.has_attention and family.supports_interval
-    declared = family.block_class_for(type(model.transformer_blocks[0]))
-    assert (declared.ffn, declared.attention) == ((("ff",),), ("attn1", "attn2"))
-    the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(FFN))
-    assert [(r.blocks, r.seam) for r in the_plan.regions] == [((i,), ("ff",)) for i in range(4)]
     # norm2 cannot join (ff sees its output scaled and shifted); norm3 is built but never called
-    got: dict[str, torch.Tensor] = {}
-    block = model.transformer_blocks[0]
-    block.norm2.register_forward_hook(lambda _m, _a, out: got.__setitem__("norm2", out))
-    block.norm3.register_forward_hook(lambda _m, _a, _o: got.__setitem__("norm3", _o))
-    block.ff.register_forward_hook(lambda _m, a, _o: got.__setitem__("ff", a[0]))
-    with torch.no_grad():
-        model(**allegro_inputs(torch.Generator().manual_seed(1)))
-    assert "norm3" not in got and not list(block.norm3.parameters())
-    assert got["ff"] is not got["norm2"] and not torch.equal(got["ff"], got["norm2"])
+    assert_ffn_seam_is_one_module(ALLEGRO, "allegro", FFN, blocks="transformer_blocks", ffn="ff", norm="norm2",
+                                  never_called=("norm3",))
+    assert not list(ALLEGRO.fresh().transformer_blocks[0].norm3.parameters())
 
 
 def test_the_builtin_flag_is_exact_and_owned_by_gradseam() -> None:
@@ -195,10 +173,9 @@ def test_presets_plan_at_full_size() -> None:
     assert 2.7e9 < sum(p.numel() for p in model.parameters()) < 2.8e9
     block = model.transformer_blocks[0]
     assert (len(model.transformer_blocks), block.attn1.heads, block.ff.net[0].proj.out_features) == (32, 24, 9216)
-    for config, regions in (({"gradient_checkpointing": True}, 32), (CHUNKED, 16), (FFN, 32)):
-        the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
-        assert len(the_plan.regions) == regions
-        assert {i for r in the_plan.regions for i in r.blocks} == set(range(32))
+    assert_plans_cover_every_block(model, family, 32, (
+        ({"gradient_checkpointing": True}, 32), (CHUNKED, 16), (FFN, 32)
+    ))
 
 
 @pytest.mark.parametrize("name", list(PRESETS))

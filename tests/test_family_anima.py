@@ -14,6 +14,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+from family_checks import assert_plans_cover_every_block
 
 import gradseam
 from gradseam.adapters.anima import ANIMA_CONDITIONER
@@ -255,10 +256,9 @@ def test_preset_is_the_released_adapter_and_plans_at_full_size() -> None:
     block = model.blocks[0]
     assert (len(model.blocks), block.cross_attn.num_attention_heads, block.mlp[0].out_features) == (6, 16, 4096)
     assert isinstance(model.in_proj, torch.nn.Identity)
-    for config, regions in (({"gradient_checkpointing": True}, 6), (CHUNKED, 3), (FFN, 6)):
-        the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
-        assert len(the_plan.regions) == regions
-        assert {i for r in the_plan.regions for i in r.blocks} == set(range(6))
+    assert_plans_cover_every_block(model, family, 6, (
+        ({"gradient_checkpointing": True}, 6), (CHUNKED, 3), (FFN, 6)
+    ))
 
 
 def test_preset_inputs_have_the_pipelines_sizes() -> None:

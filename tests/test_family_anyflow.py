@@ -26,6 +26,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from family_checks import assert_ffn_seam_is_one_module, assert_plans_cover_every_block
 
 import gradseam
 from gradseam.errors import UnsupportedStrategyError
@@ -131,20 +132,7 @@ def test_the_loop_hands_every_block_the_same_conditioning() -> None:
 
 def test_the_ffn_seam_is_the_feedforward_alone() -> None:
     # One region per block around ffn; norm3 cannot join: ffn sees its output scaled and shifted.
-    model = ANYFLOW.fresh()
-    family = family_for(model)
-    assert family.name == "anyflow" and family.has_ffn and family.has_attention and family.supports_interval
-    declared = family.block_class_for(type(model.blocks[0]))
-    assert (declared.ffn, declared.attention) == ((("ffn",),), ("attn1", "attn2"))
-    the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(FFN))
-    assert [(r.blocks, r.seam) for r in the_plan.regions] == [((i,), ("ffn",)) for i in range(4)]
-    got: dict[str, torch.Tensor] = {}
-    block = model.blocks[0]
-    block.norm3.register_forward_hook(lambda _m, _a, out: got.__setitem__("norm3", out))
-    block.ffn.register_forward_hook(lambda _m, a, _o: got.__setitem__("ffn", a[0]))
-    with torch.no_grad():
-        model(**anyflow_inputs(torch.Generator().manual_seed(1)))
-    assert got["ffn"] is not got["norm3"] and not torch.equal(got["ffn"], got["norm3"])
+    assert_ffn_seam_is_one_module(ANYFLOW, "anyflow", FFN)
 
 
 def test_the_builtin_flag_is_exact_and_owned_by_gradseam() -> None:
@@ -375,10 +363,9 @@ def test_presets_plan_at_full_size(name: str, preset: str) -> None:
     block = model.blocks[0]
     assert (len(model.blocks), block.attn1.heads, block.ffn.net[0].proj.out_features) == (blocks, heads, ffn)
     assert abs(sum(p.numel() for p in model.parameters()) / 1e9 - billions) < 0.1
-    for config, regions in (({"gradient_checkpointing": True}, blocks), (CHUNKED, blocks // 2), (FFN, blocks)):
-        the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
-        assert len(the_plan.regions) == regions
-        assert {i for r in the_plan.regions for i in r.blocks} == set(range(blocks))
+    assert_plans_cover_every_block(model, family, blocks, (
+        ({"gradient_checkpointing": True}, blocks), (CHUNKED, blocks // 2), (FFN, blocks)
+    ))
 
 
 def test_preset_inputs_have_the_pipelines_sizes() -> None:

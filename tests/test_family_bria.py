@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from family_checks import blocks_per_list
 
 import gradseam
 from gradseam.errors import GradseamWarning
@@ -268,10 +269,7 @@ def test_presets_plan_at_full_size(name: str) -> None:
             warnings.simplefilter("ignore", GradseamWarning)  # FIBO ignores the interval
             the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
         assert len(the_plan.regions) == regions
-        counts: dict[str, set[int]] = {}
-        for region in the_plan.regions:
-            counts.setdefault(region.list_path, set()).update(region.blocks)
-        assert {k: len(v) for k, v in counts.items()} == {LISTS[0]: double, LISTS[1]: single}
+        assert blocks_per_list(the_plan.regions) == {LISTS[0]: double, LISTS[1]: single}
 
 
 def test_preset_inputs_have_the_pipelines_sizes() -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from family_checks import blocks_per_list
 
 import gradseam
 from gradseam.family import BlockList, Carry, Family
@@ -249,10 +250,7 @@ def test_presets_plan_at_full_size() -> None:
     for config, regions in (({"gradient_checkpointing": True}, 48), (CHUNKED, 1 + 1 + 44), (FFN, 48)):
         the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
         assert len(the_plan.regions) == regions
-        counts: dict[str, set[int]] = {}
-        for region in the_plan.regions:
-            counts.setdefault(region.list_path, set()).update(region.blocks)
-        assert {k: len(v) for k, v in counts.items()} == dict(zip(LISTS, (2, 2, 44)))
+        assert blocks_per_list(the_plan.regions) == dict(zip(LISTS, (2, 2, 44)))
 
 
 def test_preset_inputs_have_the_pipelines_sizes() -> None:

@@ -15,6 +15,7 @@ import inspect
 
 import pytest
 import torch
+from family_checks import assert_plans_cover_every_block, chunks_served_whole
 
 import gradseam
 from gradseam.patcher import family_for
@@ -25,7 +26,6 @@ from gradseam.testing import (
     check_bench_workload,
     check_strategy,
     randn,
-    run_step,
 )
 
 CHUNKED = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
@@ -91,11 +91,7 @@ class TestChronoEditBatch(ConformanceSuite):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_every_chunk_runs_whole(case: Case) -> None:
-    model = case.fresh()
-    with gradseam.patch(model, CHUNKED) as handle:
-        run_step(model, case)
-        chunks = {f"{r.list_path}{list(r.blocks)}": not r.fallbacks for r in handle.regions() if r.shape == "chunk"}
-    assert chunks == {"blocks[0, 1]": True, "blocks[2, 3]": True}
+    assert chunks_served_whole(case, CHUNKED) == {"blocks[0, 1]": True, "blocks[2, 3]": True}
 
 
 @pytest.mark.parametrize("case", [CHRONOEDIT, CHRONOEDIT_REASONING], ids=lambda c: c.name)
@@ -192,11 +188,10 @@ def test_presets_plan_at_full_size(name: str) -> None:
     block = model.blocks[0]
     assert (len(model.blocks), block.attn1.heads, block.ffn.net[0].proj.out_features) == (40, 40, 13824)
     assert block.attn2.add_k_proj is not None and model.config.in_channels == 36  # the released I2V conditioning
-    for config, regions in (({"gradient_checkpointing": True}, 40), (CHUNKED, 20),
-                            ({"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"}, 40)):
-        the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
-        assert len(the_plan.regions) == regions
-        assert {i for r in the_plan.regions for i in r.blocks} == set(range(40))
+    assert_plans_cover_every_block(model, family, 40, (
+        ({"gradient_checkpointing": True}, 40), (CHUNKED, 20),
+        ({"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"}, 40)
+    ))
 
 
 @pytest.mark.parametrize("name", list(PRESETS))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from family_checks import assert_plans_cover_every_block, check_chunks_run_whole
 
 import gradseam
 from gradseam.patcher import family_for
@@ -17,7 +18,6 @@ from gradseam.testing import (
     Case,
     ConformanceSuite,
     check_bench_workload,
-    check_strategy,
     preset_model,
     randn,
 )
@@ -127,10 +127,7 @@ CHUNKED = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
 def test_interval_chunks_chain_both_streams(case: Case) -> None:
     # A wrong carry would still be exact (chunks fall back): both chunks must be served whole, and the
     # text stream, which leaves the last block unused, must still get its gradient through them.
-    report = check_strategy(case, CHUNKED, whole=True)
-    assert sorted(r.label for r in report.regions if r.shape == "chunk") == [
-        "transformer_blocks[0, 1]", "transformer_blocks[2, 3]"
-    ]
+    report = check_chunks_run_whole(case, CHUNKED, ["transformer_blocks[0, 1]", "transformer_blocks[2, 3]"])
     assert report.saved_ratio < 1
     assert report.patched.input_grads["encoder_hidden_states"].abs().sum() > 0
 
@@ -199,11 +196,10 @@ def test_presets_plan_at_full_size(name: str) -> None:
     layers, heads, ff, _ = EXPECTED[name]
     block = model.transformer_blocks[0]
     assert (len(model.transformer_blocks), block.attn1.heads, block.ff.net[0].proj.out_features) == (layers, heads, ff)
-    for config, regions in (({"gradient_checkpointing": True}, layers), (CHUNKED, layers // 2),
-                            ({"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"}, layers)):
-        the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
-        assert len(the_plan.regions) == regions
-        assert {i for r in the_plan.regions for i in r.blocks} == set(range(layers))
+    assert_plans_cover_every_block(model, family, layers, (
+        ({"gradient_checkpointing": True}, layers), (CHUNKED, layers // 2),
+        ({"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"}, layers)
+    ))
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

@@ -10,6 +10,12 @@ import inspect
 
 import pytest
 import torch
+from family_checks import (
+    assert_plans_cover_every_block,
+    check_chunks_run_whole,
+    record_block_calls,
+    sample_output,
+)
 
 import gradseam
 from gradseam.patcher import family_for
@@ -105,20 +111,11 @@ class TestCogView3PlusFp16(ConformanceSuite):
     reduced = True
 
 
-def _output(case: Case, **changes: torch.Tensor) -> torch.Tensor:
-    model = case.fresh()
-    with torch.no_grad():
-        return model(**{**case.inputs(torch.Generator().manual_seed(1)), **changes}).sample
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_interval_chunks_chain_both_streams(case: Case) -> None:
     # A wrong carry would still be exact (chunks fall back): both chunks must be served whole, and the
     # text stream, which leaves the last block unused, must still get its gradient through them.
-    report = check_strategy(case, CHUNKED, whole=True)
-    assert sorted(r.label for r in report.regions if r.shape == "chunk") == [
-        "transformer_blocks[0, 1]", "transformer_blocks[2, 3]"
-    ]
+    report = check_chunks_run_whole(case, CHUNKED, ["transformer_blocks[0, 1]", "transformer_blocks[2, 3]"])
     assert report.saved_ratio < 1
     assert report.patched.input_grads["encoder_hidden_states"].abs().sum() > 0
 
@@ -127,13 +124,7 @@ def test_the_loop_hands_every_block_the_same_emb() -> None:
     # What the carry relies on: emb is one object for every block (the loop passes it by keyword, and
     # takes no mask, RoPE or attention_kwargs); the streams are what the previous block returned.
     model = COGVIEW3PLUS_BATCH.fresh()
-    seen: list[dict] = []
-    returned: list[tuple] = []
-    for block in model.transformer_blocks:
-        sig = inspect.signature(block.forward)
-        block.register_forward_pre_hook(
-            lambda _m, a, kw, _s=sig: seen.append(_s.bind(*a, **kw).arguments), with_kwargs=True)
-        block.register_forward_hook(lambda _m, _a, out: returned.append(out))
+    seen, returned = record_block_calls(model.transformer_blocks)
     with torch.no_grad():
         model(**COGVIEW3PLUS_BATCH.inputs(torch.Generator().manual_seed(1)))
     assert len(seen) == 4 and set(seen[0]) == {"hidden_states", "encoder_hidden_states", "emb"}
@@ -145,9 +136,9 @@ def test_the_loop_hands_every_block_the_same_emb() -> None:
 
 def test_variant_inputs_change_the_output() -> None:
     # The batch case exercises its paths: the per-sample timesteps and the size conditions both matter.
-    batch = _output(COGVIEW3PLUS_BATCH)
-    assert not torch.equal(batch, _output(COGVIEW3PLUS_BATCH, timestep=torch.tensor([120, 120])))
-    assert not torch.equal(batch, _output(COGVIEW3PLUS_BATCH, crop_coords=torch.zeros(2, 2)))
+    batch = sample_output(COGVIEW3PLUS_BATCH)
+    assert not torch.equal(batch, sample_output(COGVIEW3PLUS_BATCH, timestep=torch.tensor([120, 120])))
+    assert not torch.equal(batch, sample_output(COGVIEW3PLUS_BATCH, crop_coords=torch.zeros(2, 2)))
 
 
 def test_ff_is_one_region_over_both_streams() -> None:
@@ -184,10 +175,9 @@ def test_presets_plan_at_full_size(name: str) -> None:
     assert 2.8e9 < sum(p.numel() for p in model.parameters()) < 2.9e9
     block = model.transformer_blocks[0]
     assert (len(model.transformer_blocks), block.attn1.heads, block.ff.net[0].proj.out_features) == (30, 64, 10240)
-    for config, regions in (({"gradient_checkpointing": True}, 30), (CHUNKED, 15), (FFN, 30)):
-        the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
-        assert len(the_plan.regions) == regions
-        assert {i for r in the_plan.regions for i in r.blocks} == set(range(30))
+    assert_plans_cover_every_block(model, family, 30, (
+        ({"gradient_checkpointing": True}, 30), (CHUNKED, 15), (FFN, 30)
+    ))
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -11,6 +11,12 @@ import inspect
 
 import pytest
 import torch
+from family_checks import (
+    assert_plans_cover_every_block,
+    check_chunks_run_whole,
+    record_block_calls,
+    sample_output,
+)
 
 import gradseam
 from gradseam.patcher import family_for
@@ -148,12 +154,6 @@ class TestCogView4Control(ConformanceSuite):
     reduced = True
 
 
-def _output(case: Case, **changes) -> torch.Tensor:
-    model = case.fresh()
-    with torch.no_grad():
-        return model(**{**case.inputs(torch.Generator().manual_seed(1)), **changes}).sample
-
-
 CHUNKED = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
 
 
@@ -161,10 +161,7 @@ CHUNKED = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
 def test_interval_chunks_chain_both_streams(case: Case) -> None:
     # A wrong carry would still be exact (chunks fall back): both chunks must be served whole, and the
     # text stream, which leaves the last block unused, must still get its gradient through them.
-    report = check_strategy(case, CHUNKED, whole=True)
-    assert sorted(r.label for r in report.regions if r.shape == "chunk") == [
-        "transformer_blocks[0, 1]", "transformer_blocks[2, 3]"
-    ]
+    report = check_chunks_run_whole(case, CHUNKED, ["transformer_blocks[0, 1]", "transformer_blocks[2, 3]"])
     assert report.saved_ratio < 1
     assert report.patched.input_grads["encoder_hidden_states"].abs().sum() > 0
 
@@ -174,13 +171,7 @@ def test_the_loop_hands_every_block_the_same_conditioning(case: Case) -> None:
     # What the carry relies on: temb, the RoPE tuple, the mask and attention_kwargs are one object each
     # for every block (the loop passes them positionally); the streams are what the previous block returned.
     model = case.fresh()
-    seen: list[dict] = []
-    returned: list[tuple] = []
-    for block in model.transformer_blocks:
-        sig = inspect.signature(block.forward)
-        block.register_forward_pre_hook(
-            lambda _m, a, kw, _s=sig: seen.append(_s.bind(*a, **kw).arguments), with_kwargs=True)
-        block.register_forward_hook(lambda _m, _a, out: returned.append(out))
+    seen, returned = record_block_calls(model.transformer_blocks)
     with torch.no_grad():
         model(**case.inputs(torch.Generator().manual_seed(1)))
     assert len(seen) == 4
@@ -195,11 +186,11 @@ def test_the_loop_hands_every_block_the_same_conditioning(case: Case) -> None:
 def test_variant_inputs_change_the_output() -> None:
     # The variants exercise their paths: the text mask, the training processor's masks, the size
     # conditions and the per-sample timesteps all matter.
-    assert not torch.equal(_output(COGVIEW4_MASK), _output(COGVIEW4_MASK, attention_mask=None))
-    assert not torch.equal(_output(COGVIEW4_TRAINING), _output(COGVIEW4_TRAINING, attention_kwargs=None))
-    batch = _output(COGVIEW4_BATCH)
-    assert not torch.equal(batch, _output(COGVIEW4_BATCH, timestep=torch.tensor([120.0, 120.0])))
-    assert not torch.equal(batch, _output(COGVIEW4_BATCH, crop_coords=torch.zeros(2, 2)))
+    assert not torch.equal(sample_output(COGVIEW4_MASK), sample_output(COGVIEW4_MASK, attention_mask=None))
+    assert not torch.equal(sample_output(COGVIEW4_TRAINING), sample_output(COGVIEW4_TRAINING, attention_kwargs=None))
+    batch = sample_output(COGVIEW4_BATCH)
+    assert not torch.equal(batch, sample_output(COGVIEW4_BATCH, timestep=torch.tensor([120.0, 120.0])))
+    assert not torch.equal(batch, sample_output(COGVIEW4_BATCH, crop_coords=torch.zeros(2, 2)))
 
 
 def test_ff_is_one_region_per_stream() -> None:
@@ -237,11 +228,10 @@ def test_presets_plan_at_full_size(name: str) -> None:
     block = model.transformer_blocks[0]
     assert (len(model.transformer_blocks), block.attn1.heads, block.ff.net[0].proj.out_features) == (28, 32, 16384)
     assert model.patch_embed.proj.in_features == PRESETS[name] * 4
-    for config, regions in (({"gradient_checkpointing": True}, 28), (CHUNKED, 14),
-                            ({"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"}, 28)):
-        the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
-        assert len(the_plan.regions) == regions
-        assert {i for r in the_plan.regions for i in r.blocks} == set(range(28))
+    assert_plans_cover_every_block(model, family, 28, (
+        ({"gradient_checkpointing": True}, 28), (CHUNKED, 14),
+        ({"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"}, 28)
+    ))
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

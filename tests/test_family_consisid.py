@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from family_checks import assert_plans_cover_every_block
 
 import gradseam
 from gradseam.adapters.consisid import CONSISID_PREVIEW, rotary_embedding
@@ -257,10 +258,7 @@ def test_preset_plans_at_full_size() -> None:
     block = model.transformer_blocks[0]
     assert (len(model.transformer_blocks), block.attn1.heads, block.ff.net[0].proj.out_features) == (42, 48, 12288)
     assert len(model.perceiver_cross_attention) == 21
-    for config, regions in ((WHOLE, 42), (FFN, 42)):
-        the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
-        assert len(the_plan.regions) == regions
-        assert {i for r in the_plan.regions for i in r.blocks} == set(range(42))
+    assert_plans_cover_every_block(model, family, 42, ((WHOLE, 42), (FFN, 42)))
 
 
 def test_preset_inputs_have_the_pipelines_sizes() -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from family_checks import assert_plans_cover_every_block, check_chunks_run_whole
 
 import gradseam
 from gradseam.patcher import family_for
@@ -142,10 +143,7 @@ CHUNKED = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
 @pytest.mark.parametrize("case", [COSMOS, COSMOS_V1], ids=lambda c: c.name)
 def test_interval_chunks_chain(case: Case) -> None:
     # A wrong carry would still be exact (chunks fall back): both chunks must be served whole.
-    report = check_strategy(case, CHUNKED, whole=True)
-    assert sorted(r.label for r in report.regions if r.shape == "chunk") == [
-        "transformer_blocks[0, 1]", "transformer_blocks[2, 3]"
-    ]
+    check_chunks_run_whole(case, CHUNKED, ["transformer_blocks[0, 1]", "transformer_blocks[2, 3]"])
 
 
 def test_controlnet_residuals_make_only_their_chunks_fall_back() -> None:
@@ -265,11 +263,10 @@ def test_presets_plan_at_full_size(name: str) -> None:
     layers, heads, ff = EXPECTED[name]
     block = model.transformer_blocks[0]
     assert (len(model.transformer_blocks), block.attn1.heads, block.ff.net[0].proj.out_features) == (layers, heads, ff)
-    for config, regions in (({"gradient_checkpointing": True}, layers), (CHUNKED, layers // 2),
-                            ({"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"}, layers)):
-        the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
-        assert len(the_plan.regions) == regions
-        assert {i for r in the_plan.regions for i in r.blocks} == set(range(layers))
+    assert_plans_cover_every_block(model, family, layers, (
+        ({"gradient_checkpointing": True}, layers), (CHUNKED, layers // 2),
+        ({"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"}, layers)
+    ))
 
 
 def test_preset_inputs_have_the_pipelines_sizes() -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from family_checks import assert_plans_cover_every_block, check_chunks_run_whole, record_block_calls
 
 import gradseam
 from gradseam.patcher import family_for
@@ -156,13 +157,7 @@ def test_the_loop_hands_every_layer_the_same_rotary_tuple() -> None:
     # What the carry relies on: rotary_emb is one tuple object for every layer; und_seq and gen_seq are
     # exactly what the previous layer returned (positions 0 and 1).
     model = COSMOS3_OMNI.fresh()
-    seen: list[dict] = []
-    returned: list[tuple] = []
-    for layer in model.layers:
-        sig = inspect.signature(layer.forward)
-        layer.register_forward_pre_hook(
-            lambda _m, a, kw, _s=sig: seen.append(_s.bind(*a, **kw).arguments), with_kwargs=True)
-        layer.register_forward_hook(lambda _m, _a, out: returned.append(out))
+    seen, returned = record_block_calls(model.layers)
     with torch.no_grad():
         model(**omni_inputs(torch.Generator().manual_seed(1)))
     assert len(seen) == 4 and set(seen[0]) == {"und_seq", "gen_seq", "rotary_emb"}
@@ -176,8 +171,7 @@ def test_the_loop_hands_every_layer_the_same_rotary_tuple() -> None:
 def test_interval_chunks_carry_both_pathways(case: Case) -> None:
     # A wrong carry would still be exact (chunks fall back): both chunks must be served whole, and the
     # latents (list inputs, which the kit's input gradients leave out) must get the unpatched gradients.
-    report = check_strategy(case, CHUNKED, whole=True)
-    assert sorted(r.label for r in report.regions if r.shape == "chunk") == ["layers[0, 1]", "layers[2, 3]"]
+    report = check_chunks_run_whole(case, CHUNKED, ["layers[0, 1]", "layers[2, 3]"])
     assert report.saved_ratio < 1
     assert_latent_grads_match(case, CHUNKED)
 
@@ -262,10 +256,9 @@ def test_presets_plan_at_full_size(name: str) -> None:
     layer = model.layers[0]
     assert (len(model.layers), model.config.hidden_size, layer.mlp.up_proj.out_features) == (layers, hidden, mlp)
     assert layer.self_attn.num_key_value_heads == 8 and model.config.head_dim == 128
-    for config, regions in (({"gradient_checkpointing": True}, layers), (CHUNKED, layers // 2), (FFN, 2 * layers)):
-        the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
-        assert len(the_plan.regions) == regions
-        assert {i for r in the_plan.regions for i in r.blocks} == set(range(layers))
+    assert_plans_cover_every_block(model, family, layers, (
+        ({"gradient_checkpointing": True}, layers), (CHUNKED, layers // 2), (FFN, 2 * layers)
+    ))
 
 
 @pytest.mark.parametrize("name", list(PRESETS))

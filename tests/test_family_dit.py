@@ -17,6 +17,7 @@ import warnings
 
 import pytest
 import torch
+from family_checks import assert_plans_cover_every_block, record_block_calls
 
 import gradseam
 from gradseam.offload import cpu_test_mode
@@ -137,13 +138,7 @@ def test_the_loop_hands_every_block_the_same_conditioning() -> None:
     # What the carry relies on: timestep, class_labels and cross_attention_kwargs are the model's own objects
     # for every block, the masks and text None, and hidden_states is what the previous block returned.
     model = DIT_BATCH.fresh()
-    seen: list[dict] = []
-    returned: list[torch.Tensor] = []
-    for block in model.transformer_blocks:
-        sig = inspect.signature(block.forward)
-        block.register_forward_pre_hook(
-            lambda _m, a, kw, _s=sig: seen.append(_s.bind(*a, **kw).arguments), with_kwargs=True)
-        block.register_forward_hook(lambda _m, _a, out: returned.append(out))
+    seen, returned = record_block_calls(model.transformer_blocks)
     x = dit_batch_inputs(torch.Generator().manual_seed(1))
     kwargs = {"scale": None}
     with torch.no_grad():
@@ -329,10 +324,9 @@ def test_presets_plan_at_full_size(name: str) -> None:
     shape = (len(model.transformer_blocks), block.attn1.heads, block.ff.net[0].proj.out_features)
     assert shape == (28, 16, 4608)
     assert model.proj_out_2.out_features == 2 * 2 * 8 and model.pos_embed.height == PRESETS[name] // 2
-    for config, regions in (({"gradient_checkpointing": True}, 28), (CHUNKED, 14), (FFN, 28)):
-        the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
-        assert len(the_plan.regions) == regions
-        assert {i for r in the_plan.regions for i in r.blocks} == set(range(28))
+    assert_plans_cover_every_block(model, family, 28, (
+        ({"gradient_checkpointing": True}, 28), (CHUNKED, 14), (FFN, 28)
+    ))
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from family_checks import assert_plans_cover_every_block, record_block_calls, sample_output
 
 import gradseam
 from gradseam.patcher import family_for
@@ -108,12 +109,6 @@ class TestEasyAnimateInpaintAfterNorm(ConformanceSuite):
     reduced = True
 
 
-def _output(case: Case, **changes: Any) -> torch.Tensor:
-    model = case.fresh()
-    with torch.no_grad():
-        return model(**{**case.inputs(torch.Generator().manual_seed(1)), **changes}).sample
-
-
 # -- the cuts -----------------------------------------------------------------------------------
 
 
@@ -169,13 +164,7 @@ def test_the_loop_hands_every_block_the_same_conditioning() -> None:
     # What the carry relies on: temb and the RoPE tuple are one object each for every block (the loop
     # passes them positionally); the streams are what the previous block returned.
     model = BATCH.fresh()
-    seen: list[dict] = []
-    returned: list[tuple] = []
-    for block in model.transformer_blocks:
-        sig = inspect.signature(block.forward)
-        block.register_forward_pre_hook(
-            lambda _m, a, kw, _s=sig: seen.append(_s.bind(*a, **kw).arguments), with_kwargs=True)
-        block.register_forward_hook(lambda _m, _a, out: returned.append(out))
+    seen, returned = record_block_calls(model.transformer_blocks)
     with torch.no_grad():
         model(**BATCH.inputs(torch.Generator().manual_seed(1)))
     assert len(seen) == 4
@@ -191,11 +180,11 @@ def test_the_loop_hands_every_block_the_same_conditioning() -> None:
 
 def test_variant_inputs_change_the_output() -> None:
     # The variants exercise their paths: the timesteps, the T5 states and the conditioning latents matter.
-    batch = _output(BATCH)
-    assert not torch.equal(batch, _output(BATCH, timestep=torch.tensor([120.0, 120.0])))
-    assert not torch.equal(batch, _output(BATCH, encoder_hidden_states_t5=torch.zeros(2, 4, 10)))
-    assert not torch.equal(_output(INPAINT), _output(INPAINT, inpaint_latents=torch.zeros(1, CH + 1, 2, 4, 4)))
-    assert not torch.equal(_output(CONTROL), _output(CONTROL, control_latents=torch.zeros(1, 2 * CH, 2, 4, 4)))
+    batch = sample_output(BATCH)
+    assert not torch.equal(batch, sample_output(BATCH, timestep=torch.tensor([120.0, 120.0])))
+    assert not torch.equal(batch, sample_output(BATCH, encoder_hidden_states_t5=torch.zeros(2, 4, 10)))
+    assert not torch.equal(sample_output(INPAINT), sample_output(INPAINT, inpaint_latents=torch.zeros(1, CH + 1, 2, 4, 4)))
+    assert not torch.equal(sample_output(CONTROL), sample_output(CONTROL, control_latents=torch.zeros(1, 2 * CH, 2, 4, 4)))
 
 
 def test_builtin_flag_is_exact_and_owned_by_gradseam() -> None:
@@ -232,10 +221,9 @@ def test_presets_plan_at_full_size(name: str) -> None:
     assert (len(blocks), block.attn1.heads, block.ff.net[0].proj.out_features, model.proj.in_channels) == (
         depth, 48, 12288, channels)
     assert sum(b.txt_ff is not None for b in blocks) == mmdit
-    for config, regions in (({"gradient_checkpointing": True}, depth), (CHUNKED, depth // 2), (FFN, depth + mmdit)):
-        the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
-        assert len(the_plan.regions) == regions
-        assert {i for r in the_plan.regions for i in r.blocks} == set(range(depth))
+    assert_plans_cover_every_block(model, family, depth, (
+        ({"gradient_checkpointing": True}, depth), (CHUNKED, depth // 2), (FFN, depth + mmdit)
+    ))
 
 
 @pytest.mark.parametrize("name", list(PRESETS))

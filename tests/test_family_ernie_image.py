@@ -5,6 +5,7 @@ the loop builds a new modulation list per block, and the preset at full size."""
 from __future__ import annotations
 
 import torch
+from family_checks import assert_plans_cover_every_block
 
 import gradseam
 from gradseam.patcher import family_for
@@ -145,11 +146,10 @@ def test_preset_plans_at_full_size() -> None:
     assert (block.self_attention.heads, block.self_attention.head_dim, block.mlp.gate_proj.out_features) == (
         32, 128, 12288)
     assert 7.9e9 < sum(p.numel() for p in model.parameters()) < 8.1e9
-    for config, regions in (({"gradient_checkpointing": True}, 36), (CHUNKED, 18),
-                            ({"gradient_checkpointing": True, BACKEND: "torch-ffn"}, 36)):
-        the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
-        assert len(the_plan.regions) == regions
-        assert {i for r in the_plan.regions for i in r.blocks} == set(range(36))
+    assert_plans_cover_every_block(model, family, 36, (
+        ({"gradient_checkpointing": True}, 36), (CHUNKED, 18),
+        ({"gradient_checkpointing": True, BACKEND: "torch-ffn"}, 36)
+    ))
 
 
 def test_preset_inputs_have_the_pipelines_sizes() -> None:

@@ -13,6 +13,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+from family_checks import (
+    assert_plans_cover_every_block,
+    check_chunks_run_whole,
+    record_block_calls,
+    sample_output,
+)
 
 import gradseam
 from gradseam.patcher import family_for
@@ -151,20 +157,11 @@ class TestGlmImageKVRead(ConformanceSuite):
 
 
 # -- Chunks, the loop's arguments, the seam -------------------------------------------------------
-def _output(case: Case, **changes: object) -> torch.Tensor:
-    model = case.fresh()
-    with torch.no_grad():
-        return model(**{**case.inputs(torch.Generator().manual_seed(1)), **changes}).sample
-
-
 @pytest.mark.parametrize("case", T2I_CASES, ids=lambda c: c.name)
 def test_interval_chunks_chain_both_streams(case: Case) -> None:
     # A wrong carry would still be exact (chunks fall back): both chunks must run whole, and the glyph
     # stream, which leaves the last block unused, must still get its gradient through them.
-    report = check_strategy(case, CHUNKED, whole=True)
-    assert sorted(r.label for r in report.regions if r.shape == "chunk") == [
-        "transformer_blocks[0, 1]", "transformer_blocks[2, 3]"
-    ]
+    report = check_chunks_run_whole(case, CHUNKED, ["transformer_blocks[0, 1]", "transformer_blocks[2, 3]"])
     assert report.saved_ratio < 1
     assert report.patched.input_grads["encoder_hidden_states"].abs().sum() > 0
 
@@ -174,13 +171,7 @@ def test_the_loop_hands_every_block_the_same_conditioning_and_its_own_cache(case
     # What the carry and per_block rely on: temb, the RoPE tuple, the mask and attention_kwargs are one object
     # each for every block; the streams are what the previous block returned; kv_cache is each block's layer.
     model = case.fresh()
-    seen: list[dict] = []
-    returned: list[tuple] = []
-    for block in model.transformer_blocks:
-        sig = inspect.signature(block.forward)
-        block.register_forward_pre_hook(
-            lambda _m, a, kw, _s=sig: seen.append(_s.bind(*a, **kw).arguments), with_kwargs=True)
-        block.register_forward_hook(lambda _m, _a, out: returned.append(out))
+    seen, returned = record_block_calls(model.transformer_blocks)
     inputs = case.inputs(torch.Generator().manual_seed(1))
     with torch.no_grad():
         model(**inputs)
@@ -196,14 +187,14 @@ def test_the_loop_hands_every_block_the_same_conditioning_and_its_own_cache(case
 
 def test_variant_inputs_change_the_output() -> None:
     # The variants exercise their paths: the glyph mask, the dropped prior tokens, the cached condition.
-    assert not torch.equal(_output(GLM_MASK), _output(GLM_MASK, attention_mask=None))
-    batch = _output(GLM_BATCH)
-    assert not torch.equal(batch, _output(GLM_BATCH, prior_token_drop=torch.zeros(2, 8, dtype=torch.bool)))
-    assert not torch.equal(batch, _output(GLM_BATCH, timestep=torch.tensor([120.0, 120.0])))
-    read = _output(GLM_READ)
-    assert not torch.equal(read, _output(GLM_READ, kv_caches=None))
+    assert not torch.equal(sample_output(GLM_MASK), sample_output(GLM_MASK, attention_mask=None))
+    batch = sample_output(GLM_BATCH)
+    assert not torch.equal(batch, sample_output(GLM_BATCH, prior_token_drop=torch.zeros(2, 8, dtype=torch.bool)))
+    assert not torch.equal(batch, sample_output(GLM_BATCH, timestep=torch.tensor([120.0, 120.0])))
+    read = sample_output(GLM_READ)
+    assert not torch.equal(read, sample_output(GLM_READ, kv_caches=None))
     skip = _filled_cache(torch.Generator().manual_seed(5), mode="skip")
-    assert torch.equal(_output(GLM_READ, kv_caches=skip), _output(GLM_READ, kv_caches=None))
+    assert torch.equal(sample_output(GLM_READ, kv_caches=skip), sample_output(GLM_READ, kv_caches=None))
 
 
 def test_ff_is_one_region_per_stream() -> None:
@@ -362,10 +353,9 @@ def test_presets_plan_at_full_size(name: str) -> None:
     assert 6.8e9 < sum(p.numel() for p in model.parameters()) < 7.4e9
     block = model.transformer_blocks[0]
     assert (len(model.transformer_blocks), block.attn1.heads, block.ff.net[0].proj.out_features) == (30, 32, 16384)
-    for config, regions in (({"gradient_checkpointing": True}, 30), (CHUNKED, 15), (FFN, 30)):
-        the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
-        assert len(the_plan.regions) == regions
-        assert {i for r in the_plan.regions for i in r.blocks} == set(range(30))
+    assert_plans_cover_every_block(model, family, 30, (
+        ({"gradient_checkpointing": True}, 30), (CHUNKED, 15), (FFN, 30)
+    ))
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

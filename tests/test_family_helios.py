@@ -17,10 +17,10 @@ import inspect
 
 import pytest
 import torch
+from family_checks import assert_ffn_seam_is_one_module, assert_plans_cover_every_block, sample_output
 
 import gradseam
 from gradseam.patcher import family_for
-from gradseam.planning import plan
 from gradseam.testing import (
     Case,
     ConformanceSuite,
@@ -143,20 +143,7 @@ def test_the_loop_hands_every_block_the_same_conditioning(case: Case) -> None:
 
 def test_the_ffn_seam_is_the_feedforward_alone() -> None:
     # One region per block around ffn; norm3 cannot join: ffn sees its output scaled and shifted per token.
-    model = HELIOS.fresh()
-    family = family_for(model)
-    assert family.name == "helios" and family.has_ffn and family.has_attention and family.supports_interval
-    declared = family.block_class_for(type(model.blocks[0]))
-    assert (declared.ffn, declared.attention) == ((("ffn",),), ("attn1", "attn2"))
-    the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(FFN))
-    assert [(r.blocks, r.seam) for r in the_plan.regions] == [((i,), ("ffn",)) for i in range(4)]
-    got: dict[str, torch.Tensor] = {}
-    block = model.blocks[0]
-    block.norm3.register_forward_hook(lambda _m, _a, out: got.__setitem__("norm3", out))
-    block.ffn.register_forward_hook(lambda _m, a, _o: got.__setitem__("ffn", a[0]))
-    with torch.no_grad():
-        model(**helios_inputs(torch.Generator().manual_seed(1)))
-    assert got["ffn"] is not got["norm3"] and not torch.equal(got["ffn"], got["norm3"])
+    assert_ffn_seam_is_one_module(HELIOS, "helios", FFN)
 
 
 def test_the_builtin_flag_is_exact_and_owned_by_gradseam() -> None:
@@ -164,22 +151,16 @@ def test_the_builtin_flag_is_exact_and_owned_by_gradseam() -> None:
     check_builtin_flag(HELIOS, CHUNKED)
 
 
-def _output(case: Case, model: torch.nn.Module | None = None, **changes: object) -> torch.Tensor:
-    model = model or case.fresh()
-    with torch.no_grad():
-        return model(**{**case.inputs(torch.Generator().manual_seed(1)), **changes}).sample
-
-
 def test_history_timesteps_and_the_history_scale_reach_the_output() -> None:
-    plain = _output(HELIOS)
-    assert not torch.equal(plain, _output(HELIOS, latents_history_long=torch.zeros(1, 4, 4, 4, 4)))
-    pyramid = _output(HELIOS_PYRAMID)
-    assert not torch.equal(pyramid[1], _output(HELIOS_PYRAMID, timestep=torch.tensor([250.0, 250.0]))[1])
+    plain = sample_output(HELIOS)
+    assert not torch.equal(plain, sample_output(HELIOS, latents_history_long=torch.zeros(1, 4, 4, 4, 4)))
+    pyramid = sample_output(HELIOS_PYRAMID)
+    assert not torch.equal(pyramid[1], sample_output(HELIOS_PYRAMID, timestep=torch.tensor([250.0, 250.0]))[1])
     ablation = HELIOS_ABLATION.fresh()
-    before = _output(HELIOS_ABLATION, ablation)
+    before = sample_output(HELIOS_ABLATION, ablation)
     with torch.no_grad():
         ablation.blocks[0].attn1.history_key_scale.add_(1.0)
-    assert not torch.equal(before, _output(HELIOS_ABLATION, ablation))
+    assert not torch.equal(before, sample_output(HELIOS_ABLATION, ablation))
 
 
 # -- the preset at full size ------------------------------------------------------------------------
@@ -194,10 +175,9 @@ def test_preset_plans_at_full_size() -> None:
     assert (len(model.blocks), block.attn1.heads, block.ffn.net[0].proj.out_features) == (40, 40, 13824)
     assert not block.attn1.is_amplify_history and block.guidance_cross_attn
     assert abs(sum(p.numel() for p in model.parameters()) / 1e9 - 14.31) < 0.01
-    for config, regions in (({"gradient_checkpointing": True}, 40), (CHUNKED, 20), (FFN, 40)):
-        the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
-        assert len(the_plan.regions) == regions
-        assert {i for r in the_plan.regions for i in r.blocks} == set(range(40))
+    assert_plans_cover_every_block(model, family, 40, (
+        ({"gradient_checkpointing": True}, 40), (CHUNKED, 20), (FFN, 40)
+    ))
 
 
 def test_preset_inputs_have_the_pipelines_layout() -> None:

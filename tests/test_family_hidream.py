@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from family_checks import blocks_per_list
 
 import gradseam
 from gradseam.patcher import family_for
@@ -250,10 +251,7 @@ def test_preset_plans_at_full_size() -> None:
     for config, regions in (({"gradient_checkpointing": True}, 48), (FFN, 16 * 2 + 32)):
         the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
         assert len(the_plan.regions) == regions
-        counts: dict[str, set[int]] = {}
-        for region in the_plan.regions:
-            counts.setdefault(region.list_path, set()).update(region.blocks)
-        assert {k: len(v) for k, v in counts.items()} == {"double_stream_blocks": 16, "single_stream_blocks": 32}
+        assert blocks_per_list(the_plan.regions) == {"double_stream_blocks": 16, "single_stream_blocks": 32}
 
 
 def test_preset_inputs_have_the_pipelines_sizes() -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from diffusers import HunyuanDiT2DModel
+from family_checks import record_block_calls, sample_output
 
 import gradseam
 from gradseam.adapters.hunyuandit import crop_region, rotary_embedding
@@ -121,21 +122,15 @@ class TestHunyuanDiTControlNet(ConformanceSuite):
     reduced = True
 
 
-def _output(case: Case, **changes: Any) -> torch.Tensor:
-    model = case.fresh()
-    with torch.no_grad():
-        return model(**{**case.inputs(torch.Generator().manual_seed(1)), **changes}).sample
-
-
 def test_variant_inputs_change_the_output() -> None:
     # the cases exercise their paths: the text padding, the RoPE, the size condition, the ControlNet samples
-    plain = _output(HUNYUANDIT)
+    plain = sample_output(HUNYUANDIT)
     unpadded = {k: torch.ones_like(v) for k, v in _masks(1).items()}
-    assert not torch.equal(plain, _output(HUNYUANDIT, **unpadded))
-    assert not torch.equal(plain, _output(HUNYUANDIT, image_rotary_emb=None))
-    v11 = _output(HUNYUANDIT_V11)
-    assert not torch.equal(v11, _output(HUNYUANDIT_V11, image_meta_size=torch.full((2, 6), 32.0)))
-    assert not torch.equal(plain, _output(HUNYUANDIT_CONTROL))
+    assert not torch.equal(plain, sample_output(HUNYUANDIT, **unpadded))
+    assert not torch.equal(plain, sample_output(HUNYUANDIT, image_rotary_emb=None))
+    v11 = sample_output(HUNYUANDIT_V11)
+    assert not torch.equal(v11, sample_output(HUNYUANDIT_V11, image_meta_size=torch.full((2, 6), 32.0)))
+    assert not torch.equal(plain, sample_output(HUNYUANDIT_CONTROL))
 
 
 def test_the_loop_hands_each_second_half_block_its_own_skip() -> None:
@@ -143,13 +138,7 @@ def test_the_loop_hands_each_second_half_block_its_own_skip() -> None:
     # blocks 4 and 5 get a skip each (the outputs of blocks 1 and 0), blocks 2 and 3 none. A chunk would run
     # its later blocks with its first block's skip, or none: so no carry.
     model = hunyuandit_model(num_layers=6)
-    seen: list[dict] = []
-    returned: list[torch.Tensor] = []
-    for block in model.blocks:
-        sig = inspect.signature(block.forward)
-        block.register_forward_pre_hook(
-            lambda _m, a, kw, _s=sig: seen.append(_s.bind(*a, **kw).arguments), with_kwargs=True)
-        block.register_forward_hook(lambda _m, _a, out: returned.append(out))
+    seen, returned = record_block_calls(model.blocks)
     with torch.no_grad():
         model(**hunyuandit_inputs(torch.Generator().manual_seed(1)))
     assert [b.skip_linear is not None for b in model.blocks] == [False] * 4 + [True] * 2

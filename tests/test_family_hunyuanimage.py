@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from family_checks import blocks_per_list, chunks_served_whole
 
 import gradseam
 from gradseam.patcher import family_for
@@ -20,7 +21,6 @@ from gradseam.testing import (
     ConformanceSuite,
     check_strategy,
     randn,
-    run_step,
 )
 
 CHUNKED = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
@@ -109,13 +109,7 @@ class TestHunyuanImageRefiner(ConformanceSuite):
 
 @pytest.mark.parametrize("case", [HUNYUANIMAGE, HUNYUANIMAGE_DISTILLED, HUNYUANIMAGE_REFINER], ids=lambda c: c.name)
 def test_every_chunk_of_every_list_runs_whole(case: Case) -> None:
-    torch.manual_seed(case.seed)
-    model = case.build()
-    with gradseam.patch(model, CHUNKED) as handle:
-        run_step(model, case)
-        chunks = {f"{r.list_path.rsplit('.', 1)[-1]}{list(r.blocks)}": not r.fallbacks
-                  for r in handle.regions() if r.shape == "chunk"}
-    assert chunks == {
+    assert chunks_served_whole(case, CHUNKED) == {
         "refiner_blocks[0, 1]": True, "transformer_blocks[0, 1]": True,
         "single_transformer_blocks[0, 1]": True, "single_transformer_blocks[2, 3]": True,
     }
@@ -174,10 +168,7 @@ def test_presets_plan_at_full_size(name: str) -> None:
     for config, regions in (({"gradient_checkpointing": True}, 62), (CHUNKED, 31),
                             ({"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"}, 82)):
         the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
-        counts: dict[str, set[int]] = {}
-        for region in the_plan.regions:
-            counts.setdefault(region.list_path, set()).update(region.blocks)
-        assert {k: len(v) for k, v in counts.items()} == expected
+        assert blocks_per_list(the_plan.regions) == expected
         assert len(the_plan.regions) == regions
 
 

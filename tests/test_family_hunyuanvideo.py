@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from family_checks import blocks_per_list, chunks_served_whole
 
 import gradseam
 from gradseam.family import Carry
@@ -25,7 +26,6 @@ from gradseam.testing import (
     ConformanceSuite,
     check_strategy,
     randn,
-    run_step,
 )
 
 CHUNKED = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
@@ -96,21 +96,11 @@ class TestHunyuanVideoTokenReplace(ConformanceSuite):
 # -- the chunks chain ---------------------------------------------------------------------------
 
 
-def _chunks(case: Case) -> dict[str, bool]:
-    """Each chunk of an interval-2 step, and whether it ran whole (no member computed alone)."""
-    torch.manual_seed(case.seed)
-    model = case.build()
-    with gradseam.patch(model, CHUNKED) as handle:
-        run_step(model, case)
-        return {f"{r.list_path.rsplit('.', 1)[-1]}{list(r.blocks)}": not r.fallbacks
-                for r in handle.regions() if r.shape == "chunk"}
-
-
 @pytest.mark.parametrize("case", [HUNYUANVIDEO, HUNYUANVIDEO_I2V, HUNYUANVIDEO_TOKEN_REPLACE], ids=lambda c: c.name)
 def test_every_chunk_of_every_list_runs_whole(case: Case) -> None:
     # The token-replace embedding and the first frame's token count go to every block positionally,
     # as the same objects: they must not make a chunk fall back.
-    assert _chunks(case) == {
+    assert chunks_served_whole(case, CHUNKED) == {
         "refiner_blocks[0, 1]": True, "transformer_blocks[0, 1]": True,
         "single_transformer_blocks[0, 1]": True, "single_transformer_blocks[2, 3]": True,
     }
@@ -129,7 +119,7 @@ def test_a_wrong_carry_is_caught(monkeypatch) -> None:
     import gradseam.patcher as patcher
 
     monkeypatch.setattr(patcher, "family_for", lambda m: wrong)
-    chunks = _chunks(HUNYUANVIDEO)
+    chunks = chunks_served_whole(HUNYUANVIDEO, CHUNKED)
     assert chunks["transformer_blocks[0, 1]"] is False
     assert chunks["single_transformer_blocks[0, 1]"] is True
     with pytest.raises(AssertionError, match=r"transformer_blocks\[0, 1\] \(chunk\) did not run as one region"):
@@ -220,10 +210,7 @@ def test_presets_plan_at_full_size(name: str) -> None:
                             ({"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"},
                              2 + 2 * 20 + 40)):
         the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
-        counts: dict[str, set[int]] = {}
-        for region in the_plan.regions:
-            counts.setdefault(region.list_path, set()).update(region.blocks)
-        assert {k: len(v) for k, v in counts.items()} == expected
+        assert blocks_per_list(the_plan.regions) == expected
         assert len(the_plan.regions) == regions
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from family_checks import assert_plans_cover_every_block
 
 import gradseam
 from gradseam.adapters.ideogram4 import packed_layout
@@ -155,11 +156,10 @@ def test_presets_plan_at_full_size() -> None:
     assert 9.2e9 < params < 9.4e9  # "9.3B"
     for preset in family.presets.values():
         assert preset.config == {}
-        for config, regions in (({"gradient_checkpointing": True}, 34), (CHUNKED, 17),
-                                ({"gradient_checkpointing": True, BACKEND: "torch-ffn"}, 34)):
-            the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
-            assert len(the_plan.regions) == regions
-            assert {i for r in the_plan.regions for i in r.blocks} == set(range(34))
+        assert_plans_cover_every_block(model, family, 34, (
+            ({"gradient_checkpointing": True}, 34), (CHUNKED, 17),
+            ({"gradient_checkpointing": True, BACKEND: "torch-ffn"}, 34)
+        ))
 
 
 def test_preset_inputs_have_the_pipelines_sizes() -> None:

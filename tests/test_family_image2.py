@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from family_checks import assert_chunks_chain_without_fallback
 
 import gradseam
 from gradseam.patcher import family_for
@@ -172,17 +173,7 @@ def test_flux2_single_block_seam_is_the_mlp_slice() -> None:
     ids=["flux2", "flux2-klein", "qwenimage-masked", "qwenimage-edit-2511"],
 )
 def test_interval_chunks_chain_without_fallback(case: Case, lists: tuple[str, ...]) -> None:
-    model = case.fresh()
-    handle = gradseam.patch(model, gradient_checkpointing=True, gradient_checkpointing_interval=2)
-    try:
-        chunks = [r for r in handle.plan.regions if r.shape == "chunk"]
-        assert {r.list_path for r in chunks} == set(lists)
-        run_step(model, case)
-        for region in handle.regions():
-            if region.shape == "chunk":
-                assert region.chunk_calls == 1 and not region.fallbacks, f"{region.label} fell back: {region.fallbacks}"
-    finally:
-        handle.remove()
+    assert_chunks_chain_without_fallback(case, lists)
 
 
 def test_qwen_controlnet_residuals_make_chunks_fall_back_exactly() -> None:

@@ -20,6 +20,12 @@ from typing import Any
 
 import pytest
 import torch
+from family_checks import (
+    assert_plans_cover_every_block,
+    check_chunks_run_whole,
+    record_block_calls,
+    sample_output,
+)
 
 import gradseam
 from gradseam.patcher import family_for
@@ -157,12 +163,6 @@ class TestJoyImageEditPlusUnmasked(ConformanceSuite):
 FAMILIES = {EDIT.name: "joyimage", PLUS.name: "joyimage-edit-plus"}
 
 
-def _output(case: Case, model: torch.nn.Module | None = None, **changes: Any) -> torch.Tensor:
-    model = model if model is not None else case.fresh()
-    with torch.no_grad():
-        return model(**{**case.inputs(torch.Generator().manual_seed(1)), **changes}).sample
-
-
 # -- the cuts -----------------------------------------------------------------------------------
 
 
@@ -170,8 +170,7 @@ def _output(case: Case, model: torch.nn.Module | None = None, **changes: Any) ->
 def test_interval_chunks_chain_both_streams(case: Case) -> None:
     # A wrong carry would still be exact (chunks fall back): both chunks must be served whole, and the
     # text stream, which the last block returns to nobody, must still get its gradient through them.
-    report = check_strategy(case, CHUNKED, whole=True)
-    assert sorted(r.label for r in report.regions if r.shape == "chunk") == ["double_blocks[0, 1]", "double_blocks[2, 3]"]
+    report = check_chunks_run_whole(case, CHUNKED, ["double_blocks[0, 1]", "double_blocks[2, 3]"])
     assert report.saved_ratio < 1
     assert report.patched.input_grads["encoder_hidden_states"].abs().sum() > 0
 
@@ -182,13 +181,7 @@ def test_the_loop_hands_every_block_the_same_conditioning(case: Case) -> None:
     # same tensors (gradseam compares tuples item by item); the Plus loop passes one RoPE tuple and one
     # mask object. temb is one tensor; the streams are what the previous block returned, image first.
     model = case.fresh()
-    seen: list[dict] = []
-    returned: list[tuple] = []
-    for block in model.double_blocks:
-        sig = inspect.signature(block.forward)
-        block.register_forward_pre_hook(
-            lambda _m, a, kw, _s=sig: seen.append(_s.bind(*a, **kw).arguments), with_kwargs=True)
-        block.register_forward_hook(lambda _m, _a, out: returned.append(out))
+    seen, returned = record_block_calls(model.double_blocks)
     with torch.no_grad():
         model(**case.inputs(torch.Generator().manual_seed(1)))
     assert len(seen) == 4
@@ -211,12 +204,12 @@ def test_the_loop_hands_every_block_the_same_conditioning(case: Case) -> None:
 
 def test_variant_inputs_change_the_output() -> None:
     # The variants exercise their paths: the text RoPE, the masks and the per-sample timesteps all matter.
-    batch = _output(EDIT_BATCH)
+    batch = sample_output(EDIT_BATCH)
     plain_rope = Case("joyimage-rope", edit_model, edit_batch_inputs).fresh()  # the same weights, rope_type="rope"
-    assert not torch.equal(batch, _output(EDIT_BATCH, model=plain_rope))
-    assert not torch.equal(batch, _output(EDIT_BATCH, timestep=torch.tensor([120.0, 120.0])))
-    padded = _output(PLUS_BATCH)
-    unmasked = _output(PLUS_BATCH, encoder_hidden_states_mask=None)
+    assert not torch.equal(batch, sample_output(EDIT_BATCH, model=plain_rope))
+    assert not torch.equal(batch, sample_output(EDIT_BATCH, timestep=torch.tensor([120.0, 120.0])))
+    padded = sample_output(PLUS_BATCH)
+    unmasked = sample_output(PLUS_BATCH, encoder_hidden_states_mask=None)
     assert not torch.equal(padded[1], unmasked[1])  # the second sample's padding is hidden only by the mask
 
 
@@ -296,10 +289,9 @@ def test_presets_plan_at_full_size(name: str, preset: str) -> None:
     block = model.double_blocks[0]
     assert (len(model.double_blocks), block.attn.heads, block.attn.head_dim, block.img_mlp.net[0].proj.out_features,
             block.txt_mlp.net[0].proj.out_features) == (40, 32, 128, 16384, 16384)
-    for config, regions in (({"gradient_checkpointing": True}, 40), (CHUNKED, 20), (FFN, 80)):
-        the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
-        assert len(the_plan.regions) == regions
-        assert {i for r in the_plan.regions for i in r.blocks} == set(range(40))
+    assert_plans_cover_every_block(model, family, 40, (
+        ({"gradient_checkpointing": True}, 40), (CHUNKED, 20), (FFN, 80)
+    ))
 
 
 @pytest.mark.parametrize(("name", "preset"), ALL_PRESETS)

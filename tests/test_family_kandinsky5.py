@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from family_checks import check_chunks_run_whole
 
 import gradseam
 from gradseam.patcher import family_for
@@ -90,9 +91,7 @@ CHUNKED = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
 @pytest.mark.parametrize("case", [KANDINSKY5, KANDINSKY5_IMAGE], ids=lambda c: c.name)
 def test_interval_chunks_chain_in_both_lists(case: Case) -> None:
     # A wrong carry would still be exact (chunks fall back): every chunk must be served whole.
-    report = check_strategy(case, CHUNKED, whole=True)
-    chunks = sorted(r.label for r in report.regions if r.shape == "chunk")
-    assert chunks == sorted(f"{path}[{i}, {i + 1}]" for path in LISTS for i in (0, 2))
+    check_chunks_run_whole(case, CHUNKED, sorted(f"{path}[{i}, {i + 1}]" for path in LISTS for i in (0, 2)))
 
 
 def test_blocks_really_compute_and_the_refined_prompt_reaches_the_visual_blocks() -> None:

@@ -19,6 +19,7 @@ import warnings
 
 import pytest
 import torch
+from family_checks import sample_output
 
 import gradseam
 from gradseam.adapters import dit, latte
@@ -144,17 +145,11 @@ class TestLatteSpatialOnly(ConformanceSuite):
     quantized_bases = ()
 
 
-def _output(case: Case, **changes: object) -> torch.Tensor:
-    model = case.fresh()
-    with torch.no_grad():
-        return model(**{**case.inputs(torch.Generator().manual_seed(1)), **changes}).sample
-
-
 def test_variant_inputs_change_the_output() -> None:
     # the variants exercise their paths: the mask, the per-sample timesteps and the temporal blocks all matter
-    assert not torch.equal(_output(LATTE_MASK), _output(LATTE_MASK, encoder_attention_mask=None))
-    assert not torch.equal(_output(LATTE_BATCH), _output(LATTE_BATCH, timestep=torch.tensor([41, 41])))
-    assert not torch.equal(_output(LATTE), _output(LATTE_SPATIAL))
+    assert not torch.equal(sample_output(LATTE_MASK), sample_output(LATTE_MASK, encoder_attention_mask=None))
+    assert not torch.equal(sample_output(LATTE_BATCH), sample_output(LATTE_BATCH, timestep=torch.tensor([41, 41])))
+    assert not torch.equal(sample_output(LATTE), sample_output(LATTE_SPATIAL))
 
 
 # -- no carry --------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from diffusers import LongCatAudioDiTTransformer
+from family_checks import check_chunks_run_whole, record_block_calls, sample_output
 
 import gradseam
 from gradseam.adapters.longcat_audio import CONFIG_1B, CONFIG_3_5B, caption_tokens, latent_frames
@@ -26,7 +27,6 @@ from gradseam.testing import (
     Case,
     ConformanceSuite,
     check_bench_workload,
-    check_strategy,
     preset_model,
     randn,
 )
@@ -115,31 +115,24 @@ class TestLongCatAudioLocal(ConformanceSuite):
     reduced = True
 
 
-def _output(case: Case, **changes: Any) -> torch.Tensor:
-    model = case.fresh()
-    with torch.no_grad():
-        return model(**{**case.inputs(torch.Generator().manual_seed(1)), **changes}).sample
-
-
 def test_variant_inputs_change_the_output() -> None:
     # the cases exercise their paths: the latent condition, the padding of the second clip (which leaves the
     # first alone), the caption mask of the local layout
-    plain = _output(LONGCAT)
-    assert not torch.equal(plain, _output(LONGCAT, latent_cond=None))
-    padded = _output(LONGCAT_PADDED)
-    full = _output(LONGCAT_PADDED, attention_mask=torch.ones(2, FRAMES, dtype=torch.bool),
+    plain = sample_output(LONGCAT)
+    assert not torch.equal(plain, sample_output(LONGCAT, latent_cond=None))
+    padded = sample_output(LONGCAT_PADDED)
+    full = sample_output(LONGCAT_PADDED, attention_mask=torch.ones(2, FRAMES, dtype=torch.bool),
                    encoder_attention_mask=torch.ones(2, TEXT, dtype=torch.bool))
     assert torch.equal(padded[0], full[0]) and not torch.equal(padded[1], full[1])
     assert torch.equal(padded[1, -2:], torch.zeros_like(padded[1, -2:]))  # padded frames come out zero
-    local = _output(LONGCAT_LOCAL)
-    assert not torch.equal(local, _output(LONGCAT_LOCAL, encoder_attention_mask=torch.ones(1, TEXT, dtype=torch.bool)))
+    local = sample_output(LONGCAT_LOCAL)
+    assert not torch.equal(local, sample_output(LONGCAT_LOCAL, encoder_attention_mask=torch.ones(1, TEXT, dtype=torch.bool)))
 
 
 @pytest.mark.parametrize("case", [LONGCAT, LONGCAT_LOCAL], ids=lambda c: c.name)
 def test_interval_chunks_run_whole(case: Case) -> None:
     # a wrong carry would still be exact (chunks fall back), so parity alone cannot tell
-    report = check_strategy(case, CHUNKED, whole=True)
-    assert sorted(r.label for r in report.regions if r.shape == "chunk") == ["blocks[0, 1]", "blocks[2, 3]"]
+    report = check_chunks_run_whole(case, CHUNKED, ["blocks[0, 1]", "blocks[2, 3]"])
     assert report.saved_ratio < 1
 
 
@@ -149,13 +142,7 @@ def test_the_loop_hands_every_block_the_same_objects(case: Case, global_adaln: b
     # What the carry rests on: every argument but hidden_states is one object (or None) for all four blocks,
     # and each block gets its predecessor's return value.
     model = case.fresh()
-    seen: list[dict] = []
-    returned: list[torch.Tensor] = []
-    for block in model.blocks:
-        sig = inspect.signature(block.forward)
-        block.register_forward_pre_hook(
-            lambda _m, a, kw, _s=sig: seen.append(_s.bind(*a, **kw).arguments), with_kwargs=True)
-        block.register_forward_hook(lambda _m, _a, out: returned.append(out))
+    seen, returned = record_block_calls(model.blocks)
     with torch.no_grad():
         model(**case.inputs(torch.Generator().manual_seed(1)))
     assert len(seen) == 4

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from family_checks import check_chunks_run_whole
 
 import gradseam
 from gradseam.adapters.longcat_image import position_ids
@@ -16,7 +17,6 @@ from gradseam.testing import (
     Case,
     ConformanceSuite,
     check_bench_workload,
-    check_strategy,
     preset_model,
     randn,
     run_step,
@@ -80,9 +80,7 @@ CHUNKED = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
 @pytest.mark.parametrize("case", [LONGCAT, LONGCAT_EDIT], ids=lambda c: c.name)
 def test_interval_chunks_chain_in_both_lists(case: Case) -> None:
     # A wrong carry would still be exact (chunks fall back): every chunk must be served whole.
-    report = check_strategy(case, CHUNKED, whole=True)
-    chunks = sorted(r.label for r in report.regions if r.shape == "chunk")
-    assert chunks == sorted(f"{path}[{i}, {i + 1}]" for path in LISTS for i in (0, 2))
+    check_chunks_run_whole(case, CHUNKED, sorted(f"{path}[{i}, {i + 1}]" for path in LISTS for i in (0, 2)))
 
 
 def test_seams_are_the_mlps() -> None:

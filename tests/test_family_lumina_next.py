@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from diffusers import LuminaNextDiT2DModel
+from family_checks import check_chunks_run_whole, record_block_calls, sample_output
 
 import gradseam
 from gradseam.adapters.lumina_next import ROPE_SIDE, SFT_2B, rotary_table
@@ -26,7 +27,6 @@ from gradseam.testing import (
     Case,
     ConformanceSuite,
     check_bench_workload,
-    check_strategy,
     preset_model,
     randn,
 )
@@ -98,18 +98,12 @@ class TestLuminaNextPadded(ConformanceSuite):
     reduced = True
 
 
-def _output(case: Case, **changes: Any) -> torch.Tensor:
-    model = case.fresh()
-    with torch.no_grad():
-        return model(**{**case.inputs(torch.Generator().manual_seed(1)), **changes}).sample
-
-
 def test_variant_inputs_change_the_output() -> None:
     # the cases exercise their paths: proportional attention, the caption padding (second sample only)
-    plain = _output(LUMINA_NEXT)
-    assert not torch.equal(plain, _output(LUMINA_NEXT, cross_attention_kwargs={}))
-    padded = _output(LUMINA_NEXT_PADDED)
-    unpadded = _output(LUMINA_NEXT_PADDED, encoder_mask=torch.ones(2, TEXT, dtype=torch.int64))
+    plain = sample_output(LUMINA_NEXT)
+    assert not torch.equal(plain, sample_output(LUMINA_NEXT, cross_attention_kwargs={}))
+    padded = sample_output(LUMINA_NEXT_PADDED)
+    unpadded = sample_output(LUMINA_NEXT_PADDED, encoder_mask=torch.ones(2, TEXT, dtype=torch.int64))
     assert torch.equal(padded[0], unpadded[0]) and not torch.equal(padded[1], unpadded[1])
 
 
@@ -120,8 +114,7 @@ def test_rope_entries_do_not_depend_on_the_table_size() -> None:
 @pytest.mark.parametrize("case", [LUMINA_NEXT, LUMINA_NEXT_PADDED], ids=lambda c: c.name)
 def test_interval_chunks_run_whole(case: Case) -> None:
     # a wrong carry would still be exact (chunks fall back), so parity alone cannot tell
-    report = check_strategy(case, CHUNKED, whole=True)
-    assert sorted(r.label for r in report.regions if r.shape == "chunk") == ["layers[0, 1]", "layers[2, 3]"]
+    report = check_chunks_run_whole(case, CHUNKED, ["layers[0, 1]", "layers[2, 3]"])
     assert report.saved_ratio < 1
 
 
@@ -129,13 +122,7 @@ def test_the_loop_hands_every_block_the_same_objects() -> None:
     # What the carry rests on: every argument but hidden_states is one object for all four blocks (the
     # caller's kwargs dict included), and each block gets its predecessor's return value.
     model = LUMINA_NEXT.fresh()
-    seen: list[dict] = []
-    returned: list[torch.Tensor] = []
-    for block in model.layers:
-        sig = inspect.signature(block.forward)
-        block.register_forward_pre_hook(
-            lambda _m, a, kw, _s=sig: seen.append(_s.bind(*a, **kw).arguments), with_kwargs=True)
-        block.register_forward_hook(lambda _m, _a, out: returned.append(out))
+    seen, returned = record_block_calls(model.layers)
     inputs = lumina_next_inputs(torch.Generator().manual_seed(1))
     with torch.no_grad():
         model(**inputs)

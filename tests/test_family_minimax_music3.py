@@ -13,14 +13,18 @@ under a patch, and the presets at full size on the meta device.
 from __future__ import annotations
 
 import inspect
-from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
+from family_checks import (
+    assert_ffn_backends_refused,
+    check_chunks_run_whole,
+    declare_ffn_seam,
+    record_first_calls,
+)
 
 import gradseam
-from gradseam.errors import UnsupportedStrategyError
 from gradseam.patcher import family_for
 from gradseam.planning import plan
 from gradseam.registry import REGISTRY
@@ -94,9 +98,7 @@ class TestMiniMaxMusic3Batch(ConformanceSuite):
 def test_chunks_run_whole(case: Case) -> None:
     # A wrong carry would still be exact (chunks fall back), so parity alone cannot tell: both chunks
     # must be served whole.
-    report = check_strategy(case, CHUNKED, whole=True)
-    chunks = sorted(r.label for r in report.regions if r.shape == "chunk")
-    assert chunks == ["transformer_blocks[0, 1]", "transformer_blocks[2, 3]"]
+    report = check_chunks_run_whole(case, CHUNKED, ["transformer_blocks[0, 1]", "transformer_blocks[2, 3]"])
     assert report.saved_ratio < 1
 
 
@@ -127,16 +129,7 @@ def test_the_glu_product_is_computed_between_ff_in_and_ff_out() -> None:
     # never on ff_in's output itself. norm2 -> ff_in is the only strict chain.
     model = MUSIC3.fresh()
     block = model.transformer_blocks[0]
-    calls: dict[str, tuple] = {}
-
-    def record(name: str) -> Any:
-        def hook(_module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
-            calls.setdefault(name, (args, out))
-
-        return hook
-
-    for name in ("norm2", "ff_in", "ff_out"):
-        getattr(block, name).register_forward_hook(record(name))
+    calls = record_first_calls(block, ("norm2", "ff_in", "ff_out"))
     with torch.no_grad():
         model(**music3_inputs(torch.Generator().manual_seed(1)))
     assert calls["ff_in"][0][0] is calls["norm2"][1]
@@ -145,25 +138,13 @@ def test_the_glu_product_is_computed_between_ff_in_and_ff_out() -> None:
 
 
 def test_ffn_backends_are_refused_and_leave_the_model_untouched() -> None:
-    assert not REGISTRY.get("minimax-music3").has_ffn
-    model = MUSIC3.fresh()
-    dicts = {name: set(m.__dict__) for name, m in model.named_modules()}
-    for backend in ("torch-ffn", "unsloth-ffn"):
-        with pytest.raises(UnsupportedStrategyError, match=f"backend {backend!r} needs an FFN boundary"):
-            gradseam.patch(model, gradient_checkpointing=True, gradient_checkpointing_backend=backend)
-    assert gradseam.handle_of(model) is None
-    assert {name: set(m.__dict__) for name, m in model.named_modules()} == dicts
+    assert_ffn_backends_refused(MUSIC3, "minimax-music3")
 
 
 def test_a_norm2_ff_in_seam_would_be_exact_but_keep_almost_everything(monkeypatch: pytest.MonkeyPatch) -> None:
     # The one strict chain, declared for this test only: exact and whole, but the GLU's wide tensors are
     # saved outside it, so a step keeps nearly what it keeps unpatched (whole blocks keep far less).
-    import gradseam.patcher as patcher
-
-    family = REGISTRY.get("minimax-music3")
-    trial = replace(family, block_classes=tuple(
-        replace(bc, ffn=(("norm2", "ff_in"),)) for bc in family.block_classes))
-    monkeypatch.setattr(patcher, "family_for", lambda _m: trial)
+    declare_ffn_seam(monkeypatch, "minimax-music3", ("norm2", "ff_in"))
     seam = check_strategy(MUSIC3, {**TORCH, "gradient_checkpointing_backend": "torch-ffn"}, whole=True)
     assert [r.label for r in seam.regions] == [f"transformer_blocks[{i}].norm2→ff_in" for i in range(LAYERS)]
     assert seam.saved_ratio > 0.85

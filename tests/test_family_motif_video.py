@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from family_checks import prompt_mask, record_block_calls
 
 import gradseam
 from gradseam.adapters.motif_video import MOTIF_VIDEO_2B
@@ -59,20 +60,12 @@ def _model(**config: object) -> Callable[[], torch.nn.Module]:
     return build
 
 
-def _prompt_mask(*valid: int) -> torch.Tensor:
-    # the tokenizer's mask (int64), right-padded to TEXT tokens
-    mask = torch.zeros(len(valid), TEXT, dtype=torch.int64)
-    for row, n in enumerate(valid):
-        mask[row, :n] = 1
-    return mask
-
-
 def motif_inputs(g: torch.Generator) -> dict:
     return {
         "hidden_states": randn(g, 1, 4, 2, 4, 4, grad=True),
         "timestep": torch.tensor([500.0]),
         "encoder_hidden_states": randn(g, 1, TEXT, 16, grad=True),
-        "encoder_attention_mask": _prompt_mask(4),
+        "encoder_attention_mask": prompt_mask(TEXT, 4),
     }
 
 
@@ -82,7 +75,7 @@ def motif_i2v_inputs(g: torch.Generator) -> dict:
         "hidden_states": randn(g, 2, 4, 2, 4, 4, grad=True),
         "timestep": torch.tensor([150.0, 850.0]),
         "encoder_hidden_states": randn(g, 2, TEXT, 16, grad=True),
-        "encoder_attention_mask": _prompt_mask(6, 3),
+        "encoder_attention_mask": prompt_mask(TEXT, 6, 3),
         "image_embeds": randn(g, 2, IMAGE, 8, grad=True),
     }
 
@@ -149,14 +142,7 @@ def test_what_the_loop_hands_each_block() -> None:
     # previous block's outputs; the decoder gets a clone made before the loop, the encoder's video output as
     # its second stream, no mask and the default image token count.
     model = MOTIF_I2V.fresh()
-    seen: list[dict] = []
-    returned: list[tuple] = []
-    blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
-    for block in blocks:
-        sig = inspect.signature(block.forward)
-        block.register_forward_pre_hook(
-            lambda _m, a, kw, _s=sig: seen.append(_s.bind(*a, **kw).arguments), with_kwargs=True)
-        block.register_forward_hook(lambda _m, _a, out: returned.append(out))
+    seen, returned = record_block_calls([*model.transformer_blocks, *model.single_transformer_blocks])
     with torch.no_grad():
         model(**motif_i2v_inputs(torch.Generator().manual_seed(1)))
     assert len(seen) == 6
@@ -206,7 +192,7 @@ def test_variant_inputs_change_the_output() -> None:
     assert not torch.equal(plain, output(MOTIF, encoder_attention_mask=None))
     i2v = output(MOTIF_I2V)
     assert not torch.equal(i2v, output(MOTIF_I2V, image_embeds=None))
-    assert not torch.equal(i2v[1], output(MOTIF_I2V, encoder_attention_mask=_prompt_mask(6, 6))[1])
+    assert not torch.equal(i2v[1], output(MOTIF_I2V, encoder_attention_mask=prompt_mask(TEXT, 6, 6))[1])
     model = MOTIF.fresh()
     for block in model.single_transformer_blocks[:2]:
         block.cross_attn = None

@@ -11,6 +11,7 @@ import inspect
 
 import pytest
 import torch
+from family_checks import assert_plans_cover_every_block, check_chunks_run_whole, record_block_calls
 
 import gradseam
 from gradseam.patcher import family_for
@@ -108,10 +109,7 @@ class TestNucleusMoEMaskedBatch(ConformanceSuite):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_interval_chunks_run_whole(case: Case) -> None:
     # A wrong carry would still be exact (chunks fall back): both chunks must be served whole.
-    report = check_strategy(case, CHUNKED, whole=True)
-    assert sorted(r.label for r in report.regions if r.shape == "chunk") == [
-        "transformer_blocks[0, 1]", "transformer_blocks[2, 3]"
-    ]
+    report = check_chunks_run_whole(case, CHUNKED, ["transformer_blocks[0, 1]", "transformer_blocks[2, 3]"])
     assert report.saved_ratio < 1
     assert report.patched.input_grads["encoder_hidden_states"].abs().sum() > 0
 
@@ -120,13 +118,7 @@ def test_the_loop_hands_every_block_the_same_conditioning() -> None:
     # What the carry relies on: the normed text, temb, the RoPE tuple and the attention_kwargs dict (with
     # the joint key mask) are one object each for every block; hidden_states is what the previous returned.
     model = NUCLEUS_MASKED.fresh()
-    seen: list[dict] = []
-    returned: list[torch.Tensor] = []
-    for block in model.transformer_blocks:
-        sig = inspect.signature(block.forward)
-        block.register_forward_pre_hook(
-            lambda _m, a, kw, _s=sig: seen.append(_s.bind(*a, **kw).arguments), with_kwargs=True)
-        block.register_forward_hook(lambda _m, _a, out: returned.append(out))
+    seen, returned = record_block_calls(model.transformer_blocks)
     with torch.no_grad():
         model(**NUCLEUS_MASKED.inputs(torch.Generator().manual_seed(1)))
     assert len(seen) == 4
@@ -272,10 +264,9 @@ def test_presets_plan_at_full_size(name: str) -> None:
     assert (block.attn.heads, block.attn.inner_kv_dim // 128, block.img_mlp.num_experts) == (16, 4, 64)
     assert (block.img_mlp.capacity_factor, blocks[5].img_mlp.capacity_factor) == (4.0, 2.0)
     assert block.img_mlp.experts.use_grouped_mm
-    for config, regions in (({"gradient_checkpointing": True}, 32), (CHUNKED, 16), (FFN, 32)):
-        the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
-        assert len(the_plan.regions) == regions
-        assert {i for r in the_plan.regions for i in r.blocks} == set(range(32))
+    assert_plans_cover_every_block(model, family, 32, (
+        ({"gradient_checkpointing": True}, 32), (CHUNKED, 16), (FFN, 32)
+    ))
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from family_checks import assert_plans_cover_every_block, check_chunks_run_whole
 
 import gradseam
 from gradseam.adapters.omnigen import multimodal_mask
@@ -15,7 +16,6 @@ from gradseam.testing import (
     Case,
     ConformanceSuite,
     check_bench_workload,
-    check_strategy,
     preset_model,
     randn,
 )
@@ -92,8 +92,7 @@ CHUNKED = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
 @pytest.mark.parametrize("case", [OMNIGEN, OMNIGEN_EDIT], ids=lambda c: c.name)
 def test_interval_chunks_chain(case: Case) -> None:
     # A wrong carry would still be exact (chunks fall back): both chunks must be served whole.
-    report = check_strategy(case, CHUNKED, whole=True)
-    assert sorted(r.label for r in report.regions if r.shape == "chunk") == ["layers[0, 1]", "layers[2, 3]"]
+    check_chunks_run_whole(case, CHUNKED, ["layers[0, 1]", "layers[2, 3]"])
 
 
 def test_seam_is_the_norm_and_the_mlp() -> None:
@@ -152,11 +151,10 @@ def test_presets_plan_at_full_size(name: str) -> None:
     assert family_for(model) is family
     block = model.layers[0]
     assert (block.self_attn.heads, block.mlp.gate_up_proj.out_features, len(model.layers)) == (32, 2 * 8192, 32)
-    for config, regions in (({"gradient_checkpointing": True}, 32), (CHUNKED, 16),
-                            ({"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"}, 32)):
-        the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
-        assert len(the_plan.regions) == regions
-        assert {i for r in the_plan.regions for i in r.blocks} == set(range(32))
+    assert_plans_cover_every_block(model, family, 32, (
+        ({"gradient_checkpointing": True}, 32), (CHUNKED, 16),
+        ({"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"}, 32)
+    ))
 
 
 def test_preset_inputs_have_the_pipelines_layout() -> None:

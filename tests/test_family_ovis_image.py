@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from family_checks import check_chunks_run_whole, record_block_calls, sample_output
 
 import gradseam
 from gradseam.errors import UnsupportedStrategyError
@@ -109,21 +110,14 @@ class TestOvisImageMask(ConformanceSuite):
 
 
 # -- Chunks and the loop's arguments ---------------------------------------------------------------
-def _output(case: Case, **changes: Any) -> torch.Tensor:
-    model = case.fresh()
-    with torch.no_grad():
-        return model(**{**case.inputs(torch.Generator().manual_seed(1)), **changes}).sample
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_interval_chunks_chain_both_streams_in_both_lists(case: Case) -> None:
     # A wrong carry would still be exact (chunks fall back): every chunk must run whole, and the text stream,
     # which no output reads after the last single block, must still get its gradient through them.
-    report = check_strategy(case, CHUNKED, whole=True)
-    assert sorted(r.label for r in report.regions if r.shape == "chunk") == [
+    report = check_chunks_run_whole(case, CHUNKED, [
         "single_transformer_blocks[0, 1]", "single_transformer_blocks[2, 3]",
         "transformer_blocks[0, 1]", "transformer_blocks[2, 3]",
-    ]
+    ])
     assert report.saved_ratio < 1
     assert report.patched.input_grads["encoder_hidden_states"].abs().sum() > 0
 
@@ -133,13 +127,7 @@ def test_the_loop_hands_every_block_the_same_conditioning(case: Case) -> None:
     # What the carry relies on: temb, the RoPE tuple and joint_attention_kwargs are one object each for all
     # eight blocks (both lists), and the streams are what the previous block returned, across the lists too.
     model = case.fresh()
-    seen: list[dict] = []
-    returned: list[tuple] = []
-    for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
-        sig = inspect.signature(block.forward)
-        block.register_forward_pre_hook(
-            lambda _m, a, kw, _s=sig: seen.append(_s.bind(*a, **kw).arguments), with_kwargs=True)
-        block.register_forward_hook(lambda _m, _a, out: returned.append(out))
+    seen, returned = record_block_calls([*model.transformer_blocks, *model.single_transformer_blocks])
     with torch.no_grad():
         model(**case.inputs(torch.Generator().manual_seed(1)))
     assert len(seen) == DOUBLE + SINGLE
@@ -151,8 +139,8 @@ def test_the_loop_hands_every_block_the_same_conditioning(case: Case) -> None:
 
 
 def test_variant_inputs_change_the_output() -> None:
-    assert not torch.equal(_output(OVIS_MASK), _output(OVIS_MASK, joint_attention_kwargs=None))
-    assert not torch.equal(_output(OVIS_BATCH), _output(OVIS_BATCH, timestep=torch.tensor([0.2, 0.2])))
+    assert not torch.equal(sample_output(OVIS_MASK), sample_output(OVIS_MASK, joint_attention_kwargs=None))
+    assert not torch.equal(sample_output(OVIS_BATCH), sample_output(OVIS_BATCH, timestep=torch.tensor([0.2, 0.2])))
 
 
 def test_diffusers_own_checkpointing_flag() -> None:

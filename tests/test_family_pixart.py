@@ -16,6 +16,7 @@ import inspect
 
 import pytest
 import torch
+from family_checks import assert_plans_cover_every_block, record_block_calls
 
 import gradseam
 from gradseam.adapters import dit, pixart
@@ -144,13 +145,7 @@ def test_the_loop_hands_every_block_the_same_conditioning() -> None:
     # cross_attention_kwargs are one object for every block, class_labels is None, and hidden_states is what
     # the previous block returned.
     model = PIXART_BATCH.fresh()
-    seen: list[dict] = []
-    returned: list[torch.Tensor] = []
-    for block in model.transformer_blocks:
-        sig = inspect.signature(block.forward)
-        block.register_forward_pre_hook(
-            lambda _m, a, kw, _s=sig: seen.append(_s.bind(*a, **kw).arguments), with_kwargs=True)
-        block.register_forward_hook(lambda _m, _a, out: returned.append(out))
+    seen, returned = record_block_calls(model.transformer_blocks)
     x = pixart_batch_inputs(torch.Generator().manual_seed(1))
     kwargs: dict = {}
     with torch.no_grad():
@@ -304,10 +299,9 @@ def test_presets_plan_at_full_size(name: str) -> None:
     assert shape == (28, 16, 4608, 4096)
     assert model.use_additional_conditions is micro and model.config.sample_size == side
     assert model.pos_embed.interpolation_scale == scale and model.proj_out.out_features == 2 * 2 * 8
-    for config, regions in (({"gradient_checkpointing": True}, 28), (CHUNKED, 14), (FFN, 28)):
-        the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
-        assert len(the_plan.regions) == regions
-        assert {i for r in the_plan.regions for i in r.blocks} == set(range(28))
+    assert_plans_cover_every_block(model, family, 28, (
+        ({"gradient_checkpointing": True}, 28), (CHUNKED, 14), (FFN, 28)
+    ))
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))

@@ -16,15 +16,20 @@ meta device.
 from __future__ import annotations
 
 import inspect
-from dataclasses import replace
 from functools import cache
 from typing import Any
 
 import pytest
 import torch
+from family_checks import (
+    assert_ffn_backends_refused,
+    check_chunks_run_whole,
+    declare_ffn_seam,
+    record_block_calls,
+    record_first_calls,
+)
 
 import gradseam
-from gradseam.errors import UnsupportedStrategyError
 from gradseam.patcher import family_for
 from gradseam.planning import plan
 from gradseam.registry import REGISTRY
@@ -128,8 +133,7 @@ class TestPRXPixel(ConformanceSuite):
 def test_chunks_run_whole(case: Case) -> None:
     # A wrong carry would still be exact (chunks fall back), so parity alone cannot tell: both chunks
     # must be served whole, and the text states, read by every block, still get their gradient.
-    report = check_strategy(case, CHUNKED, whole=True)
-    assert sorted(r.label for r in report.regions if r.shape == "chunk") == ["blocks[0, 1]", "blocks[2, 3]"]
+    report = check_chunks_run_whole(case, CHUNKED, ["blocks[0, 1]", "blocks[2, 3]"])
     assert report.saved_ratio < 1
     assert report.patched.input_grads["encoder_hidden_states"].abs().sum() > 0
 
@@ -139,14 +143,8 @@ def test_the_loop_hands_every_block_the_same_conditioning(case: Case) -> None:
     # What the carry relies on: the text states, the timestep vector, the RoPE table and the mask are one
     # object each for every block (the caller's mask itself); hidden_states is what the last block returned.
     model = case.fresh()
-    seen: list[dict] = []
-    returned: list[torch.Tensor] = []
     inputs = case.inputs(torch.Generator().manual_seed(1))
-    for block in model.blocks:
-        sig = inspect.signature(block.forward)
-        block.register_forward_pre_hook(
-            lambda _m, a, kw, _s=sig: seen.append(_s.bind(*a, **kw).arguments), with_kwargs=True)
-        block.register_forward_hook(lambda _m, _a, out: returned.append(out))
+    seen, returned = record_block_calls(model.blocks)
     with torch.no_grad():
         model(**inputs)
     assert len(seen) == DEPTH
@@ -210,8 +208,7 @@ def test_a_vendored_copy_of_the_class_is_patched_too() -> None:
     assert not isinstance(model, PRXTransformer2DModel)
     assert type(model.blocks[0]).__module__ == "diffusers.models.transformers._prx_copy"
     assert family_for(model) is REGISTRY.get("prx")
-    report = check_strategy(case, CHUNKED, whole=True)
-    assert sorted(r.label for r in report.regions if r.shape == "chunk") == ["blocks[0, 1]", "blocks[2, 3]"]
+    check_chunks_run_whole(case, CHUNKED, ["blocks[0, 1]", "blocks[2, 3]"])
 
 
 # -- no FFN seam --------------------------------------------------------------------------------
@@ -223,16 +220,7 @@ def test_the_gated_mlp_is_inline_between_bare_linears() -> None:
     # strict chain, and post_attention_layernorm's output is modulated before the projections see it.
     model = PRX.fresh()
     block = model.blocks[0]
-    calls: dict[str, tuple] = {}
-
-    def record(name: str) -> Any:
-        def hook(_module: torch.nn.Module, args: tuple, out: torch.Tensor) -> None:
-            calls.setdefault(name, (args, out))
-
-        return hook
-
-    for name in ("post_attention_layernorm", "gate_proj", "up_proj", "mlp_act", "down_proj"):
-        getattr(block, name).register_forward_hook(record(name))
+    calls = record_first_calls(block, ("post_attention_layernorm", "gate_proj", "up_proj", "mlp_act", "down_proj"))
     with torch.no_grad():
         model(**prx_inputs(torch.Generator().manual_seed(1)))
     assert calls["up_proj"][0][0] is calls["gate_proj"][0][0]
@@ -243,26 +231,14 @@ def test_the_gated_mlp_is_inline_between_bare_linears() -> None:
 
 
 def test_ffn_backends_are_refused_and_leave_the_model_untouched() -> None:
-    assert not REGISTRY.get("prx").has_ffn
-    model = PRX.fresh()
-    dicts = {name: set(m.__dict__) for name, m in model.named_modules()}
-    for backend in ("torch-ffn", "unsloth-ffn"):
-        with pytest.raises(UnsupportedStrategyError, match=f"backend {backend!r} needs an FFN boundary"):
-            gradseam.patch(model, gradient_checkpointing=True, gradient_checkpointing_backend=backend)
-    assert gradseam.handle_of(model) is None
-    assert {name: set(m.__dict__) for name, m in model.named_modules()} == dicts
+    assert_ffn_backends_refused(PRX, "prx")
 
 
 def test_a_gate_proj_act_seam_would_be_exact_but_keep_most(monkeypatch: pytest.MonkeyPatch) -> None:
     # The one strict chain, declared for this test only: exact and whole, but the GELU output, up_proj's
     # output and the product stay saved outside it, so a step keeps most of what it keeps unpatched,
     # while whole blocks keep far less.
-    import gradseam.patcher as patcher
-
-    family = REGISTRY.get("prx")
-    trial = replace(family, block_classes=tuple(
-        replace(bc, ffn=(("gate_proj", "mlp_act"),)) for bc in family.block_classes))
-    monkeypatch.setattr(patcher, "family_for", lambda _m: trial)
+    declare_ffn_seam(monkeypatch, "prx", ("gate_proj", "mlp_act"))
     seam = check_strategy(PRX, {**TORCH, "gradient_checkpointing_backend": "torch-ffn"}, whole=True)
     assert [r.label for r in seam.regions] == [f"blocks[{i}].gate_proj→mlp_act" for i in range(DEPTH)]
     assert seam.saved_ratio > 0.85

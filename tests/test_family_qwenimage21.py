@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from family_checks import assert_plans_cover_every_block
 
 import gradseam
 from gradseam.patcher import family_for
@@ -301,12 +302,11 @@ def test_presets_plan_at_full_size() -> None:
     assert family.name == "qwenimage21" and set(family.presets) == {"1024", "edit-1024"}
     for preset in family.presets.values():
         assert preset.config == {}
-        for config, regions in (({"gradient_checkpointing": True}, 32),
-                                ({"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}, 16),
-                                ({"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"}, 32)):
-            the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
-            assert len(the_plan.regions) == regions
-            assert {i for r in the_plan.regions for i in r.blocks} == set(range(32))
+        assert_plans_cover_every_block(model, family, 32, (
+            ({"gradient_checkpointing": True}, 32),
+            ({"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}, 16),
+            ({"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"}, 32)
+        ))
 
 
 def test_preset_inputs_are_the_pipelines_layout() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from family_checks import assert_plans_cover_every_block, chunks_served_whole
 
 import gradseam
 from gradseam.patcher import family_for
@@ -21,7 +22,6 @@ from gradseam.testing import (
     ConformanceSuite,
     check_strategy,
     randn,
-    run_step,
 )
 
 CHUNKED = {"gradient_checkpointing": True, "gradient_checkpointing_interval": 2}
@@ -97,12 +97,7 @@ class TestSkyReelsV2I2V(ConformanceSuite):
 @pytest.mark.parametrize("case", [SKYREELS_V2_DF, SKYREELS_V2_CAUSAL, SKYREELS_V2_I2V], ids=lambda c: c.name)
 def test_every_chunk_runs_whole(case: Case) -> None:
     # the per-token modulation, the causal mask and the image tokens are one object each for all blocks
-    torch.manual_seed(case.seed)
-    model = case.build()
-    with gradseam.patch(model, CHUNKED) as handle:
-        run_step(model, case)
-        chunks = {f"{r.list_path}{list(r.blocks)}": not r.fallbacks for r in handle.regions() if r.shape == "chunk"}
-    assert chunks == {"blocks[0, 1]": True, "blocks[2, 3]": True}
+    assert chunks_served_whole(case, CHUNKED) == {"blocks[0, 1]": True, "blocks[2, 3]": True}
 
 
 def _output(case: Case, model: torch.nn.Module | None = None, **changes) -> torch.Tensor:
@@ -159,11 +154,10 @@ def test_presets_plan_at_full_size(name: str) -> None:
     assert family_for(model) is family
     depth, heads = PRESETS[name]
     assert len(model.blocks) == depth and model.blocks[0].attn1.heads == heads
-    for config, regions in (({"gradient_checkpointing": True}, depth), (CHUNKED, depth // 2),
-                            ({"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"}, depth)):
-        the_plan = plan(model, family, gradseam.CheckpointConfig.coerce(config))
-        assert len(the_plan.regions) == regions
-        assert {i for r in the_plan.regions for i in r.blocks} == set(range(depth))
+    assert_plans_cover_every_block(model, family, depth, (
+        ({"gradient_checkpointing": True}, depth), (CHUNKED, depth // 2),
+        ({"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"}, depth)
+    ))
 
 
 def test_preset_inputs_have_the_published_sizes() -> None:

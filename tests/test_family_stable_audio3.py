@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
+from family_checks import check_chunks_run_whole, declare_ffn_seam
 
 import gradseam
 from gradseam.patcher import family_for
@@ -136,9 +136,7 @@ class TestStableAudio3PlainAttention(ConformanceSuite):
 def test_chunks_run_whole(case: Case) -> None:
     # A wrong carry would still be exact (chunks fall back), so parity alone cannot tell: both chunks
     # must be served whole, with the padded context and the inpainting sequence too.
-    report = check_strategy(case, CHUNKED, whole=True)
-    chunks = sorted(r.label for r in report.regions if r.shape == "chunk")
-    assert chunks == ["transformer_blocks[0, 1]", "transformer_blocks[2, 3]"]
+    report = check_chunks_run_whole(case, CHUNKED, ["transformer_blocks[0, 1]", "transformer_blocks[2, 3]"])
     assert report.saved_ratio < 1
 
 
@@ -218,12 +216,7 @@ def test_ffn_seams_are_planned_as_declared_and_run_whole() -> None:
 def test_an_ff_norm_ff_seam_would_not_run_as_one_region(monkeypatch: pytest.MonkeyPatch) -> None:
     # Declared for this test only: the modulation between ff_norm and ff breaks the chain, so the region
     # falls apart (exact, but not what the seam promises). The family declares ff alone.
-    import gradseam.patcher as patcher
-
-    family = REGISTRY.get("stable-audio3")
-    trial = replace(family, block_classes=tuple(
-        replace(bc, ffn=(("ff_norm", "ff"),)) for bc in family.block_classes))
-    monkeypatch.setattr(patcher, "family_for", lambda _m: trial)
+    declare_ffn_seam(monkeypatch, "stable-audio3", ("ff_norm", "ff"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the fall-back warnings this test is about
         report = check_strategy(SA3, FFN)

@@ -17,6 +17,7 @@ from cases_image import (
     ZIMAGE_BATCH,
     ZIMAGE_OMNI,
 )
+from family_checks import assert_chunks_chain_without_fallback
 
 import gradseam
 from gradseam.errors import GradseamWarning
@@ -145,17 +146,7 @@ def test_chroma_declines_interval_chunks() -> None:
     ids=["krea2", "zimage-batch", "zimage-omni"],
 )
 def test_interval_chunks_chain_without_fallback(case: Case, lists: tuple[str, ...]) -> None:
-    model = case.fresh()
-    handle = gradseam.patch(model, gradient_checkpointing=True, gradient_checkpointing_interval=2)
-    try:
-        chunks = [r for r in handle.plan.regions if r.shape == "chunk"]
-        assert {r.list_path for r in chunks} == set(lists)
-        run_step(model, case)
-        for region in handle.regions():
-            if region.shape == "chunk":
-                assert region.chunk_calls == 1 and not region.fallbacks, f"{region.label} fell back: {region.fallbacks}"
-    finally:
-        handle.remove()
+    assert_chunks_chain_without_fallback(case, lists)
 
 
 # -- Presets: the real-size configs build (on the meta device) and plan as documented ------------
