@@ -25,7 +25,7 @@ MEASURED = ["none", "ref: torch.utils.checkpoint", "ref: torch.utils.checkpoint 
             "torch, interval 2"]
 ROW_KEYS = {"workload", "tokens", "strategy", "peak_gib", "step_ms", "status", "pinned_allocations_after_warmup",
             "pinned_gib", "depth", "blocks", "vs_none", "vs_torch", "step_times_ms", "forward_peak_gib",
-            "backward_peak_gib", "first_step_ms", "gpu_peak_gib",
+            "backward_peak_gib", "forward_ms", "backward_ms", "first_step_ms", "gpu_peak_gib",
             "pinned_weights_gib", "failure", "plan"}
 
 

@@ -114,6 +114,37 @@ def test_measure_takes_the_peak_from_the_passes_a_step_read(monkeypatch):
     assert (got.forward_peak_gib, got.backward_peak_gib, got.peak_gib) == (3.0, 4.0, 4.0)
 
 
+class _Event:
+    """Stands in for a CUDA event recorded at ``at_ms`` on the compute stream."""
+
+    def __init__(self, at_ms: float) -> None:
+        self.at_ms = at_ms
+
+    def elapsed_time(self, later: _Event) -> float:
+        return later.at_ms - self.at_ms
+
+
+def test_measure_times_each_pass_from_the_events_a_step_recorded(monkeypatch):
+    base = 100 * GiB
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: base)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: base)
+
+    def timed(start: float, forward: float, backward: float) -> measuring.Phases:
+        events = (_Event(start), _Event(start + forward), _Event(start + forward + backward))
+        return measuring.Phases(base + GiB, base + GiB, events)
+
+    got_phases = iter([timed(0, 500, 900),  # warm-up: not counted
+                       timed(1000, 10, 30), timed(2000, 14, 20), timed(3000, 12, 25)])
+    got = measuring.measure(lambda: next(got_phases), steps=3, warmup=1, device="cuda")
+    assert (got.forward_ms, got.backward_ms) == (12, 25)  # each pass's own median, not one step's
+    # a step without events (inputs not on a GPU) leaves the pass times unknown, never zero
+    plain = iter([measuring.Phases(base, base)] * 2)
+    got = measuring.measure(lambda: next(plain), steps=1, warmup=1, device="cuda")
+    assert (got.forward_ms, got.backward_ms) == (None, None)
+
+
 def test_forward_backward_reads_each_pass_between_resets(monkeypatch):
     events: list[str] = []
     reading = iter([7, 11])
@@ -156,6 +187,28 @@ def test_advise_predicts_from_the_highest_pass(monkeypatch):
     measure, _ = depth_measure(model, x, device="cpu", depths=(2, 4))
     got = measure({"gradient_checkpointing": True})
     assert got.peak_gib == pytest.approx(3.814) and got.growth_gib == pytest.approx(0.027)
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_each_pass_is_timed_and_the_two_make_the_step():
+    """Real events on a GPU: a backward that does twice the forward's work (each layer's two gradients) takes
+    longer than the forward, and the passes' times add up to the step (the step's own time also counts the
+    host's launch gap and the final synchronize)."""
+    layers = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(8)]).cuda()
+
+    class Wrapped(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = layers
+
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            return self.layers(hidden_states)
+
+    x = {"hidden_states": torch.randn(8192, 4096, device="cuda", requires_grad=True)}
+    got = measuring.measure(measuring.forward_backward(Wrapped(), x), steps=3, device="cuda")
+    assert got.forward_ms is not None and got.backward_ms is not None
+    assert 0 < got.forward_ms < got.backward_ms
+    assert got.forward_ms + got.backward_ms == pytest.approx(got.step_ms, rel=0.25)
 
 
 @pytest.mark.cuda

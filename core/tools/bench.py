@@ -183,6 +183,10 @@ def _gib(value: float | None) -> float | None:
     return round(value, 3) if value is not None else None
 
 
+def _ms(value: float | None) -> float | None:
+    return round(value, 1) if value is not None else None
+
+
 @dataclass(frozen=True)
 class _Sweep:
     """What every row of one :func:`run_rows` call shares: the workload's words and the model to measure."""
@@ -307,6 +311,7 @@ def _result(sweep: _Sweep, name: str, got: measuring.Measurement, streamed_pinne
                   pinned_weights_gib=None if cpu or streamed_pinned is None else round(streamed_pinned, 3),
                   depth=sweep.depth, blocks=sweep.blocks,
                   forward_peak_gib=_gib(got.forward_peak_gib), backward_peak_gib=_gib(got.backward_peak_gib),
+                  forward_ms=_ms(got.forward_ms), backward_ms=_ms(got.backward_ms),
                   first_step_ms=round(first_step_ms, 1) if first_step_ms is not None else None,
                   gpu_peak_gib=None if cpu else round(got.base_gib + got.peak_gib, 3), plan=plan, config=config)
 

@@ -38,6 +38,7 @@ The JSON written by ``gradseam bench`` (see :func:`payload`)::
                                # "unsupported: ...", "error: ..."
          "pinned_allocations_after_warmup": int | null,
          "forward_peak_gib": float | null, "backward_peak_gib": float | null,  # GPU: each pass's own peak
+         "forward_ms": float | null, "backward_ms": float | null,  # GPU: each pass's own time (medians, CUDA events)
          "first_step_ms": float | null,  # compiled rows: the first warm-up step, where they compile; auto: the step that plans
          "gpu_peak_gib": float | null,  # GPU rows: the whole GPU's peak, weights included (streamed rows: loads)
          "pinned_weights_gib": float | null,  # rows that stream weights: their pinned host copies, also in pinned_gib

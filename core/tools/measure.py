@@ -24,7 +24,12 @@ beside a number in another. Now the protocol is written once:
   a fixed transient in the forward (Ideogram 4's 3.1 GiB at 1,024²) can set the whole step's peak
   at the shallow depths a fit measures and hide what the backward adds per block, which then
   surfaces only at the real depth (3.9 GiB at 34 blocks where the whole-step fit said 3.1). Each
-  phase's own peak grows with depth on its own line, so the fit can see it.
+  phase's own peak grows with depth on its own line, so the fit can see it;
+* on a GPU each pass's own time is read too (``Measurement.forward_ms`` / ``backward_ms``): CUDA events
+  recorded on the compute stream at the step's start, after the loss and after the backward, read once the
+  step has synchronized, so the timing adds no synchronize of its own. A row that streams weights can be
+  bound by the host link in one pass and not the other (the forward runs each block once, the backward twice
+  with its recompute, against the same two copies of the block's weights), and the step's total cannot say which.
 """
 
 from __future__ import annotations
@@ -153,6 +158,16 @@ class Phases:
 
     forward: int
     backward: int
+    # CUDA events at the step's start, after its loss and after its backward (None where the inputs are not on a
+    # GPU): read after the step synchronizes, they give each pass's time on the compute stream
+    events: tuple[Any, Any, Any] | None = field(default=None, compare=False)
+
+    def pass_times_ms(self) -> tuple[float, float] | None:
+        """(forward, backward) in ms from the events; call only after the device has synchronized."""
+        if self.events is None:
+            return None
+        start, middle, end = self.events
+        return start.elapsed_time(middle), middle.elapsed_time(end)
 
 
 def forward_backward(
@@ -172,20 +187,29 @@ def forward_backward(
     """
     loss_fn = loss_fn or default_loss
     leaves = grad_leaves(inputs)
+    on_gpu = any(t.is_cuda for t in tensors(dict(inputs)))
     if phases is None:
-        phases = not count_saved and any(t.is_cuda for t in tensors(dict(inputs)))
+        phases = not count_saved and on_gpu
+
+    def event() -> Any:
+        made = torch.cuda.Event(enable_timing=True)
+        made.record()  # on the current (compute) stream: no synchronize
+        return made
 
     def step() -> int | Phases:
         for t in leaves:
             t.grad = None
         if phases:
+            start = event() if on_gpu else None
             loss = loss_fn(model(**inputs))
+            middle = event() if on_gpu else None
             forward = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             loss.backward()
+            end = event() if on_gpu else None
             backward = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
-            return Phases(forward, backward)
+            return Phases(forward, backward, (start, middle, end) if on_gpu else None)
         if not count_saved:
             loss_fn(model(**inputs)).backward()
             return 0
@@ -211,6 +235,9 @@ class Measurement:
     forward_peak_gib: float | None = None
     backward_peak_gib: float | None = None
     warmup_times_ms: tuple[float, ...] = field(default=())  # the untimed warm-up steps' times (the first compiles)
+    # GPU steps made by forward_backward: the median of each pass's own time on the compute stream (CUDA events)
+    forward_ms: float | None = None
+    backward_ms: float | None = None
 
     @property
     def spread(self) -> float | None:
@@ -400,13 +427,17 @@ def _measure(step: Callable[[], Any], steps: int, warmup: int, device: str, engi
             torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1000)
     allocations = pool.stats()["pinned_allocations"] - allocations_before if pool is not None else None
-    forward = backward = None
+    forward = backward = forward_ms = backward_ms = None
     if cuda:
         if all(isinstance(k, Phases) for k in kept):
             # the step reset the allocator's peak between its passes: the whole peak is the larger one
             forward = (max(k.forward for k in kept) - base) / GiB
             backward = (max(k.backward for k in kept) - base) / GiB
             peak = max(forward, backward)
+            passes = [k.pass_times_ms() for k in kept]  # every step synchronized above: the events are done
+            if all(p is not None for p in passes):
+                forward_ms = statistics.median(p[0] for p in passes)  # type: ignore[index]
+                backward_ms = statistics.median(p[1] for p in passes)  # type: ignore[index]
         else:
             peak = (torch.cuda.max_memory_allocated() - base) / GiB
         pinned = pool.stats()["pinned_bytes"] / GiB if pool is not None else 0.0
@@ -414,7 +445,7 @@ def _measure(step: Callable[[], Any], steps: int, warmup: int, device: str, engi
         peak = max(int(k or 0) for k in kept) / GiB
         pinned = 0.0
     got = Measurement(peak, statistics.median(times), pinned, allocations, base / GiB if cuda else 0.0,
-                      tuple(times), forward, backward, tuple(warmups))
+                      tuple(times), forward, backward, tuple(warmups), forward_ms, backward_ms)
     for log in _recorders:
         log.append(got)
     return got

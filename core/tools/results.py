@@ -25,6 +25,8 @@ class Result:
     blocks: str | None = None  # real models: the blocks kept per list at that depth, e.g. "2 + 4 blocks"
     forward_peak_gib: float | None = None  # GPU rows: the forward's own activation peak (loss included)
     backward_peak_gib: float | None = None  # GPU rows: the backward's own peak (peak_gib is the larger)
+    forward_ms: float | None = None  # GPU rows: the forward's own time (loss included), median of the timed steps
+    backward_ms: float | None = None  # GPU rows: the backward's own time (recomputes included)
     first_step_ms: float | None = None  # compiled rows: the first (warm-up) step, where they compile; auto: it plans
     gpu_peak_gib: float | None = None  # GPU rows: the whole GPU peak (weights on it, inputs, activations, loads)
     pinned_weights_gib: float | None = None  # rows that stream weights: their pinned host copies (in pinned_gib too)
