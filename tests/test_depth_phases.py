@@ -100,18 +100,37 @@ def test_only_a_share_of_unseen_blocks_worth_a_figure_warns(totals, warns):
     assert (DepthPlan(totals).unseen_note((2, 4)) is not None) == warns
 
 
-def test_measure_takes_the_peak_from_the_passes_a_step_read(monkeypatch):
-    base = 100 * GiB
+BASE = 100 * GiB  # what the fake allocator holds before the timed steps
+
+
+@pytest.fixture
+def allocator(monkeypatch):
+    """The CUDA calls measure() makes, answered as an allocator holding :data:`BASE` would: no GPU needed."""
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: base)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: BASE)
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
     # the step reset the allocator's peak: what max_memory_allocated reads after the loop is stale
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: base)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: BASE)
+
+
+def test_measure_takes_the_peak_from_the_passes_a_step_read(allocator):
+    base = BASE
     got_phases = iter([measuring.Phases(base + 9 * GiB, base + 9 * GiB),  # warm-up: not counted
                        measuring.Phases(base + 3 * GiB, base + 2 * GiB),
                        measuring.Phases(base + 3 * GiB, base + 4 * GiB)])
     got = measuring.measure(lambda: next(got_phases), steps=2, warmup=1, device="cuda")
     assert (got.forward_peak_gib, got.backward_peak_gib, got.peak_gib) == (3.0, 4.0, 4.0)
+
+
+class _Keyworded(nn.Module):
+    """``inner`` called as the step calls a model: ``model(hidden_states=...)``."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.inner(hidden_states)
 
 
 class _Event:
@@ -124,12 +143,8 @@ class _Event:
         return later.at_ms - self.at_ms
 
 
-def test_measure_times_each_pass_from_the_events_a_step_recorded(monkeypatch):
-    base = 100 * GiB
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: base)
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: None)
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: base)
+def test_measure_times_each_pass_from_the_events_a_step_recorded(allocator):
+    base = BASE
 
     def timed(start: float, forward: float, backward: float) -> measuring.Phases:
         events = (_Event(start), _Event(start + forward), _Event(start + forward + backward))
@@ -154,20 +169,12 @@ def test_forward_backward_reads_each_pass_between_resets(monkeypatch):
     x = torch.randn(2, 4, requires_grad=True)
     x.register_hook(lambda g: events.append("backward"))
 
-    class Wrapper(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = model
-
-        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-            return self.inner(hidden_states)
-
-    step = measuring.forward_backward(Wrapper(), {"hidden_states": x}, phases=True)
+    step = measuring.forward_backward(_Keyworded(model), {"hidden_states": x}, phases=True)
     assert step() == measuring.Phases(7, 11)
     assert events == ["read", "reset", "backward", "read", "reset"]
     assert x.grad is not None
     # on CPU tensors the default is no phases: the step's usual 0
-    assert measuring.forward_backward(Wrapper(), {"hidden_states": x})() == 0
+    assert measuring.forward_backward(_Keyworded(model), {"hidden_states": x})() == 0
 
 
 def test_advise_predicts_from_the_highest_pass(monkeypatch):
@@ -195,17 +202,8 @@ def test_on_a_gpu_each_pass_is_timed_and_the_two_make_the_step():
     longer than the forward, and the passes' times add up to the step (the step's own time also counts the
     host's launch gap and the final synchronize)."""
     layers = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(8)]).cuda()
-
-    class Wrapped(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = layers
-
-        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-            return self.layers(hidden_states)
-
     x = {"hidden_states": torch.randn(8192, 4096, device="cuda", requires_grad=True)}
-    got = measuring.measure(measuring.forward_backward(Wrapped(), x), steps=3, device="cuda")
+    got = measuring.measure(measuring.forward_backward(_Keyworded(layers), x), steps=3, device="cuda")
     assert got.forward_ms is not None and got.backward_ms is not None
     assert 0 < got.forward_ms < got.backward_ms
     assert got.forward_ms + got.backward_ms == pytest.approx(got.step_ms, rel=0.25)

@@ -11,6 +11,7 @@ that locates the attention kernels; this module checks them against the declarat
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from torch import nn
@@ -19,8 +20,8 @@ from torch import nn
 Outside = tuple[str, int, str]
 
 
-def assert_outside_calls_declared(found: set[Outside], family: Any, model: nn.Module, *, what: str,
-                                  reads: set[Outside] = frozenset()) -> None:  # type: ignore[assignment]
+def assert_outside_calls_declared(found: Collection[Outside], family: Any, model: nn.Module, *, what: str,
+                                  reads: Collection[Outside] = ()) -> None:
     """Each call in ``found`` and each read in ``reads`` (a block's parameter or buffer used by the model outside
     the block: :attr:`gradseam.testing.KernelMap.reads`) is covered by its block list's ``called_outside`` (the
     declared path or one of its parents), and each declared path names a submodule or tensor the block has; the

@@ -137,8 +137,8 @@ def _strategy_context(
     model: nn.Module, name: str, config: dict[str, Any] | None, blocks_attr: str,
     compile_blocks: list[nn.Module] | None,
 ) -> Any:
-    if is_config_row(config):  # a user's own config (--config-row): patched whatever its keys turn on
-        return _patched(model, gradseam_keys(config))
+    if is_config_row(config):  # a user's own config (--config-row): patched as a trainer would, whatever its keys
+        return gradseam.patch(model, gradseam_keys(config))  # turn on (applied() patches only a top-level switch)
     if config is not None:  # gradseam's rows and the compiler's, whose configs say what to compile
         return applied(model, config, compile_blocks)
     if name == "none":
@@ -154,17 +154,6 @@ def _strategy_context(
     if name == DIFFUSERS_ROW:
         return _diffusers_checkpointing(model)
     raise ValueError(f"unknown strategy {name!r}")
-
-
-@contextmanager
-def _patched(model: nn.Module, keys: dict[str, Any]) -> Iterator[None]:
-    """``model`` patched with ``keys`` as a trainer would (``gradseam.patch``), for the duration: a config row is
-    patched even where only a per-block entry turns checkpointing on, which :func:`applied`'s check would miss."""
-    handle = gradseam.patch(model, keys)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 @contextmanager
@@ -185,6 +174,12 @@ def _gib(value: float | None) -> float | None:
 
 def _ms(value: float | None) -> float | None:
     return round(value, 1) if value is not None else None
+
+
+def _compiles(handle: Any) -> bool:
+    """Whether a patch compiles any of its blocks, read from what it installed (a per-block entry may compile where
+    the top-level keys do not): such a row warms up twice, its second call of a block may compile again."""
+    return handle is not None and any(kind.compiles for kind in handle.plan.kinds)
 
 
 @dataclass(frozen=True)
@@ -281,9 +276,7 @@ def _measure_row(sweep: _Sweep, name: str, config: dict[str, Any] | None) -> Res
             handle = getattr(ctx, "handle", None) or gradseam.handle_of(sweep.model)
             if naive:
                 handle.weights.naive = True
-            compiled = compiles(config)
-            if is_config_row(config) and handle is not None:  # a per-block entry may compile where the top does not
-                compiled = compiled or any(kind.compiles for kind in handle.plan.kinds)
+            compiled = compiles(config) or _compiles(handle)
             # looked up per call, so tests can replace measuring.measure
             with capped(cap):
                 got = measuring.measure(step, steps=sweep.steps, warmup=2 if compiled else 1, device=sweep.device,
@@ -350,7 +343,7 @@ def _measure_auto(sweep: _Sweep, name: str, config: dict[str, Any], cap: float |
             planning_ms = (time.perf_counter() - start) * 1000
             planned = handle.auto.planned
             assert planned is not None, "auto did not plan at the first training step"
-            compiled = any(kind.compiles for kind in handle.plan.kinds)  # the plan installed, block by block
+            compiled = _compiles(handle)  # the plan installed, block by block
             got = measuring.measure(step, steps=sweep.steps, warmup=2 if compiled else 1, device=sweep.device,
                                     engine=getattr(handle, "engine", None))
         stream = handle.weights

@@ -191,7 +191,9 @@ def forward_backward(
     if phases is None:
         phases = not count_saved and on_gpu
 
-    def event() -> Any:
+    def event() -> Any:  # None off the GPU: no pass times there
+        if not on_gpu:
+            return None
         made = torch.cuda.Event(enable_timing=True)
         made.record()  # on the current (compute) stream: no synchronize
         return made
@@ -200,13 +202,13 @@ def forward_backward(
         for t in leaves:
             t.grad = None
         if phases:
-            start = event() if on_gpu else None
+            start = event()
             loss = loss_fn(model(**inputs))
-            middle = event() if on_gpu else None
+            middle = event()
             forward = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             loss.backward()
-            end = event() if on_gpu else None
+            end = event()
             backward = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             return Phases(forward, backward, (start, middle, end) if on_gpu else None)
