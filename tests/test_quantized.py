@@ -537,3 +537,13 @@ def test_compiled_blocks_name_run_time_tuning_once_before_a_cuda_compile(device,
         said = [str(w.message) for w in caught].count(TUNING_AT_RUN_TIME)
         assert said == (1 if tuning and device == "cuda" else 0), (tuning, said)
     assert "set_inductor_config=False" in TUNING_AT_RUN_TIME
+
+
+@pytest.mark.parametrize("library", ["gradseam_no_such_parent.quanto", "gradseam_no_such_library"])
+def test_a_base_whose_library_or_its_parent_is_missing_is_unavailable(library):
+    """``optimum.quanto`` without ``optimum``: ``find_spec`` raises for a dotted name whose parent is missing, and
+    the GPU suite failed on that machine instead of skipping."""
+    from dataclasses import replace
+
+    assert replace(BASES["quanto-qfloat8"], library=library).available() is False
+    assert replace(BASES["quanto-qfloat8"], library="torch.nn").available() is True

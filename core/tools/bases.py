@@ -33,7 +33,12 @@ class Base:
     apply: Callable[[list[nn.Module], torch.dtype], None]
 
     def available(self) -> bool:
-        return importlib.util.find_spec(self.library) is not None
+        # find_spec of a dotted name imports its parent first, and raises where the parent is missing
+        # ("optimum.quanto" without optimum: the GPU suite failed instead of skipping, 2026-12-05)
+        try:
+            return importlib.util.find_spec(self.library) is not None
+        except ModuleNotFoundError:
+            return False
 
 
 def _linears(modules: Iterable[nn.Module]) -> list[tuple[nn.Module, str, nn.Linear]]:
