@@ -67,6 +67,9 @@ class Planned:
     # what the plan is predicted to take: "gpu_gib" (the step's GPU peak, everything on the GPU counted), "host_gib"
     # (pinned host memory, streamed weights included), "step_ms"; None for the default (nothing measured)
     predicted: dict[str, float] | None = None
+    # the same figures as the plan measured them, run once on the whole model before its first step (None: not run,
+    # as on the CPU or under torch.distributed with the plan not in the cost cache)
+    measured: dict[str, float] | None = None
 
 
 Planner = Callable[[Request], Planned]

@@ -484,3 +484,55 @@ def test_a_candidate_out_of_memory_while_measuring_is_cached_with_where_it_ran_o
 
 def _allocate_too_much(module, args):
     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 50.00 MiB")
+
+
+def _cpu_check_on(runs: list):
+    """advise's whole-model run on the CPU (saved bytes for the peak), counting its runs."""
+    from gradseam.tools.advise import full_depth_check
+
+    def check_on(request: Request):
+        check = full_depth_check(request.model, request.inputs, family=request.family, device="cpu")
+
+        def run(config):
+            runs.append(dict(config))
+            return check(config)
+
+        return run
+
+    return check_on
+
+
+def test_the_plan_is_run_on_the_whole_model_before_the_first_step_which_trains_exactly_like_its_config(_cache, capsys):
+    """The first step's forward measures the candidates, runs the plan once on the whole model (advise's
+    full-depth run, on the CPU here), and only then runs; nothing of those runs reaches the step, and a restart
+    reads what the plan took from the cache instead of running it again."""
+    runs: list = []
+    previous = use_planner(functools.partial(auto_planner.plan, measure_on=_cpu_measure_on,
+                                             check_on=_cpu_check_on(runs)))
+    try:
+        with cpu_test_mode():
+            model = WAN.fresh()
+            handle = gradseam.patch(model, {**AUTO, "gradient_checkpointing_gpu_memory": 40})
+            torch.manual_seed(3)
+            got = _step(model, _inputs())
+            planned = handle.auto.planned
+            assert len(runs) == 1 and CheckpointConfig.from_dict(runs[0]) == planned.config
+            assert planned.measured is not None and planned.measured["step_ms"] > 0
+            assert "checked on the whole model before the first step: " in planned.report
+            err = capsys.readouterr().err
+            assert "running the plan on the whole model before its first step" in err
+            assert re.search(r"the plan ran in \d+\.\d s", err)
+            explicit = WAN.fresh()
+            with gradseam.patch(explicit, planned.config.given_keys()):
+                torch.manual_seed(3)
+                expected = _step(explicit, _inputs())
+            assert_same_step(expected, got, what="auto (its plan run on the whole model first) vs its config")
+            table = json.loads(next(_cache.glob("costs/*.json")).read_text())
+            assert [item["config"] for item in table["checked"]] == runs
+            again = WAN.fresh()
+            with gradseam.patch(again, {**AUTO, "gradient_checkpointing_gpu_memory": 40}) as second:
+                _step(again, _inputs())
+                assert second.auto.config == planned.config and second.auto.planned.measured == planned.measured
+            assert len(runs) == 1, "a restart ran the plan again"
+    finally:
+        use_planner(previous)

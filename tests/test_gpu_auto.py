@@ -31,7 +31,13 @@ def test_gpu_auto_measures_at_the_first_step_caches_and_trains_like_its_config(t
     with gradseam.patch(model, AUTO) as handle:
         got = run_step(model, gpu, count_bytes=False)
         assert handle.auto.planned.source == "measured", handle.auto.describe()
-        assert "measuring 1/" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "measuring 1/" in err
+        # the plan ran once on the whole model before the step did, and what it took is in the answer
+        assert err.count("running the plan on the whole model before its first step") >= 1
+        ran = handle.auto.planned.measured
+        assert ran is not None and ran["step_ms"] > 0 and ran["gpu_gib"] > 0, handle.auto.describe()
+        assert "checked on the whole model before the first step" in handle.auto.planned.report
         assert list(tmp_path.glob("costs/*.json"))
         assert handle.regions() or not handle.auto.config.enabled
         # compiled candidates may be chosen: the compiled tolerance then, else the GPU's own spread
@@ -43,7 +49,9 @@ def test_gpu_auto_measures_at_the_first_step_caches_and_trains_like_its_config(t
     with gradseam.patch(again, AUTO) as second:
         run_step(again, gpu, count_bytes=False)
         assert second.auto.planned.source == "cached" and second.auto.config == config
-    assert "measuring" not in capsys.readouterr().err
+        assert second.auto.planned.measured == handle.auto.planned.measured  # read back, not run again
+    err = capsys.readouterr().err
+    assert "measuring" not in err and "running the plan" not in err
     torch.cuda.synchronize()
 
 

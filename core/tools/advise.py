@@ -485,14 +485,9 @@ def depth_measure(
     Returns the measure and a sentence saying which depth it plans for and how. A model with too
     few units of depth to fit from is measured as it is.
     """
-    import gradseam
-
     from ..patcher import family_for
-    from . import measure as measuring
     from .checks import parse_depths
-    from .compiled import applied
-    from .depth import at_depth, fit, highest, peak_lines, plan_for
-    from .workloads import blocks as list_blocks
+    from .depth import fit, highest, peak_lines, plan_for
 
     family = family or family_for(model)
     plan = plan or plan_for(model, family)  # a truncated workload passes its full model's plan
@@ -507,19 +502,8 @@ def depth_measure(
         if unseen:
             note += f" (note: {unseen})"
 
-    def once(config: Mapping[str, Any], depth: int) -> measuring.Measurement:
-        config = stream_at_depth(config, plan, depth)
-        with at_depth(model, plan, depth), applied(model, config, list_blocks(model, family)):
-            step = measuring.forward_backward(model, inputs, loss_fn, count_saved=device == "cpu")
-            handle = gradseam.handle_of(model)
-            try:
-                # two warm-ups where blocks compile: the second call of a compiled block may compile again (its
-                # backward, a guard on what the first call changed), and a timed compile ruins the fit
-                return measuring.measure(step, steps=1, warmup=2 if compiles(config) else 1,
-                                         device=device, engine=getattr(handle, "engine", None))
-            finally:
-                step = None
-                measuring.release(device)
+    def once(config: Mapping[str, Any], depth: int) -> Any:  # a measure.Measurement
+        return measure_once(model, inputs, config, depth, loss_fn, family=family, plan=plan, device=device)
 
     def measure(config: Mapping[str, Any]) -> Estimate:
         if depths is None:
@@ -534,6 +518,48 @@ def depth_measure(
                         units)
 
     return measure, note
+
+
+def measure_once(model: Any, inputs: Mapping[str, Any], config: Mapping[str, Any], depth: int,
+                 loss_fn: Callable[[Any], Any] | None = None, *, family: Any, plan: Any, device: str = "cuda") -> Any:
+    """One candidate patched onto ``model`` cut to ``depth`` (``plan.full``: the whole model), warmed up and timed
+    for one step; the patch is removed after. Returns a :class:`gradseam.tools.measure.Measurement`."""
+    import gradseam
+
+    from . import measure as measuring
+    from .compiled import applied
+    from .depth import at_depth
+    from .workloads import blocks as list_blocks
+
+    config = stream_at_depth(config, plan, depth)
+    with at_depth(model, plan, depth), applied(model, config, list_blocks(model, family)):
+        step = measuring.forward_backward(model, inputs, loss_fn, count_saved=device == "cpu")
+        handle = gradseam.handle_of(model)
+        try:
+            # two warm-ups where blocks compile: the second call of a compiled block may compile again (its
+            # backward, a guard on what the first call changed), and a timed compile ruins the fit
+            return measuring.measure(step, steps=1, warmup=2 if compiles(config) else 1,
+                                     device=device, engine=getattr(handle, "engine", None))
+        finally:
+            step = None
+            measuring.release(device)
+
+
+def full_depth_check(model: Any, inputs: Mapping[str, Any], loss_fn: Callable[[Any], Any] | None = None, *,
+                     family: Any = None, device: str = "cuda") -> Measure:
+    """A :data:`Measure` that runs a config on the whole model, as the training step will: what ``"auto"`` checks its
+    plan with before the first step runs it (:func:`gradseam.tools.auto_planner.plan`)."""
+    from ..patcher import family_for
+    from .depth import plan_for
+
+    family = family or family_for(model)
+    plan = plan_for(model, family)
+
+    def check(config: Mapping[str, Any]) -> Estimate:
+        got = measure_once(model, inputs, config, plan.full, loss_fn, family=family, plan=plan, device=device)
+        return Estimate(got.peak_gib, got.step_ms, got.pinned_gib, None, f"measured at depth {plan.full}")
+
+    return check
 
 
 def stream_at_depth(config: Mapping[str, Any], plan: Any, depth: int) -> Mapping[str, Any]:

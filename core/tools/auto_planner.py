@@ -31,6 +31,12 @@ What it does, and why each step is where it is:
    have been in host memory since patch time (:mod:`gradseam.auto`), is measured only with every block streamed
    (:data:`STREAMED_CANDIDATES`, cached under their own key), within the host budget less those weights.
 
+5. **The plan run once.** Before the first step runs the plan, :mod:`gradseam.tools.plan_check` runs it on the whole
+   model (one warm-up, one timed step) and plans again where it did not hold the budgets or ran well slower than
+   predicted (the fits through two shallow depths are lines, and on an H100 one of Flux's was 40% off at the real
+   depth, and a mix predicted 6% under its budget ran out of memory). What each plan took is cached with the
+   table, so a run reading the table settles on the same plan without running it.
+
 Without a CUDA model and with no cached table nothing can be measured (the CPU has no allocator peak to
 read): every block then runs :data:`DEFAULT` (whole-block recompute, ``"torch"``), and a warning says what
 would have been measured. Under ``torch.distributed`` with several processes, measuring is refused (each
@@ -49,7 +55,7 @@ from typing import Any
 from ..auto import Planned, Request
 from ..config import BLOCK_KEYS, CheckpointConfig
 from ..errors import GradseamError, UnsupportedStrategyError, warn_once
-from . import cost_cache
+from . import cost_cache, plan_check
 from .advise import LADDER, STREAM_KEY, Advice, Estimate, Measure, NoFitError, run_ladder
 from .compiled import gradseam_keys
 
@@ -79,8 +85,15 @@ def candidates_for(request: Request) -> list[tuple[str, dict[str, Any]]]:
 MeasureOn = Callable[[Request], "tuple[Measure, str, float]"]
 
 
-def plan(request: Request, *, measure_on: MeasureOn | None = None, cache_dir: str | None = None) -> Planned:
-    """The explicit config ``request.model`` runs from its first training step (see the module docstring)."""
+# (request) -> a measure that runs a config on the whole model (advise.full_depth_check on the model's GPU)
+CheckOn = Callable[[Request], Measure]
+
+
+def plan(request: Request, *, measure_on: MeasureOn | None = None, check_on: CheckOn | None = None,
+         cache_dir: str | None = None) -> Planned:
+    """The explicit config ``request.model`` runs from its first training step (see the module docstring).
+    ``measure_on`` measures the candidates and ``check_on`` runs the plan on the whole model (both default to the
+    model's CUDA GPU; with ``measure_on`` given and no ``check_on``, the plan is not run before the step)."""
     import torch
 
     cuda = _device(request.model).type == "cuda"
@@ -118,22 +131,36 @@ def plan(request: Request, *, measure_on: MeasureOn | None = None, cache_dir: st
     weights = streamable_gib(request)
     if request.streamed and host is not None:  # what the blocks' weights already pin is not the activations'
         host = max(host - sum(weights or ()), 0.0)
-    known = len(table.results)
+    known, checked = len(table.results), len(table.checked)
+    check_with = check_on or (gpu_check_on if measure_on is None and cuda else None)
+    block_gib = None if request.streamed else weights
+    more = rows.one if rows is not None else None
+
+    def rechoose(gpu_gib: float, host_gib: float | None) -> Advice:
+        return choose(table, gpu_gib, static, host_gib, request.model, block_gib=block_gib, more=more,
+                      candidates=candidates)
+
     try:
-        advice = choose(table, gpu, static, host, request.model, block_gib=None if request.streamed else weights,
-                        more=rows.one if rows is not None else None, candidates=candidates)
+        advice = rechoose(gpu, host)
+        settled = plan_check.settle(advice, table, rows.checker(check_with) if rows is not None and check_with else None,
+                                    rechoose, gpu_gib=gpu, host_gib=host, depth=table.depth_note.split(" (")[0])
+        advice = settled.advice
     finally:
-        if len(table.results) > known:  # streamed rows measured for this budget: the next run reads them too
+        if len(table.results) > known or len(table.checked) > checked:  # the next run reads what this one measured
             cost_cache.save(key, table, cache_dir)
     config = advice.per_block.config if advice.per_block is not None else gradseam_keys(advice.chosen.config)
-    report = _report(advice, table, source, len(table.results) - known)
+    report = _report(advice, table, source, len(table.results) - known) + settled.report()
     if rows is not None and rows.seconds:
         report += f"; measuring took {rows.seconds:.1f} s"
     if request.streamed:
         report = (f"every block's frozen weights ({sum(weights or ()):.2f} GiB) stream from host memory, the model "
                   f"being larger than the GPU budget; {report}")
-    return Planned(CheckpointConfig.from_dict(config), source, report, predicted(advice, sum(weights or ())
-                                                                                  if request.streamed else 0.0))
+    streamed_gib = sum(weights or ()) if request.streamed else 0.0
+    measured = None
+    if settled.measured is not None:
+        measured = {"gpu_gib": advice.static_gib + settled.measured.peak_gib,
+                    "host_gib": settled.measured.pinned_gib + streamed_gib, "step_ms": settled.measured.step_ms}
+    return Planned(CheckpointConfig.from_dict(config), source, report, predicted(advice, streamed_gib), measured)
 
 
 def predicted(advice: Advice, streamed_gib: float = 0.0) -> dict[str, float] | None:
@@ -235,29 +262,57 @@ class _Rows:
 
     def one(self, label: str, config: Mapping[str, Any], progress: str = "") -> Estimate | str:
         """The row's estimate, or why it has none (``"unsupported: ..."``, ``"OOM ..."``)."""
-        from .measure import is_oom
 
         run, note, _ = self.setup
         name = type(self.request.model).__name__
         print(f"gradseam auto: {name}: measuring {progress}{label} ({note})", file=sys.stderr, flush=True)
+        # each candidate's own time, so a user waiting on a big model sees where the planning goes (compiled
+        # candidates compile at both depths; a streamed one copies every block's weights in twice a step)
+        outcome, seconds = self._timed(run, config, lambda what, exc: f"OOM while measuring: {what} (at "
+                                       f"{where_raised(exc)})", unsupported=True)
+        result = "measured" if isinstance(outcome, Estimate) else outcome.split(":")[0]
+        print(f"gradseam auto: {name}: {progress}{label}: {result} in {seconds:.1f} s", file=sys.stderr, flush=True)
+        return outcome
+
+    def _timed(self, run: Measure, config: Mapping[str, Any], oom: Callable[[str, BaseException], str], *,
+               unsupported: bool = False) -> tuple[Estimate | str, float]:
+        """``run(config)``'s estimate, or ``oom(first line, exception)`` for an out-of-memory error (and, with
+        ``unsupported``, ``"unsupported: ..."`` for a refused config), and the seconds it took (added to the total)."""
+        from .measure import is_oom
+
         start = time.perf_counter()
         try:
             got = run(dict(config))
             outcome: Estimate | str = got if isinstance(got, Estimate) else Estimate(*got)
         except UnsupportedStrategyError as exc:
+            if not unsupported:
+                raise
             outcome = f"unsupported: {exc}"
         except Exception as exc:
             if not is_oom(exc):
                 raise
-            what = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            outcome = f"OOM while measuring: {what} (at {where_raised(exc)})"
-        # each candidate's own time, so a user waiting on a big model sees where the planning goes (compiled
-        # candidates compile at both depths; a streamed one copies every block's weights in twice a step)
+            outcome = oom(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, exc)
         seconds = time.perf_counter() - start
         self.seconds += seconds
-        result = "measured" if isinstance(outcome, Estimate) else outcome.split(":")[0]
-        print(f"gradseam auto: {name}: {progress}{label}: {result} in {seconds:.1f} s", file=sys.stderr, flush=True)
-        return outcome
+        return outcome, seconds
+
+    def checker(self, check_on: CheckOn) -> Measure:
+        """``check_on``'s whole-model run, with a line of progress before and after, and an out-of-memory error
+        answered as ``"OOM ..."`` (the plan is then planned again): what :func:`plan_check.settle` runs a plan with."""
+        made: list[Measure] = []
+        name = type(self.request.model).__name__
+
+        def check(config: Mapping[str, Any]) -> Estimate | str:
+            if not made:
+                made.append(check_on(self.request))
+            print(f"gradseam auto: {name}: running the plan on the whole model before its first step",
+                  file=sys.stderr, flush=True)
+            outcome, seconds = self._timed(made[0], config, lambda what, exc: f"OOM on the whole model: {what}")
+            result = "ran" if isinstance(outcome, Estimate) else "out of memory"
+            print(f"gradseam auto: {name}: the plan {result} in {seconds:.1f} s", file=sys.stderr, flush=True)
+            return outcome
+
+        return check
 
 
 def where_raised(exc: BaseException) -> str:
@@ -307,6 +362,13 @@ def measure(rows: _Rows, candidates: list[tuple[str, dict[str, Any]]], partial: 
         if save is not None:
             save(table)
     return table
+
+
+def gpu_check_on(request: Request) -> Measure:
+    """advise's whole-model run on the model's GPU, with the step's own inputs."""
+    from .advise import full_depth_check
+
+    return full_depth_check(request.model, request.inputs, family=request.family)
 
 
 def gpu_measure_on(request: Request) -> tuple[Measure, str, float]:

@@ -22,7 +22,7 @@ import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,10 @@ class Table:
     static_gib: float  # weights and inputs on the GPU when measured
     depth_note: str
     complete: bool = True  # False while candidates are still being measured (saved after each one)
+    # plans run on the whole model before a first step ran them (:func:`gradseam.tools.auto_planner.plan`), by
+    # :func:`config_id`: what each took at the real depth, or why it did not run ("OOM ..."); a run reading the
+    # table then settles on the same plan without running any of them again
+    checked: dict[str, Estimate | str] = field(default_factory=dict)
 
     def missing(self) -> list[tuple[str, Mapping[str, Any]]]:
         """The candidates not measured yet (an incomplete table's): a resumed run measures only these."""
@@ -65,11 +69,11 @@ class Table:
         return {
             "format": FORMAT, "key": dict(key), "static_gib": self.static_gib, "depth_note": self.depth_note,
             "complete": self.complete,
-            "candidates": [{"label": label, "config": dict(config),
-                            "result": asdict(r) if isinstance(r, Estimate) else r}
+            "candidates": [{"label": label, "config": dict(config), "result": _result_json(r)}
                            for label, config in self.candidates if (r := self.results.get(label)) is not None],
             # an incomplete table's candidates still to measure, in order
             "to_measure": [{"label": label, "config": dict(config)} for label, config in self.missing()],
+            "checked": [{"config": json.loads(config), "result": _result_json(r)} for config, r in self.checked.items()],
         }
 
     @classmethod
@@ -77,14 +81,27 @@ class Table:
         candidates, results = [], {}
         for item in data["candidates"]:
             candidates.append((item["label"], dict(item["config"])))
-            result = item["result"]
-            if isinstance(result, Mapping):
-                units = result.get("unit_costs")
-                result = Estimate(**{**result, "unit_costs": UnitCosts(**units) if units else None})
-            results[item["label"]] = result
+            results[item["label"]] = _result(item["result"])
         candidates += [(item["label"], dict(item["config"])) for item in data.get("to_measure", ())]
+        checked = {config_id(item["config"]): _result(item["result"]) for item in data.get("checked", ())}
         return cls(candidates, results, float(data["static_gib"]), str(data["depth_note"]),
-                   bool(data.get("complete", True)))
+                   bool(data.get("complete", True)), checked)
+
+
+def config_id(config: Mapping[str, Any]) -> str:
+    """One string per config, whatever the order of its keys: how :attr:`Table.checked` finds a plan."""
+    return json.dumps(dict(config), sort_keys=True, default=str)
+
+
+def _result_json(result: Estimate | str) -> Any:
+    return asdict(result) if isinstance(result, Estimate) else result
+
+
+def _result(data: Any) -> Estimate | str:
+    if isinstance(data, Mapping):
+        units = data.get("unit_costs")
+        return Estimate(**{**data, "unit_costs": UnitCosts(**units) if units else None})
+    return data
 
 
 def directory(override: str | os.PathLike[str] | None = None) -> Path:

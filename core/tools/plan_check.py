@@ -1,0 +1,227 @@
+"""``"auto"``'s plan run once on the whole model before the first training step runs it, and planned again where it
+did not do what its costs predicted.
+
+Why: the costs are measured at two shallow depths and the plan's full-depth figures are lines through them. Most
+rows land within a few percent, but not all, and the two that did not on an H100 (2026-12-05) were the kind a user
+cannot afford:
+
+- Flux dev 4k under 16 GiB: a mix of 12 units of ``unsloth-ffn`` and 7 of ``compile``, every block's weights
+  streamed, expected at 14.49 GiB, ran out of memory in its first backward with 15.33 GiB allocated: the training
+  run died at its first step.
+- Flux dev 4k under 80 GiB: ``unsloth-compile`` at budget 0.3, predicted at 431 ms from depths 2 and 4 (faster than
+  no checkpointing, 523 ms), took 603 ms at the real depth, where ``unsloth-compile`` at its default budget took
+  541 ms: ``auto`` chose the slowest compiled row.
+
+So before the first step runs a plan, :func:`settle` runs it on the whole model, as that step will (one warm-up, one
+timed step: :func:`gradseam.tools.advise.full_depth_check`), and reads what it measured against the budgets and the
+prediction:
+
+- **Over a budget, or out of memory**: a mix is planned again under a GPU budget lowered by what it overshot (by
+  :data:`MARGIN` of the budget where it ran out of memory and the overshoot is unknown); a uniform candidate's costs
+  become what it measured at the real depth (for an out-of-memory one: at least the budget), so the planner moves on.
+- **More than** :data:`SLOWER` **slower than predicted**: a uniform candidate's costs become what it measured and the
+  planner chooses again (the same choice again ends it); a mix gives way to the best uniform candidate where that is
+  predicted faster than the mix measured.
+- At most :data:`ROUNDS` plans are run. The answer is the fastest one that held both budgets as measured, with its
+  measured figures beside its predicted ones in the report; where none held, the error names each plan and what it
+  took.
+
+What each plan measured is kept in the cost table (:attr:`gradseam.tools.cost_cache.Table.checked`), so a restart,
+or every rank of a distributed run, settles on the same plan without running one. A plan that ran out of memory is
+kept with the GPU budget it ran under (another budget runs it again); a measured one for every budget, since the
+peak and the time do not depend on the budget.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..errors import GradseamError
+from . import cost_cache
+from .advise import Advice, Estimate, Measure
+from .compiled import gradseam_keys
+
+ROUNDS = 3  # plans run on the whole model at most, before the fastest that held is taken
+SLOWER = 0.05  # a plan measured this much slower than predicted is planned again from what it measured
+MARGIN = 0.05  # of the GPU budget: how much lower a mix that ran out of memory (overshoot unknown) is planned again
+STEP = 0.01  # of the GPU budget: lowered this much more than a mix overshot, so the next mix is not the same one
+
+# (GPU budget GiB, host budget GiB or None) -> the planner's advice from the table as it is now (raises NoFitError)
+Rechoose = Callable[[float, "float | None"], Advice]
+
+
+@dataclass
+class Settled:
+    """The plan the first step runs, and what it did when run on the whole model (None: it could not be run)."""
+
+    advice: Advice
+    measured: Estimate | None
+    lines: list[str]  # one per plan run or read, in order
+
+    def report(self) -> str:
+        if not self.lines:
+            return ""
+        return "; checked on the whole model before the first step: " + "; ".join(self.lines)
+
+
+def config_of(advice: Advice) -> dict[str, Any]:
+    """The keys the plan patches with: the mix's, else the uniform candidate's."""
+    if advice.per_block is not None:
+        return dict(advice.per_block.config)
+    assert advice.chosen is not None
+    return gradseam_keys(advice.chosen.config)
+
+
+def predicted(advice: Advice) -> tuple[float, float, float]:
+    """The plan's predicted activation peak (GPU, without the static memory), pinned host memory and step."""
+    mix = advice.per_block
+    if mix is not None:
+        gpu = mix.expected_gpu_gib if mix.expected_gpu_gib is not None else mix.plan.gpu_gib
+        return gpu - advice.static_gib, mix.plan.host_gib, mix.plan.time_ms
+    chosen = advice.chosen
+    assert chosen is not None and chosen.peak_gib is not None and chosen.step_ms is not None
+    return chosen.peak_gib, chosen.pinned_gib or 0.0, chosen.step_ms
+
+
+def name_of(advice: Advice) -> str:
+    if advice.per_block is not None:
+        return f"the mix {advice.per_block.plan.describe()}"
+    assert advice.chosen is not None
+    return advice.chosen.label
+
+
+def _failure_key(config: dict[str, Any], gpu: float) -> str:
+    return f"{cost_cache.config_id(config)} under {gpu:.2f} GiB"
+
+
+def _outcome(table: cost_cache.Table, config: dict[str, Any], gpu: float, check: Measure | None
+             ) -> Estimate | str | None:
+    """What the plan measured on the whole model: read from the table, else run (None: it cannot be run here)."""
+    found = table.checked.get(cost_cache.config_id(config)) or table.checked.get(_failure_key(config, gpu))
+    if found is not None or check is None:
+        return found
+    got = check(config)
+    if isinstance(got, Estimate):
+        table.checked[cost_cache.config_id(config)] = got
+    else:
+        table.checked[_failure_key(config, gpu)] = str(got)
+    return got if isinstance(got, Estimate | str) else Estimate(*got)
+
+
+def measured_costs(estimate: Estimate, peak_gib: float, step_ms: float, pinned_gib: float, why: str) -> Estimate:
+    """``estimate`` moved onto what the whole model measured: the same fixed parts, the per-unit costs that meet the
+    measured figures at the real depth (so a mix built from them sees them too)."""
+    units = estimate.unit_costs
+    if units is None or units.units <= 0:
+        return Estimate(peak_gib, step_ms, pinned_gib, estimate.growth_gib, why, units)
+    n = units.units
+    costs = replace(units, step_ms=(step_ms - units.step_fixed_ms) / n,
+                    peak_gib=(peak_gib - units.peak_fixed_gib) / n,
+                    pinned_gib=(pinned_gib - units.pinned_fixed_gib) / n)
+    return Estimate(peak_gib, step_ms, pinned_gib, costs.peak_gib, why, costs)
+
+
+def _next_after_mix(advice: Advice, measured: Estimate | None, over_gpu: bool, over_host: bool, rechoose: Rechoose,
+                    gpu_gib: float, host_gib: float | None, *, last: bool = False) -> Advice | None:
+    """After a mix that did not do as predicted: planned again under budgets lowered by what it overshot, or the
+    best uniform candidate where the mix held but ran slower than that one is predicted (None: keep the mix). With
+    ``last`` (one plan left to run), a mix over a budget gives way to the uniform candidate, predicted to hold,
+    rather than to another mix."""
+    if not (over_gpu or over_host):
+        chosen = advice.chosen
+        assert measured is not None
+        if chosen is None or chosen.step_ms is None or chosen.step_ms >= measured.step_ms:
+            return None
+        return replace(advice, per_block=None, per_block_note=(
+            f"the mix measured {measured.step_ms:.1f} ms on the whole model, slower than {chosen.label}'s "
+            f"{chosen.step_ms:.1f} ms predicted"))
+    # lowered below what this mix was searched under (the search holds its bound, not the expected peak) by what it
+    # took beyond its prediction, and a step more, so the next search cannot return the same mix
+    mix = advice.per_block
+    gpu, host = min(advice.gpu_gib, mix.plan.gpu_gib), advice.pinnable_gib if advice.pinnable_gib is not None else host_gib
+    expected = advice.static_gib + predicted(advice)[0]
+    if over_gpu:  # out of memory: it took at least the whole budget, and by an unknown amount more
+        beyond = advice.static_gib + measured.peak_gib - expected if measured is not None \
+            else gpu_gib - expected + MARGIN * gpu_gib
+        gpu -= beyond + STEP * gpu_gib
+    if over_host and measured is not None and host is not None:
+        host = min(host, mix.plan.host_gib) - (measured.pinned_gib - mix.plan.host_gib) - STEP * host
+    if last or gpu <= advice.static_gib or (host is not None and host <= 0):
+        if advice.chosen is None:  # nothing uniform held either: no room left to plan a mix in
+            return None
+        return replace(advice, per_block=None, per_block_note="the mixes did not hold the budgets on the whole model")
+    return rechoose(gpu, host)
+
+
+def _next_after_uniform(advice: Advice, table: cost_cache.Table, measured: Estimate | None, rechoose: Rechoose,
+                        gpu_gib: float, depth: str) -> Advice | None:
+    """After a uniform candidate that did not do as predicted: its costs become what it measured on the whole model
+    (out of memory: at least the budget), and the planner chooses again (None: its costs are not in the table)."""
+    assert advice.chosen is not None
+    label = advice.chosen.label
+    estimate = table.results.get(label)
+    if not isinstance(estimate, Estimate):
+        return None
+    why = f"measured at the real depth ({depth or 'the whole model'}) when auto checked its plan"
+    if measured is None:
+        at_least = max(estimate.peak_gib, gpu_gib - advice.static_gib + 1e-3)
+        table.results[label] = measured_costs(estimate, at_least, estimate.step_ms, estimate.pinned_gib, why)
+    else:
+        table.results[label] = measured_costs(estimate, measured.peak_gib, measured.step_ms, measured.pinned_gib, why)
+    return rechoose(advice.gpu_gib, advice.pinnable_gib)
+
+
+def settle(advice: Advice, table: cost_cache.Table, check: Measure | None, rechoose: Rechoose, *,
+           gpu_gib: float, host_gib: float | None, depth: str = "") -> Settled:
+    """The plan the first step runs (see the module docstring). ``check`` runs a config on the whole model (None:
+    only what the table holds is read, and a plan it lacks runs unchecked)."""
+    from .advise import NoFitError
+
+    held: list[tuple[Advice, Estimate]] = []
+    lines: list[str] = []
+    for round_ in range(1, ROUNDS + 1):
+        config = config_of(advice)
+        outcome = _outcome(table, config, gpu_gib, check)
+        if outcome is None:
+            return Settled(advice, None, lines)  # nothing to check with: the prediction stands
+        peak, pinned, step = predicted(advice)
+        name = name_of(advice)
+        if isinstance(outcome, str):
+            lines.append(f"{name}: {outcome.splitlines()[0]} (predicted GPU {advice.static_gib + peak:.2f} GiB)")
+            measured, over_gpu, over_host = None, True, False
+        else:
+            measured = outcome
+            gpu_used = advice.static_gib + outcome.peak_gib
+            over_gpu, over_host = gpu_used > gpu_gib, host_gib is not None and outcome.pinned_gib > host_gib
+            lines.append(f"{name}: GPU {gpu_used:.2f} GiB (predicted {advice.static_gib + peak:.2f}), pinned host "
+                         f"{outcome.pinned_gib:.2f} GiB (predicted {pinned:.2f}), step {outcome.step_ms:.1f} ms "
+                         f"(predicted {step:.1f})" + (": over the GPU budget" if over_gpu else "")
+                         + (": over the host budget" if over_host else ""))
+            if not (over_gpu or over_host):
+                held.append((advice, outcome))
+                if outcome.step_ms <= step * (1 + SLOWER):
+                    break  # as predicted
+        try:
+            if advice.per_block is not None:
+                after = _next_after_mix(advice, measured, over_gpu, over_host, rechoose, gpu_gib, host_gib,
+                                        last=round_ == ROUNDS - 1)
+                if after is None:
+                    break
+                advice = after
+                continue
+            again = _next_after_uniform(advice, table, measured, rechoose, gpu_gib, depth)
+            if again is None or config_of(again) == config:
+                break  # the same choice from what it measured
+            advice = again
+        except NoFitError:
+            break
+    if not held:
+        raise GradseamError(
+            "gradient_checkpointing_backend \"auto\": no plan held the budgets when run on the whole model "
+            f"(GPU {gpu_gib:.2f} GiB" + (f", host {host_gib:.2f} GiB" if host_gib is not None else "") + "): "
+            + "; ".join(lines) + ". Raise gradient_checkpointing_gpu_memory, or name a backend that holds less "
+            "(\"unsloth\", with gradient_checkpointing_stream_weights: \"all\").")
+    best, measured = min(held, key=lambda pair: pair[1].step_ms)
+    return Settled(best, measured, lines)

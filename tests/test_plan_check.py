@@ -1,0 +1,159 @@
+"""``"auto"`` runs its plan on the whole model before the first step does, and plans again where the plan did not do
+what its costs predicted (:mod:`gradseam.tools.plan_check`).
+
+The cost tables here are the ones an H100 measured for Flux dev at 4,096 tokens (LoRA r=16, bf16) on 2026-12-05,
+and the whole-model figures the fake check answers with are what the same machine measured at full depth that day:
+``unsloth-compile`` at budget 0.3, predicted at 431 ms, took 603 ms; the mix planned under 16 GiB ran out of memory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from gradseam import GradseamError
+from gradseam.tools import auto_planner, cost_cache, plan_check
+from gradseam.tools.advise import Estimate
+from gradseam.tools.compiled import gradseam_keys
+
+DATA = Path(__file__).parent / "data" / "auto"
+RESIDENT = DATA / "flux-dev-4k-h100-resident.json"  # every candidate with the weights on the GPU (80 GiB budget)
+STREAMED = DATA / "flux-dev-4k-h100-streamed.json"  # every candidate with every block's weights streamed (16 GiB)
+BUDGET_03 = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth-compile",
+             "gradient_checkpointing_memory_budget": 0.3}
+MEASURED_03 = Estimate(1.01, 603.4, 9.48)  # what it took at 19 units on the H100
+
+
+@pytest.fixture(scope="module")
+def flux():
+    """Flux dev's block lists, on the meta device: what the mix maps its units onto."""
+    from diffusers import FluxTransformer2DModel
+
+    with torch.device("meta"):
+        return FluxTransformer2DModel(num_layers=19, num_single_layers=38, guidance_embeds=False)
+
+
+class Planner:
+    """The planner's choice over one of the tables, as :func:`gradseam.tools.auto_planner.plan` makes it, and a
+    fake whole-model run that answers each config as ``answer`` says (default: exactly as the table predicts)."""
+
+    def __init__(self, path: Path, model, static: float, answer=None) -> None:
+        data = json.loads(path.read_text())
+        self.table = cost_cache.Table.from_json(data)
+        self.candidates = [(c["label"], c["config"]) for c in data["candidates"]]
+        self.model, self.static, self.answer = model, static, answer
+        self.runs: list[dict] = []
+
+    def rechoose(self, gpu: float, host: float | None):
+        return auto_planner.choose(self.table, gpu, self.static, host, self.model, candidates=self.candidates)
+
+    def check(self, config: dict):
+        self.runs.append(config)
+        got = self.answer(config) if self.answer is not None else None
+        if got is not None:
+            return got
+        for label, known in self.candidates:
+            if gradseam_keys(known) == config:
+                found = self.table.results[label]
+                return Estimate(found.peak_gib, found.step_ms, found.pinned_gib)
+        raise AssertionError(f"no figure for {config}")
+
+    def settle(self, gpu: float, host: float | None, check=True):
+        return plan_check.settle(self.rechoose(gpu, host), self.table, self.check if check else None, self.rechoose,
+                                 gpu_gib=gpu, host_gib=host, depth="depth 19")
+
+
+def _slow_03(config):
+    return MEASURED_03 if config == BUDGET_03 else None
+
+
+def test_a_plan_slower_on_the_whole_model_than_predicted_is_planned_again_from_what_it_measured(flux):
+    planner = Planner(RESIDENT, flux, static=22.3, answer=_slow_03)
+    assert planner.rechoose(80.0, 96.0).chosen.label == "unsloth-compile, budget 0.3"  # 431 ms predicted
+    settled = planner.settle(80.0, 96.0)
+    assert plan_check.name_of(settled.advice) == "compile" and settled.measured.step_ms == pytest.approx(496.5, abs=0.1)
+    assert planner.runs == [BUDGET_03, {"gradient_checkpointing": True, "gradient_checkpointing_backend": "compile"}]
+    # the slow candidate's costs are now what it measured, per unit too, so every later plan sees them
+    now = planner.table.results["unsloth-compile, budget 0.3"]
+    assert now.step_ms == 603.4 and "when auto checked its plan" in now.source
+    units = now.unit_costs
+    assert units.step_fixed_ms + units.units * units.step_ms == pytest.approx(603.4)
+    report = settled.report()
+    assert "unsloth-compile, budget 0.3: GPU 23.31 GiB (predicted 23.31)" in report
+    assert "step 603.4 ms (predicted 431.4)" in report and "compile: GPU" in report
+
+
+def test_a_plan_that_runs_as_predicted_is_run_once_and_kept(flux):
+    planner = Planner(RESIDENT, flux, static=22.3)
+    before = plan_check.config_of(planner.rechoose(80.0, 96.0))
+    settled = planner.settle(80.0, 96.0)
+    assert planner.runs == [before] and plan_check.config_of(settled.advice) == before
+    assert len(settled.lines) == 1
+
+
+def _mixes_run_out(config):
+    if "gradient_checkpointing_blocks" in config:  # as the 16 GiB mix did in its first backward on the H100
+        return "OOM on the whole model: CUDA out of memory. Tried to allocate 54.00 MiB"
+    return None
+
+
+def test_a_mix_out_of_memory_is_planned_again_under_a_lower_budget_then_gives_way_to_a_uniform_row(flux):
+    planner = Planner(STREAMED, flux, static=0.5, answer=_mixes_run_out)
+    first = planner.rechoose(16.0, 42.0)
+    assert first.per_block is not None  # 12 units of unsloth-ffn beside 7 of compile, all streamed
+    settled = planner.settle(16.0, 42.0)
+    assert plan_check.name_of(settled.advice) == "compile + stream all" and settled.advice.per_block is None
+    mixes = [run for run in planner.runs if "gradient_checkpointing_blocks" in run]
+    assert len(mixes) == 2 and mixes[0] != mixes[1] and len(planner.runs) == 3
+    predicted = [float(line.split("predicted GPU ")[1].split(" GiB")[0]) for line in settled.lines[:2]]
+    assert predicted[1] < predicted[0]  # planned again under a lower budget: a smaller mix
+    assert all("OOM on the whole model" in line for line in settled.lines[:2])
+
+
+def test_a_mix_over_the_budget_by_what_it_measured_is_planned_again_below_it(flux):
+    def over(config):
+        if "gradient_checkpointing_blocks" not in config:
+            return None
+        if not over.seen:
+            over.seen = True
+            return Estimate(16.2, 860.0, 1.0)  # held on a larger card, but 16.7 GiB on this one's budget
+        return Estimate(12.0, 870.0, 1.0)
+    over.seen = False
+    planner = Planner(STREAMED, flux, static=0.5, answer=over)
+    settled = planner.settle(16.0, 42.0)
+    assert "over the GPU budget" in settled.lines[0]
+    assert len(planner.runs) == 2 and planner.runs[1] != planner.runs[0]
+    assert settled.advice.per_block is not None and settled.measured.step_ms == 870.0  # the second mix, as measured
+    assert settled.advice.per_block.plan.gpu_gib < 16.0 - (16.7 - float(settled.lines[0].split("predicted ")[1][:5]))
+
+
+def test_when_no_plan_holds_on_the_whole_model_the_error_names_each_plan_and_what_it_took(flux):
+    planner = Planner(STREAMED, flux, static=0.5, answer=lambda config: "OOM on the whole model: CUDA out of memory")
+    with pytest.raises(GradseamError, match=r"no plan held the budgets when run on the whole model \(GPU 16.00 GiB, "
+                                            r"host 42.00 GiB\)") as caught:
+        planner.settle(16.0, 42.0)
+    message = str(caught.value)
+    assert message.count("OOM on the whole model") == len(planner.runs) == plan_check.ROUNDS
+    assert "gradient_checkpointing_gpu_memory" in message
+
+
+def test_what_each_plan_measured_is_kept_in_the_table_so_a_restart_settles_without_running_one(flux, tmp_path):
+    planner = Planner(RESIDENT, flux, static=22.3, answer=_slow_03)
+    first = planner.settle(80.0, 96.0)
+    key = {"test": "restart"}
+    cost_cache.save(key, planner.table, tmp_path)
+    again = Planner(RESIDENT, flux, static=22.3)
+    again.table = cost_cache.load(key, tmp_path)
+    assert again.table.checked, "nothing was kept"
+    settled = again.settle(80.0, 96.0, check=False)  # nothing can run: only what the table holds
+    assert again.runs == [] and plan_check.config_of(settled.advice) == plan_check.config_of(first.advice)
+    assert settled.measured == first.measured
+    # an out-of-memory run is kept with the budget it ran under: another budget runs that plan again
+    out = Planner(STREAMED, flux, static=0.5, answer=_mixes_run_out)
+    out.settle(16.0, 42.0)
+    assert any(name.endswith("under 16.00 GiB") for name in out.table.checked)
+    config = plan_check.config_of(out.rechoose(16.0, 42.0))
+    assert plan_check._outcome(out.table, config, 20.0, None) is None
