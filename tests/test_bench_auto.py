@@ -96,6 +96,42 @@ def test_the_auto_row_plans_at_its_first_step_within_bench_budgets_and_reports_t
     assert f"auto @ 40GiB: step {result.step_ms:.2f} ms measured, {said['step_ms']:.2f} predicted (" in note
 
 
+def test_an_auto_row_that_runs_out_of_memory_after_planning_keeps_its_plan_and_the_note_names_it(tmp_path, monkeypatch):
+    """Flux dev 4k under 16 GiB on an H100 (2026-12-05): the plan ran out of memory in its first backward, and the
+    row said only "OOM"; which plan, and what it had predicted, were lost with the exception."""
+    monkeypatch.setenv("GRADSEAM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(b, "capped", lambda gib: __import__("contextlib").nullcontext())
+
+    planned: list = []
+    measure = measuring.measure
+
+    def out_of_memory_once_planned(step, **kwargs):  # the planner's own measuring runs as it does
+        if not planned:
+            return measure(step, **kwargs)
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 54.00 MiB")
+
+    def planner(request):
+        planned.append(auto_planner.plan(request, measure_on=_cpu_measure_on))
+        return planned[-1]
+
+    monkeypatch.setattr(measuring, "measure", out_of_memory_once_planned)
+    model = WAN.fresh()
+    inputs = WAN.inputs(torch.Generator().manual_seed(1))
+    monkeypatch.setattr(b, "cpu_status", lambda name, config: None)  # the row runs on the CPU, as in the test above
+    previous = use_planner(planner)
+    try:
+        with cpu_test_mode():
+            [row] = b.run_rows("w", 1, model, lambda: measuring.forward_backward(model, inputs, count_saved=True),
+                               real_rows(["auto @ 40GiB"]), steps=1, device="cpu")
+    finally:
+        use_planner(previous)
+    assert row.status == "OOM" and row.plan is not None, row
+    assert row.plan["report"] == planned[0].report and CheckpointConfig.from_dict(row.plan["config"]) == planned[0].config
+    assert gradseam.handle_of(model) is None, "the failed row left its patch on the model"
+    note = auto_plans_note(with_ratios([row]))
+    assert note.startswith("auto @ 40GiB: planned (measured costs), then OOM") and row.plan["report"] in note
+
+
 def test_the_auto_note_sets_each_measured_figure_against_the_plans_prediction():
     # issue 41's Wan 2.1 14B row (H100, 24 GiB / 48 GiB host): what the plan predicted beside what the row measured
     row = {"strategy": "auto @ 24GiB", "depth": 40, "first_step_ms": 262_800.0, "gpu_peak_gib": 19.54,

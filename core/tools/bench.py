@@ -252,6 +252,7 @@ def run_rows(
             failed = sweep.unmeasured(name, _failure(exc))
             if measuring.is_oom(exc):
                 failed.failure = measuring.oom_detail(exc)
+            failed.plan = getattr(exc, PLAN_ATTRIBUTE, None)  # an auto row's plan, where it had one
             report(failed)
             if _context_lost(exc, device):
                 raise DeviceLostError(name, exc) from exc
@@ -348,15 +349,28 @@ def _measure_auto(sweep: _Sweep, name: str, config: dict[str, Any], cap: float |
                                     engine=getattr(handle, "engine", None))
         stream = handle.weights
         streamed_pinned = stream.pinned_bytes / GiB if stream is not None else None
+    except Exception as exc:
+        # a plan that fails its steps (out of memory, above all) is what the row must show: its keys and prediction
+        planned = handle.auto.planned if handle is not None and handle.auto is not None else None
+        if planned is not None:
+            setattr(exc, PLAN_ATTRIBUTE, _plan_record(planned))
+        raise
     finally:
         step = None
         if handle is not None:
             handle.remove()
         if via_cpu:
             model.to(device)
-    return _result(sweep, name, got, streamed_pinned, first_step_ms=planning_ms,
-                   plan={"source": planned.source, "config": planned.config.to_dict(), "report": planned.report,
-                         "predicted": planned.predicted})
+    return _result(sweep, name, got, streamed_pinned, first_step_ms=planning_ms, plan=_plan_record(planned))
+
+
+PLAN_ATTRIBUTE = "gradseam_bench_plan"  # set on an auto row's exception: the plan it was running, for the row
+
+
+def _plan_record(planned: Any) -> dict[str, Any]:
+    """An ``auto`` row's plan as its JSON holds it (``plan``): its keys, the report, predicted and checked figures."""
+    return {"source": planned.source, "config": planned.config.to_dict(), "report": planned.report,
+            "predicted": planned.predicted, "checked": planned.measured}
 
 
 def _larger_than_gpu(model: nn.Module, cap: float | None) -> bool:

@@ -43,8 +43,9 @@ The JSON written by ``gradseam bench`` (see :func:`payload`)::
          "gpu_peak_gib": float | null,  # GPU rows: the whole GPU's peak, weights included (streamed rows: loads)
          "pinned_weights_gib": float | null,  # rows that stream weights: their pinned host copies, also in pinned_gib
          "failure": str | null,  # OOM rows: GPU or pinned host, forward or backward, the allocator's words
-         "plan": {"source": str, "config": {...}, "report": str,  # auto rows: the plan and its keys, and what
-                  "predicted": {"gpu_gib": float, "host_gib": float, "step_ms": float} | null} | null,  # it predicted
+         "plan": {"source": str, "config": {...}, "report": str,  # auto rows (failed ones too): the plan, its keys, what
+                  "predicted": {"gpu_gib": float, "host_gib": float, "step_ms": float} | null,  # it predicted, and
+                  "checked": {"gpu_gib": ..., "host_gib": ..., "step_ms": ...} | null} | null,  # ran before its step
          "config": {...},  # --config-row rows only (no such key in the others): the gradseam keys it ran, as given
          "vs_none": float | null, "vs_torch": float | null,  # step-time ratios at the same workload and depth
          "step_times_ms": [float] | null}  # every timed step (step_ms is their median); null: not measured
@@ -319,6 +320,11 @@ def auto_plans_note(rows: list[dict[str, Any]]) -> str | None:
         if not plan:
             continue
         where = f" at depth {r['depth']}" if r.get("depth") is not None else ""
+        if r.get("first_step_ms") is None:  # the row failed after planning: what it ran, and its prediction
+            lines.append(f"{r['strategy']}{where}: planned ({plan['source']} costs), then {r['status']}"
+                         + (f" ({r['failure']})" if r.get("failure") else "") + f"; the plan: {plan['report']}; its "
+                         f"keys: {json.dumps(plan['config'])}")
+            continue
         lines.append(f"{r['strategy']}{where}: its first step planned ({plan['source']} costs) and took "
                      f"{r['first_step_ms'] / 1000:.1f} s; the same plan without planning: "
                      f"{json.dumps(plan['config'])}")
@@ -330,6 +336,10 @@ def auto_plans_note(rows: list[dict[str, Any]]) -> str | None:
                      for what, key, got, unit in pairs if got is not None and said.get(key)]
             if parts:
                 lines.append(f"{r['strategy']}{where}: " + "; ".join(parts))
+        ran = plan.get("checked")
+        if ran:  # what the plan took when auto ran it on the whole model, before that first step
+            lines.append(f"{r['strategy']}{where}: run on the whole model while planning: GPU peak {ran['gpu_gib']:.2f} "
+                         f"GiB, pinned host {ran['host_gib']:.2f} GiB, step {ran['step_ms']:.2f} ms")
     return "\n".join(lines) or None
 
 
