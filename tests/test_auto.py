@@ -536,3 +536,28 @@ def test_the_plan_is_run_on_the_whole_model_before_the_first_step_which_trains_e
             assert len(runs) == 1, "a restart ran the plan again"
     finally:
         use_planner(previous)
+
+
+def test_after_an_out_of_memory_run_what_its_step_held_is_released_once_the_error_is_gone(monkeypatch):
+    """The measuring call releases memory while the error's traceback still holds the failed step's tensors (the
+    Wan 14B fault's ~20 GiB of activations); the rows release again once the error is dropped, for a candidate and
+    for the plan's whole-model run alike, so the next run starts with that memory back."""
+    import weakref
+
+    from gradseam.tools import measure as measuring
+
+    held: list = []
+    freed_at_release: list[bool] = []
+    monkeypatch.setattr(measuring, "release", lambda device="cuda": freed_at_release.append(held[-1]() is None))
+
+    def failing(config):
+        activations = torch.empty(1024)  # what a failed step's frames hold while its error is alive
+        held.append(weakref.ref(activations))
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 50.00 MiB")
+
+    model = WAN.fresh()
+    rows = auto_planner._Rows(Request(model, _inputs(), 40.0, 8.0, family_for(model)),
+                              lambda request: (failing, "depth 5", 0.0))
+    assert rows.one("torch", {"gradient_checkpointing": True}).startswith("OOM while measuring")
+    assert rows.checker(lambda request: failing)({"gradient_checkpointing": True}).startswith("OOM on the whole model")
+    assert freed_at_release == [True, True]

@@ -292,6 +292,12 @@ class _Rows:
             if not is_oom(exc):
                 raise
             outcome = oom(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, exc)
+        if isinstance(outcome, str) and outcome.startswith("OOM"):
+            # the measuring call released memory while the error's traceback still held the failed step's
+            # tensors; with the exception gone they are free, and go back before the next run
+            from .measure import release
+
+            release(_device(self.request.model).type)
         seconds = time.perf_counter() - start
         self.seconds += seconds
         return outcome, seconds
