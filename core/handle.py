@@ -115,6 +115,7 @@ class PatchHandle:
         self.weights: Any = None  # the WeightStream of the plan's streamed blocks (gradseam.offload.weights), or None
         self.deferred_device = False  # load-time patching: offload starts once the model is on a GPU
         self.active = False
+        self._aside = False  # inside set_aside(): a patch made meanwhile borrows this one's streamed host copies
         self.replaced_by: PatchHandle | None = None  # the later patch() of the same model that replaced this one
         self.auto: AutoPlanning | None = None  # with gradient_checkpointing_backend "auto": its planning hook
 
@@ -189,9 +190,11 @@ class PatchHandle:
         if stream is not None:
             stream.unhook()
         self._uninstall_regions()
+        self._aside = True
         try:
             yield
         finally:
+            self._aside = False
             self._install_regions()
             if stream is not None:
                 stream.park()
@@ -221,9 +224,11 @@ class PatchHandle:
         labels = [f"{name}.{path}[{index}]" for path, index in self.plan.streamed]
         # what the model calls outside a block (DiT's final modulation, block 0's norm1.emb) stays resident
         keep = [lists[path].outside(index, len(resolve(self.model, path))) for path, index in self.plan.streamed]
+        # a patch made while another is set aside ("auto" measuring) runs from that one's host copies
+        lender = None if inherit is not None else _set_aside_stream(self.model, self)
         self.weights = WeightStream(blocks, labels, error=UnsupportedStrategyError, test_mode=cpu_allowed(),
                                     prefetch=self.plan.config.gradient_checkpointing_stream_prefetch, keep=keep,
-                                    inherit=inherit)
+                                    inherit=inherit, lender=lender)
         self.weights.install(self.model)
 
     def _unstream_weights(self) -> None:
@@ -391,6 +396,16 @@ class PipelineHandle:
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
+
+
+def _set_aside_stream(model: nn.Module, asking: PatchHandle) -> Any:
+    """The weight stream of a patch of ``model`` set aside (:meth:`PatchHandle.set_aside`) by another than
+    ``asking``, or None."""
+    for hook in getattr(model, "_forward_pre_hooks", {}).values():
+        if isinstance(hook, _ModelHooks) and hook.handle is not asking and hook.handle._aside \
+                and hook.handle.weights is not None:
+            return hook.handle.weights
+    return None
 
 
 def handle_of(model: nn.Module) -> PatchHandle | None:

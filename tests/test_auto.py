@@ -367,15 +367,25 @@ def test_a_later_step_larger_than_the_planned_one_is_warned_about_once_naming_th
     assert_same_step(_step(WAN.fresh(), WAN.inputs(torch.Generator().manual_seed(3), side=8)), got)
 
 
-def test_a_model_larger_than_its_gpu_budget_streams_from_patch_time_and_auto_plans_its_activations():
+def test_a_model_larger_than_its_gpu_budget_streams_from_patch_time_and_auto_plans_its_activations(monkeypatch):
     """"auto" plans on the GPU at the first step, but a model built on the CPU whose weights are more than the GPU
     budget would run out of memory moving there. So every block's frozen weights stay in host memory from patch
     time (the move leaves them behind), the first step measures each candidate with them streamed (the provisional
-    stream steps aside; each measuring patch streams what it keeps), and the plan keeps them streamed: the same
-    host copies, never brought back to the GPU. Exact, like the config it prints."""
+    stream steps aside; each measuring patch, and the plan's run on the whole model, streams what it keeps from
+    the set-aside stream's own host copies, allocating none), and the plan keeps them streamed: the same host
+    copies, never brought back to the GPU. Exact, like the config it prints."""
+    from gradseam.offload.weights import WeightStream
+    from gradseam.tools import plan_check
+
+    monkeypatch.setattr(plan_check, "SLOWER", float("inf"))  # CPU timings: a plan is never re-planned for its time
+    allocated: list[int] = []
+    allocate = WeightStream._allocate
+    monkeypatch.setattr(WeightStream, "_allocate", lambda self, n: (allocated.append(n), allocate(self, n))[1])
     model = _frozen_blocks()
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
-    previous = use_planner(functools.partial(auto_planner.plan, measure_on=_cpu_measure_on))
+    runs: list = []
+    previous = use_planner(functools.partial(auto_planner.plan, measure_on=_cpu_measure_on,
+                                             check_on=_cpu_check_on(runs)))
     try:
         with cpu_test_mode():
             roomy = gradseam.patch(_frozen_blocks(), {**AUTO, "gradient_checkpointing_gpu_memory": 2 * weights})
@@ -386,7 +396,12 @@ def test_a_model_larger_than_its_gpu_budget_streams_from_patch_time_and_auto_pla
             stream = handle.weights
             assert stream is not None and len(stream.blocks) == UNITS and handle.auto.planned is None
             assert "every block's frozen weights stay in host memory until then" in str(handle.summary())
+            hosts = [[e.host for e in block.tensors] for block in stream.blocks]
+            at_patch = len(allocated)
             got = _step(model, _inputs())
+            assert len(runs) == 1 and handle.auto.planned.measured is not None  # the plan ran on the whole model
+            assert len(allocated) == at_patch, "measuring made host copies of its own"
+            assert [[e.host for e in block.tensors] for block in stream.blocks] == hosts
             config = handle.auto.config
             assert config.stream_weights == "all" and handle.weights is stream, config.to_dict()
             assert "every block's frozen weights" in handle.auto.planned.report
@@ -502,10 +517,14 @@ def _cpu_check_on(runs: list):
     return check_on
 
 
-def test_the_plan_is_run_on_the_whole_model_before_the_first_step_which_trains_exactly_like_its_config(_cache, capsys):
+def test_the_plan_is_run_on_the_whole_model_before_the_first_step_which_trains_exactly_like_its_config(_cache, capsys,
+                                                                                                      monkeypatch):
     """The first step's forward measures the candidates, runs the plan once on the whole model (advise's
     full-depth run, on the CPU here), and only then runs; nothing of those runs reaches the step, and a restart
     reads what the plan took from the cache instead of running it again."""
+    from gradseam.tools import plan_check
+
+    monkeypatch.setattr(plan_check, "SLOWER", float("inf"))  # CPU timings: a plan is never re-planned for its time
     runs: list = []
     previous = use_planner(functools.partial(auto_planner.plan, measure_on=_cpu_measure_on,
                                              check_on=_cpu_check_on(runs)))
