@@ -129,11 +129,18 @@ def test_gpu_auto_for_a_model_larger_than_its_budget_streams_from_patch_time(tmp
     spread = _spread(want, run_step(reference, gpu, count_bytes=False))
     del reference
     model = frozen_on_cpu()
+    import gradseam.offload.weights as weights_module
+
+    pinned_for_weights: list[int] = []  # what a stream pins for weights after patch time (the loan: nothing)
+    register = weights_module.register_pinned
     with gradseam.patch(model, AUTO) as handle:
         stream = handle.weights
-        model.cuda()  # the blocks' frozen weights stay in host memory
+        model.cuda()  # the blocks' frozen weights stay in host memory (pinned here, at the first move)
         assert stream is not None and all(p.device.type == "cpu" for b in stream.blocks for p in b.module.parameters())
+        monkeypatch.setattr(weights_module, "register_pinned", lambda n: (pinned_for_weights.append(n), register(n))[1])
         got = run_step(model, gpu, count_bytes=False)
+        assert pinned_for_weights == [], "measuring pinned host copies of weights the set-aside stream holds"
+        monkeypatch.setattr(weights_module, "register_pinned", register)
         assert handle.auto.config.stream_weights == "all" and handle.weights is stream, handle.auto.describe()
         assert "+ stream all" in capsys.readouterr().err
         assert all(p.device.type == "cpu" for b in stream.blocks for p in b.module.parameters()), \
