@@ -157,3 +157,11 @@ def test_what_each_plan_measured_is_kept_in_the_table_so_a_restart_settles_witho
     assert any(name.endswith("under 16.00 GiB") for name in out.table.checked)
     config = plan_check.config_of(out.rechoose(16.0, 42.0))
     assert plan_check._outcome(out.table, config, 20.0, None) is None
+
+
+def test_a_check_answering_peak_and_time_as_a_pair_is_kept_as_a_measurement():
+    """A :data:`Measure` may answer ``(peak GiB, step ms)``: that is a plan that ran, not a failure."""
+    table = cost_cache.Table([], {}, 0.0, "depth 5")
+    got = plan_check._outcome(table, {"gradient_checkpointing": True}, 16.0, lambda config: (2.5, 120.0))
+    assert got == Estimate(2.5, 120.0)
+    assert table.checked == {cost_cache.config_id({"gradient_checkpointing": True}): Estimate(2.5, 120.0)}

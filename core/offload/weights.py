@@ -286,21 +286,18 @@ class WeightStream:
         """Take ``block``'s host copies from the stream this one replaces (``inherit``) when it streamed the same
         tensors of the same module and they point at those copies now (parked): no copy, no second buffer. The
         inherited stream keeps nothing of the block, so its ``remove()`` leaves it alone."""
-        old = next((b for b in self.inherit.blocks if b.module is block.module), None) if self.inherit else None
-        if old is None or not old.tensors or {id(e.tensor) for e in old.tensors} != ids \
-                or any(e.tensor.data.data_ptr() != e.host.data_ptr() for e in old.tensors):
+        old = _parked(self.inherit, block, ids)
+        if old is None:
             return False
         block.tensors, block.buffers = old.tensors, old.buffers
         old.tensors, old.buffers = [], []
         return True
 
     def _borrow(self, block: _Block, ids: set[int]) -> bool:
-        """Run ``block`` from the lender's host copies, when it streams the same tensors of the same module and they
-        point at those copies now (parked): no buffer, no copy. The lender keeps them: :meth:`remove` parks them
-        again instead of putting them anywhere."""
-        old = next((b for b in self.lender.blocks if b.module is block.module), None) if self.lender else None
-        if old is None or not old.tensors or {id(e.tensor) for e in old.tensors} != ids \
-                or any(e.tensor.data.data_ptr() != e.host.data_ptr() for e in old.tensors):
+        """Run ``block`` from the lender's host copies, on the same terms as :meth:`_take_over`: no buffer, no copy.
+        The lender keeps them: :meth:`remove` parks them again instead of putting them anywhere."""
+        old = _parked(self.lender, block, ids)
+        if old is None:
             return False
         block.tensors, block.buffers, block.borrowed = list(old.tensors), [], True
         return True
@@ -578,6 +575,16 @@ class WeightStream:
                 if buffer.pinned and buffer.memory is not None:
                     unregister_pinned(buffer.memory)
             block.buffers = []
+
+
+def _parked(source: WeightStream | None, block: _Block, ids: set[int]) -> _Block | None:
+    """``source``'s block of the same module, where it streams exactly the tensors ``ids`` and each points at its host
+    copy now (parked); else None."""
+    old = next((b for b in source.blocks if b.module is block.module), None) if source is not None else None
+    if old is None or not old.tensors or {id(e.tensor) for e in old.tensors} != ids \
+            or any(e.tensor.data.data_ptr() != e.host.data_ptr() for e in old.tensors):
+        return None
+    return old
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:

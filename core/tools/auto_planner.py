@@ -148,7 +148,7 @@ def plan(request: Request, *, measure_on: MeasureOn | None = None, check_on: Che
     finally:
         if len(table.results) > known or len(table.checked) > checked:  # the next run reads what this one measured
             cost_cache.save(key, table, cache_dir)
-    config = advice.per_block.config if advice.per_block is not None else gradseam_keys(advice.chosen.config)
+    config = plan_check.config_of(advice)
     report = _report(advice, table, source, len(table.results) - known) + settled.report()
     if rows is not None and rows.seconds:
         report += f"; measuring took {rows.seconds:.1f} s"
@@ -164,18 +164,11 @@ def plan(request: Request, *, measure_on: MeasureOn | None = None, check_on: Che
 
 
 def predicted(advice: Advice, streamed_gib: float = 0.0) -> dict[str, float] | None:
-    """The chosen plan's predicted GPU peak, pinned host memory and step, as a run measures them: the GPU peak with
-    the static memory in it (a mix's in its block order, :attr:`MixedPlan.expected_gpu_gib`), the pinned memory
-    with ``streamed_gib`` of weights the model streams from patch time (the planner's host budget leaves them out)."""
-    mix = advice.per_block
-    if mix is not None:
-        gpu = mix.expected_gpu_gib if mix.expected_gpu_gib is not None else mix.plan.gpu_gib
-        return {"gpu_gib": gpu, "host_gib": mix.plan.host_gib + streamed_gib, "step_ms": mix.plan.time_ms}
-    chosen = advice.chosen
-    if chosen is None or chosen.peak_gib is None or chosen.step_ms is None:
-        return None
-    return {"gpu_gib": advice.static_gib + chosen.peak_gib, "host_gib": (chosen.pinned_gib or 0.0) + streamed_gib,
-            "step_ms": chosen.step_ms}
+    """The chosen plan's predicted GPU peak (static memory in it), pinned host memory and step, as a run measures
+    them (:func:`plan_check.predicted`), the pinned memory with ``streamed_gib`` of weights the model streams from
+    patch time (the planner's host budget leaves them out)."""
+    said = plan_check.predicted(advice)
+    return None if said is None else {**said, "host_gib": said["host_gib"] + streamed_gib}
 
 
 def streamable_gib(request: Request) -> list[float] | None:

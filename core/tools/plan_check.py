@@ -74,15 +74,25 @@ def config_of(advice: Advice) -> dict[str, Any]:
     return gradseam_keys(advice.chosen.config)
 
 
-def predicted(advice: Advice) -> tuple[float, float, float]:
-    """The plan's predicted activation peak (GPU, without the static memory), pinned host memory and step."""
+def predicted(advice: Advice) -> dict[str, float] | None:
+    """The plan's predicted GPU peak (the static memory in it; a mix's in its block order,
+    :attr:`gradseam.tools.mixed_plan.MixedPlan.expected_gpu_gib`), pinned host memory and step; None where the
+    chosen candidate was not predicted."""
     mix = advice.per_block
     if mix is not None:
         gpu = mix.expected_gpu_gib if mix.expected_gpu_gib is not None else mix.plan.gpu_gib
-        return gpu - advice.static_gib, mix.plan.host_gib, mix.plan.time_ms
+        return {"gpu_gib": gpu, "host_gib": mix.plan.host_gib, "step_ms": mix.plan.time_ms}
     chosen = advice.chosen
-    assert chosen is not None and chosen.peak_gib is not None and chosen.step_ms is not None
-    return chosen.peak_gib, chosen.pinned_gib or 0.0, chosen.step_ms
+    if chosen is None or chosen.peak_gib is None or chosen.step_ms is None:
+        return None
+    return {"gpu_gib": advice.static_gib + chosen.peak_gib, "host_gib": chosen.pinned_gib or 0.0,
+            "step_ms": chosen.step_ms}
+
+
+def _said(advice: Advice) -> dict[str, float]:
+    said = predicted(advice)
+    assert said is not None, "a plan the planner chose is predicted"
+    return said
 
 
 def name_of(advice: Advice) -> str:
@@ -103,11 +113,12 @@ def _outcome(table: cost_cache.Table, config: dict[str, Any], gpu: float, check:
     if found is not None or check is None:
         return found
     got = check(config)
-    if isinstance(got, Estimate):
-        table.checked[cost_cache.config_id(config)] = got
+    outcome = got if isinstance(got, Estimate | str) else Estimate(*got)  # a Measure may answer (peak, ms)
+    if isinstance(outcome, Estimate):
+        table.checked[cost_cache.config_id(config)] = outcome
     else:
-        table.checked[_failure_key(config, gpu)] = str(got)
-    return got if isinstance(got, Estimate | str) else Estimate(*got)
+        table.checked[_failure_key(config, gpu)] = outcome
+    return outcome
 
 
 def measured_costs(estimate: Estimate, peak_gib: float, step_ms: float, pinned_gib: float, why: str) -> Estimate:
@@ -141,7 +152,7 @@ def _next_after_mix(advice: Advice, measured: Estimate | None, over_gpu: bool, o
     # took beyond its prediction, and a step more, so the next search cannot return the same mix
     mix = advice.per_block
     gpu, host = min(advice.gpu_gib, mix.plan.gpu_gib), advice.pinnable_gib if advice.pinnable_gib is not None else host_gib
-    expected = advice.static_gib + predicted(advice)[0]
+    expected = _said(advice)["gpu_gib"]
     if over_gpu:  # out of memory: it took at least the whole budget, and by an unknown amount more
         beyond = advice.static_gib + measured.peak_gib - expected if measured is not None \
             else gpu_gib - expected + MARGIN * gpu_gib
@@ -186,17 +197,18 @@ def settle(advice: Advice, table: cost_cache.Table, check: Measure | None, recho
         outcome = _outcome(table, config, gpu_gib, check)
         if outcome is None:
             return Settled(advice, None, lines)  # nothing to check with: the prediction stands
-        peak, pinned, step = predicted(advice)
+        said = _said(advice)
+        step = said["step_ms"]
         name = name_of(advice)
         if isinstance(outcome, str):
-            lines.append(f"{name}: {outcome.splitlines()[0]} (predicted GPU {advice.static_gib + peak:.2f} GiB)")
+            lines.append(f"{name}: {outcome.splitlines()[0]} (predicted GPU {said['gpu_gib']:.2f} GiB)")
             measured, over_gpu, over_host = None, True, False
         else:
             measured = outcome
             gpu_used = advice.static_gib + outcome.peak_gib
             over_gpu, over_host = gpu_used > gpu_gib, host_gib is not None and outcome.pinned_gib > host_gib
-            lines.append(f"{name}: GPU {gpu_used:.2f} GiB (predicted {advice.static_gib + peak:.2f}), pinned host "
-                         f"{outcome.pinned_gib:.2f} GiB (predicted {pinned:.2f}), step {outcome.step_ms:.1f} ms "
+            lines.append(f"{name}: GPU {gpu_used:.2f} GiB (predicted {said['gpu_gib']:.2f}), pinned host "
+                         f"{outcome.pinned_gib:.2f} GiB (predicted {said['host_gib']:.2f}), step {outcome.step_ms:.1f} ms "
                          f"(predicted {step:.1f})" + (": over the GPU budget" if over_gpu else "")
                          + (": over the host budget" if over_host else ""))
             if not (over_gpu or over_host):
