@@ -49,7 +49,12 @@ def test_gpu_auto_measures_at_the_first_step_caches_and_trains_like_its_config(t
     with gradseam.patch(again, AUTO) as second:
         run_step(again, gpu, count_bytes=False)
         assert second.auto.planned.source == "cached" and second.auto.config == config
-        assert second.auto.planned.measured == handle.auto.planned.measured  # read back, not run again
+        # read back, not run again: the timed figures are the first run's to the bit; the GPU figure is the static
+        # memory of this patch (measured afresh on each model, a few hundred KiB apart) plus the peak read back
+        first, back = handle.auto.planned.measured, second.auto.planned.measured
+        assert back is not None and first is not None
+        assert back["step_ms"] == first["step_ms"] and back["host_gib"] == first["host_gib"], (first, back)
+        assert abs(back["gpu_gib"] - first["gpu_gib"]) < 0.01, (first, back)
     err = capsys.readouterr().err
     assert "measuring" not in err and "running the plan" not in err
     torch.cuda.synchronize()
