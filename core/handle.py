@@ -164,10 +164,15 @@ class PatchHandle:
         # until it was planned): their weights stay in host memory. Put back first, they would have to fit the GPU.
         kept = self.weights if self.weights is not None and new_plan.streamed == self.plan.streamed \
             and new_plan.config.gradient_checkpointing_stream_prefetch == self.weights.prefetch else None
+        # Other blocks streamed (the plan keeps some of them resident): the new stream takes over the host copies of
+        # the blocks both stream, and only then are the others put back on the GPU, so no block's weights are ever on
+        # the GPU unless the plan keeps them there, and none is copied to host memory twice.
+        handed = self.weights if self.weights is not None and kept is None else None
         if kept is not None:
             kept.unhook()
-        else:
-            self._unstream_weights()
+        elif handed is not None:
+            handed.unhook()
+            self.weights = None
         self._uninstall_regions()
         for engine in self.engines.values():
             engine.close()
@@ -179,7 +184,9 @@ class PatchHandle:
         if kept is not None:
             kept.install(self.model)  # hooked after the regions, as a fresh stream would be
         else:
-            self._stream_weights()
+            self._stream_weights(inherit=handed)
+            if handed is not None:
+                handed.remove()  # what the new stream did not take over goes back where the model keeps it
 
     @contextmanager
     def set_aside(self) -> Iterator[None]:
@@ -398,7 +405,21 @@ class PipelineHandle:
         self.remove()
 
 
-def _set_aside_stream(model: nn.Module, asking: PatchHandle) -> Any:
+@contextmanager
+def lending(model: nn.Module) -> Iterator[None]:
+    """Inside, the blocks of ``model`` (as cut now) whose weights a set-aside patch keeps in host memory, and that no
+    measuring patch streams, are on the GPU: how ``"auto"`` measures a candidate that keeps some blocks resident on a
+    model larger than its GPU (:meth:`gradseam.offload.weights.WeightStream.lent`). Nothing happens for a model
+    without such a patch."""
+    stream = _set_aside_stream(model, None)
+    if stream is None:
+        yield
+        return
+    with stream.lent({id(m) for m in model.modules()}):
+        yield
+
+
+def _set_aside_stream(model: nn.Module, asking: PatchHandle | None) -> Any:
     """The weight stream of a patch of ``model`` set aside (:meth:`PatchHandle.set_aside`) by another than
     ``asking``, or None."""
     for hook in getattr(model, "_forward_pre_hooks", {}).values():

@@ -112,10 +112,12 @@ def test_gpu_auto_streams_weights_where_no_resident_row_fits_and_trains_like_unp
 
 def test_gpu_auto_for_a_model_larger_than_its_budget_streams_from_patch_time(tmp_path, monkeypatch, capsys):
     """A model built on the CPU whose weights the GPU budget cannot hold keeps every block's frozen weights in
-    host memory from patch time, moves to the GPU without them, and is planned at the first step with them
-    streamed: the provisional stream steps aside while each measuring patch streams what it keeps (pinned, on a
-    side stream), and the plan keeps the same host copies. Forced here for a tiny model (the real trigger is
-    weights above the budget), which then trains like unpatched within the GPU's spread."""
+    host memory from patch time, moves to the GPU without them, and is planned at the first step as any model is:
+    the provisional stream steps aside, a resident candidate finds the cut model's blocks lent to the GPU, a
+    streamed one borrows the set-aside stream's host copies (nothing pinned anew), and the plan keeps resident
+    what the budget holds. Forced here for a tiny model (the real trigger is weights above the budget), whose
+    weights fit 4 GiB once planned: they come back to the GPU, and it trains like unpatched within the GPU's
+    spread."""
     import gradseam.patcher
     from gradseam.auto import UNPLANNED_STREAMED
 
@@ -146,10 +148,13 @@ def test_gpu_auto_for_a_model_larger_than_its_budget_streams_from_patch_time(tmp
         got = run_step(model, gpu, count_bytes=False)
         assert pinned_for_weights == [], "measuring pinned host copies of weights the set-aside stream holds"
         monkeypatch.setattr(weights_module, "register_pinned", register)
-        assert handle.auto.config.stream_weights == "all" and handle.weights is stream, handle.auto.describe()
-        assert "+ stream all" in capsys.readouterr().err
-        assert all(p.device.type == "cpu" for b in stream.blocks for p in b.module.parameters()), \
-            "a streamed block's frozen weights stayed on the GPU between steps"
+        config = handle.auto.config.to_dict()
+        streamed = {id(b.module) for b in handle.weights.blocks} if handle.weights is not None else set()
+        assert len(streamed) < len(model.blocks), f"a model that fits its budget kept every block streamed: {config}"
+        for block in model.blocks:  # streamed ones in host memory between steps, the rest back on the GPU
+            where = {p.device.type for p in block.parameters()}
+            assert where == ({"cpu"} if id(block) in streamed else {"cuda"}), (config, where)
+        assert "measuring" in capsys.readouterr().err
         assert_same_step(want, got, atol=max(1e-5, 4 * spread), what="auto, streamed from patch time, vs unpatched")
         again = run_step(model, gpu, count_bytes=False)
         assert_same_step(want, again, atol=max(1e-5, 4 * spread), what="its second step")
@@ -181,8 +186,9 @@ def test_gpu_bench_auto_row_patches_a_model_larger_than_its_cap_on_the_cpu_and_g
     label = "auto @ 4GiB"
     result = b._measure_row(sweep, label, dict(real_rows([label]))[label])
     assert result.status == "ok" and result.step_ms > 0 and result.first_step_ms > result.step_ms
-    assert result.plan["config"]["gradient_checkpointing_stream_weights"] == "all", result.plan
-    assert result.pinned_weights_gib is not None and result.gpu_peak_gib < 4.0
+    # the tiny model fits the cap once planned: the plan keeps its blocks resident, handed back from host memory
+    assert not result.plan["config"].get("gradient_checkpointing_stream_weights"), result.plan
+    assert result.gpu_peak_gib < 4.0
     assert gradseam.handle_of(model) is None
     assert all(p.device.type == "cuda" for p in model.parameters()), "the model did not go back to the GPU"
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())

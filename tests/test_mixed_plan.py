@@ -212,13 +212,13 @@ def test_a_mix_streams_the_fewest_units_that_free_the_gpu_and_trains_exactly():
 
 def test_the_planner_predicts_what_a_run_measures_of_the_plan_it_chose():
     # what bench sets its auto row's measurements against: the GPU peak with the static memory (a mix's in its
-    # block order), the pinned memory with the weights streamed from patch time, the step
+    # block order), the pinned memory (the streamed units' weights in it, as the search counts them), the step
     from gradseam.tools.auto_planner import predicted
 
     advice = _advise(gpu=8.0, host=5.0)
     mix = advice.per_block
-    assert predicted(advice, streamed_gib=2.0) == {"gpu_gib": mix.expected_gpu_gib, "host_gib": mix.plan.host_gib + 2.0,
-                                                   "step_ms": mix.plan.time_ms}
+    assert predicted(advice) == {"gpu_gib": mix.expected_gpu_gib, "host_gib": mix.plan.host_gib,
+                                 "step_ms": mix.plan.time_ms}
     uniform = _advise(gpu=64.0, host=64.0)  # compile on every block, no mix
     chosen = uniform.chosen
     assert uniform.per_block is None

@@ -526,13 +526,16 @@ def measure_once(model: Any, inputs: Mapping[str, Any], config: Mapping[str, Any
     for one step; the patch is removed after. Returns a :class:`gradseam.tools.measure.Measurement`."""
     import gradseam
 
+    from ..handle import lending
     from . import measure as measuring
     from .compiled import applied
     from .depth import at_depth
     from .workloads import blocks as list_blocks
 
     config = stream_at_depth(config, plan, depth)
-    with at_depth(model, plan, depth), applied(model, config, list_blocks(model, family)):
+    # lending: a model larger than its GPU under "auto" keeps its weights in host memory; the blocks this candidate
+    # keeps resident come to the GPU before the step (after the patch, whose stream borrows those it streams)
+    with at_depth(model, plan, depth), applied(model, config, list_blocks(model, family)), lending(model):
         step = measuring.forward_backward(model, inputs, loss_fn, count_saved=device == "cpu")
         handle = gradseam.handle_of(model)
         try:

@@ -50,6 +50,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from ..auto import Planned, Request
@@ -70,16 +71,7 @@ def blockwise(config: Mapping[str, Any]) -> bool:
 
 
 CANDIDATES: list[tuple[str, dict[str, Any]]] = [(label, config) for label, config in LADDER if blockwise(config)]
-# A model whose weights the GPU cannot hold keeps every block's frozen weights in host memory from patch time
-# (gradseam.auto.unplanned): its candidates stream them all, and checkpoint (streamed blocks must).
-STREAMED_CANDIDATES: list[tuple[str, dict[str, Any]]] = [
-    (f"{label} + stream all", {**config, "gradient_checkpointing_stream_weights": "all"})
-    for label, config in CANDIDATES if config.get("gradient_checkpointing")
-]
 
-
-def candidates_for(request: Request) -> list[tuple[str, dict[str, Any]]]:
-    return STREAMED_CANDIDATES if request.streamed else CANDIDATES
 
 # (request) -> (measure, a sentence on the depths it measures at, the static GPU memory in GiB)
 MeasureOn = Callable[[Request], "tuple[Measure, str, float]"]
@@ -97,7 +89,7 @@ def plan(request: Request, *, measure_on: MeasureOn | None = None, check_on: Che
     import torch
 
     cuda = _device(request.model).type == "cuda"
-    candidates = candidates_for(request)
+    candidates = CANDIDATES
     key = cost_cache.key_of(request, candidates)
     table = cost_cache.load(key, cache_dir)
     source = "cached"
@@ -120,7 +112,12 @@ def plan(request: Request, *, measure_on: MeasureOn | None = None, check_on: Che
         assert rows is not None
         table = measure(rows, candidates, table, save=lambda partial: cost_cache.save(key, partial, cache_dir))
         source = "measured"
+    weights = streamable_gib(request)
     static = torch.cuda.memory_allocated(_device(request.model)) / GiB if cuda else table.static_gib
+    if request.streamed and weights:
+        # a model larger than its GPU holds no block's weights there now: counted as if resident, as for any model,
+        # each unit then carries its own share, on the GPU where the plan keeps it, in host memory where it streams
+        static += sum(weights)
     static += optimizer_gib(request.model)  # allocated at the optimizer's first step, after this forward
     gpu = request.gpu_gib if request.gpu_gib is not None else default_gpu_gib(request.model) if cuda else None
     if gpu is None:
@@ -128,12 +125,9 @@ def plan(request: Request, *, measure_on: MeasureOn | None = None, check_on: Che
             "gradient_checkpointing_backend \"auto\": the model is not on a CUDA GPU, so its memory cannot be read; "
             "set gradient_checkpointing_gpu_memory (e.g. \"24GiB\").")
     host = request.host_gib if request.host_gib is not None else _host_default()
-    weights = streamable_gib(request)
-    if request.streamed and host is not None:  # what the blocks' weights already pin is not the activations'
-        host = max(host - sum(weights or ()), 0.0)
     known, checked = len(table.results), len(table.checked)
     check_with = check_on or (gpu_check_on if measure_on is None and cuda else None)
-    block_gib = None if request.streamed else weights
+    block_gib = weights
     more = rows.one if rows is not None else None
 
     def rechoose(gpu_gib: float, host_gib: float | None) -> Advice:
@@ -142,7 +136,8 @@ def plan(request: Request, *, measure_on: MeasureOn | None = None, check_on: Che
 
     try:
         advice = rechoose(gpu, host)
-        settled = plan_check.settle(advice, table, rows.checker(check_with) if rows is not None and check_with else None,
+        check = rows.checker(above_static(check_with, request, weights)) if rows is not None and check_with else None
+        settled = plan_check.settle(advice, table, check,
                                     rechoose, gpu_gib=gpu, host_gib=host, depth=table.depth_note.split(" (")[0])
         advice = settled.advice
     finally:
@@ -153,22 +148,61 @@ def plan(request: Request, *, measure_on: MeasureOn | None = None, check_on: Che
     if rows is not None and rows.seconds:
         report += f"; measuring took {rows.seconds:.1f} s"
     if request.streamed:
-        report = (f"every block's frozen weights ({sum(weights or ()):.2f} GiB) stream from host memory, the model "
-                  f"being larger than the GPU budget; {report}")
-    streamed_gib = sum(weights or ()) if request.streamed else 0.0
+        report = (f"the model being larger than the GPU budget, every block's frozen weights "
+                  f"({sum(weights or ()):.2f} GiB) were in host memory until planned; {report}")
     measured = None
     if settled.measured is not None:
+        # the check's pinned figure is its activations' pool: the weights the plan streams are pinned beside it
+        streamed_gib = streamed_weights_gib(request, config, weights)
         measured = {"gpu_gib": advice.static_gib + settled.measured.peak_gib,
                     "host_gib": settled.measured.pinned_gib + streamed_gib, "step_ms": settled.measured.step_ms}
-    return Planned(CheckpointConfig.from_dict(config), source, report, predicted(advice, streamed_gib), measured)
+    return Planned(CheckpointConfig.from_dict(config), source, report, predicted(advice), measured)
 
 
-def predicted(advice: Advice, streamed_gib: float = 0.0) -> dict[str, float] | None:
-    """The chosen plan's predicted GPU peak (static memory in it), pinned host memory and step, as a run measures
-    them (:func:`plan_check.predicted`), the pinned memory with ``streamed_gib`` of weights the model streams from
-    patch time (the planner's host budget leaves them out)."""
-    said = plan_check.predicted(advice)
-    return None if said is None else {**said, "host_gib": said["host_gib"] + streamed_gib}
+def predicted(advice: Advice) -> dict[str, float] | None:
+    """The chosen plan's predicted GPU peak (static memory in it), pinned host memory (streamed weights in it) and
+    step, as a run measures them (:func:`plan_check.predicted`)."""
+    return plan_check.predicted(advice)
+
+
+def above_static(check_on: CheckOn, request: Request, weights: list[float] | None) -> CheckOn:
+    """``check_on`` with each run's peak read above the static memory the planner counts, every block's weights in
+    it, as the plan's prediction is: a run's peak is above what was allocated when its step began, which lacks the
+    weights the plan streams (they left the GPU when it was patched; for a model larger than its GPU they were never
+    there, and the blocks it keeps resident came to it before the step). Read against the planner's static memory as
+    it is, a plan streaming 9.5 GiB of weights would seem to take 9.5 GiB more than it does."""
+    if not weights:
+        return check_on
+
+    def on(req: Request) -> Measure:
+        run = check_on(req)
+
+        def check(config: Mapping[str, Any]) -> Any:
+            got = run(config)
+            if isinstance(got, tuple) and not isinstance(got, Estimate):
+                got = Estimate(*got)
+            if not isinstance(got, Estimate):
+                return got
+            return replace(got, peak_gib=got.peak_gib - streamed_weights_gib(request, config, weights))
+
+        return check
+
+    return on
+
+
+def streamed_weights_gib(request: Request, config: Mapping[str, Any], weights: list[float] | None) -> float:
+    """The frozen weights ``config`` streams, in GiB: the blocks its plan streams, each block's share of
+    ``weights`` (in forward order, as :func:`streamable_gib` lists them)."""
+    if not weights:
+        return 0.0
+    from ..modules import resolve
+    from ..planning import plan as plan_of
+
+    order = [(bl.path, i) for bl in request.family.block_lists
+             if (found := resolve(request.model, bl.path)) is not None for i in range(len(found))]
+    at = {where: gib for where, gib in zip(order, weights)}
+    streamed = plan_of(request.model, request.family, CheckpointConfig.from_dict(dict(config))).streamed
+    return sum(at.get(where, 0.0) for where in streamed)
 
 
 def streamable_gib(request: Request) -> list[float] | None:
