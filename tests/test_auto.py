@@ -533,6 +533,40 @@ def test_a_run_stopped_while_measuring_resumes_from_the_candidates_it_measured(_
     assert {label: table.results[label] for label in before} == before, "a row measured before was measured again"
 
 
+def test_streamed_rows_a_budget_asks_for_are_saved_one_by_one(_cache, monkeypatch):
+    """The rows with streamed weights are measured only when a budget asks for them, at the first step; each is in
+    the cache before the next one starts, so a run ended without unwinding (a time limit's SIGTERM: Python runs no
+    ``finally``; on an H100, Flux's compiled rows with 31 blocks streamed took 68 s each, and a bench under
+    ``timeout`` lost every one) keeps what it measured, and the next run measures only the rest."""
+    monkeypatch.setattr(auto_planner, "streamable_gib", lambda request: [BLOCK_GIB] * UNITS)
+    model, inputs = _frozen_blocks(), _inputs()
+    _write_table(model, inputs, static=STATIC + UNITS * BLOCK_GIB)
+    request = Request(model, inputs, 8.4, 64.0, family_for(model))
+    key = cost_cache.key_of(request, auto_planner.CANDIDATES)
+    calls: list = []
+    measure_on = _streaming_measure_on(calls)
+    on_disk: list[set[str]] = []
+
+    def stopping_at_the_second(request):
+        run, note, static = measure_on(request)
+
+        def measure(config):
+            if calls:  # the second row: what is on disk now is what a killed run would leave
+                on_disk.append({json.dumps(c, sort_keys=True) for _, c in cost_cache.load(key).candidates})
+                raise KeyboardInterrupt
+            return run(config)
+
+        return measure, note, static
+
+    with pytest.raises(KeyboardInterrupt):
+        auto_planner.plan(request, measure_on=stopping_at_the_second)
+    first = json.dumps(calls[0], sort_keys=True)
+    assert len(calls) == 1 and on_disk and first in on_disk[0], "the first streamed row was not saved before the next"
+    calls.clear()
+    auto_planner.plan(request, measure_on=measure_on)
+    assert calls and first not in [json.dumps(c, sort_keys=True) for c in calls], "a saved row was measured again"
+
+
 def test_a_candidate_out_of_memory_while_measuring_is_cached_with_where_it_ran_out():
     """The cost table keeps each failure's reason; an out-of-memory one also says where it was raised (gradseam's
     deepest frame and the innermost), so a table from a GPU run names the code that allocated."""

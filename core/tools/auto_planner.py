@@ -132,7 +132,7 @@ def plan(request: Request, *, measure_on: MeasureOn | None = None, check_on: Che
 
     def rechoose(gpu_gib: float, host_gib: float | None) -> Advice:
         return choose(table, gpu_gib, static, host_gib, request.model, block_gib=block_gib, more=more,
-                      candidates=candidates)
+                      candidates=candidates, saved=lambda kept: cost_cache.save(key, kept, cache_dir))
 
     try:
         advice = rechoose(gpu, host)
@@ -220,12 +220,16 @@ More = Callable[[str, Mapping[str, Any]], "Estimate | str"]
 
 def choose(table: cost_cache.Table, gpu_gib: float, static_gib: float, host_gib: float | None, model: Any, *,
            block_gib: list[float] | None = None, more: More | None = None,
-           candidates: list[tuple[str, dict[str, Any]]] = CANDIDATES) -> Advice:
+           candidates: list[tuple[str, dict[str, Any]]] = CANDIDATES,
+           saved: Callable[[cost_cache.Table], Any] | None = None) -> Advice:
     """advise's choice among the table's candidates, then the fastest mix (raises :class:`NoFitError`).
 
     With ``block_gib``, candidates with streamed weights take part as in advise (the fastest per-block ones with
     every block streamed, and where nothing fits, the fewest blocks streamed that free the shortfall): those the
-    table lacks are measured with ``more`` and added to it, or, without ``more``, left out as not measured."""
+    table lacks are measured with ``more`` and added to it, or, without ``more``, left out as not measured.
+    ``saved(table)`` is called after each row added: a run stopped meanwhile (a time limit's SIGTERM ends Python
+    without running ``finally``; on an H100, Flux's compiled rows with 31 blocks streamed took 68 s each) keeps what
+    it measured, and the next run measures only the rest."""
     from . import mixed_plan
 
     def from_table(config: Mapping[str, Any]) -> Estimate:
@@ -238,6 +242,8 @@ def choose(table: cost_cache.Table, gpu_gib: float, static_gib: float, host_gib:
             label = streamed_label(config)
             found = more(label, config)
             table.add(label, config, found)
+            if saved is not None:
+                saved(table)
         if found is None:
             found = f"unsupported: {dict(config)} is not a measured candidate"
         if isinstance(found, str):
