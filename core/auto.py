@@ -13,9 +13,11 @@ explicit config had been given to ``patch()``, which is how the plan is reproduc
 One exception to "runs unpatched": a model still on the CPU at patch time whose weights are more than the GPU
 budget could never reach its first training step, since moving it to the GPU would run out of memory first. It
 keeps every block's frozen weights in host memory from patch time (:func:`unplanned`), so the move leaves them
-behind; the planner then plans each block's activations with them streamed, and the handle keeps the same host
-copies when it installs the plan (moved back, they would not fit). While measuring, that stream steps aside
-(:meth:`gradseam.handle.PatchHandle.set_aside`): each measuring patch streams the blocks it keeps itself.
+behind; the planner then plans which blocks keep their weights resident and which stream, and the handle hands
+the plan's stream the host copies of the blocks it streams before the others come back to the GPU (moved back
+first, they would not fit). While measuring, that stream steps aside
+(:meth:`gradseam.handle.PatchHandle.set_aside`): each measuring patch streams the blocks it streams from its host
+copies, and the blocks it keeps resident are lent to the GPU for its step (:func:`gradseam.handle.lending`).
 
 The planner is a tool (it measures, caches and searches: :mod:`gradseam.tools.auto_planner`), and the runtime never
 imports the tools: the package's entry point hands it over through :func:`use_planner`, so this module
@@ -40,7 +42,7 @@ if TYPE_CHECKING:
 # What a model patched with "auto" runs until it is planned: itself (nothing to checkpoint without gradients).
 UNPLANNED = CheckpointConfig(gradient_checkpointing=False)
 # ... unless its weights are more than the GPU may hold: then every block's frozen weights stay in host memory
-# from patch time (a model built on the CPU moves to the GPU without them), and the plan streams them all.
+# from patch time (a model built on the CPU moves to the GPU without them), until the plan keeps some resident.
 UNPLANNED_STREAMED = CheckpointConfig.from_dict(
     {"gradient_checkpointing": True, "gradient_checkpointing_stream_weights": "all"})
 

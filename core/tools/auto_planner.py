@@ -28,8 +28,11 @@ What it does, and why each step is where it is:
    two depths), added to the cached table and read from it next time: the table stays one per model and
    shapes, and a plan read from it is the plan measured. A model with nothing frozen to stream (a full
    fine-tune, quantized weights) gets no such candidate. A model larger than its GPU budget, whose blocks' weights
-   have been in host memory since patch time (:mod:`gradseam.auto`), is measured only with every block streamed
-   (:data:`STREAMED_CANDIDATES`, cached under their own key), within the host budget less those weights.
+   have been in host memory since patch time (:mod:`gradseam.auto`), is planned the same way, its weights counted
+   as if resident: a candidate keeps resident the blocks of the cut model lent to the GPU for its step
+   (:func:`gradseam.handle.lending`), a streamed one runs from the host copies it borrows, and the plan keeps
+   resident what the budget holds (it streamed every block until the twentieth session: Flux dev 4k at 16 GiB,
+   886 ms against 601 ms by hand).
 
 5. **The plan run once.** Before the first step runs the plan, :mod:`gradseam.tools.plan_check` runs it on the whole
    model (one warm-up, one timed step) and plans again where it did not hold the budgets or ran well slower than
