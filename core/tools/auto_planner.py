@@ -249,8 +249,6 @@ def choose(table: cost_cache.Table, gpu_gib: float, static_gib: float, host_gib:
                 saved(table)
         if found is None:
             found = f"unsupported: {dict(config)} is not a measured candidate"
-        if isinstance(found, Estimate) and config.get(STREAM_KEY):
-            found = held_at_least_resident(found, table.lookup({k: v for k, v in config.items() if k != STREAM_KEY}))
         if isinstance(found, str):
             if found.startswith("OOM"):
                 raise torch_oom(found)
@@ -268,21 +266,6 @@ def choose(table: cost_cache.Table, gpu_gib: float, static_gib: float, host_gib:
     if advice.chosen is None and advice.per_block is None:
         raise NoFitError(advice)
     return advice
-
-
-def held_at_least_resident(streamed: Estimate, resident: Estimate | str | None) -> Estimate:
-    """``streamed``'s prediction with what each unit holds through the step at least what the same candidate holds
-    resident: streaming moves the weights, not the activations, and a block that saves a weight for its backward
-    (attention kept by the ``-ffn`` backends, no checkpointing) holds its streamed copy too, so a streamed unit never
-    holds less. Fitted through two shallow depths with the weights in flight, the streamed line can come out lower:
-    on an H100, Flux dev 4k's ``compile + stream all`` grew 0.089 GiB a unit where ``compile`` grows 0.177, and
-    its plan's peak was 43% over the prediction at the full depth (4.91 GiB measured, 3.43 predicted)."""
-    mine, theirs = streamed.unit_costs, resident.unit_costs if isinstance(resident, Estimate) else None
-    if mine is None or theirs is None or mine.peak_gib >= theirs.peak_gib:
-        return streamed
-    costs = replace(mine, peak_gib=theirs.peak_gib)
-    return replace(streamed, peak_gib=streamed.peak_gib + (theirs.peak_gib - mine.peak_gib) * mine.units,
-                   growth_gib=theirs.peak_gib, unit_costs=costs)
 
 
 def streamed_label(config: Mapping[str, Any]) -> str:
