@@ -330,6 +330,23 @@ def test_when_the_weights_are_what_does_not_fit_auto_streams_some_and_trains_exa
         use_planner(previous)
 
 
+def test_a_model_larger_than_its_budget_has_every_per_block_candidate_measured_streamed(monkeypatch):
+    """A model larger than its GPU streams most of its blocks, so which activations a streamed unit runs matters most:
+    every per-block candidate is measured with every block streamed (Wan 2.1 14B at 24 GiB planned three streamed
+    kinds, where a model that fits gets the two fastest only), beside the resident ones it may keep."""
+    monkeypatch.setattr(auto_planner, "streamable_gib", lambda request: [BLOCK_GIB] * UNITS)
+    model, inputs = _frozen_blocks(), _inputs()
+    streamed_all: dict[bool, set[str]] = {}
+    for larger in (False, True):
+        _write_table(model, inputs, static=STATIC + (0 if larger else UNITS * BLOCK_GIB))  # the table as measured
+        calls: list = []
+        auto_planner.plan(Request(model, inputs, 8.4, 64.0, family_for(model), streamed=larger),
+                          measure_on=_streaming_measure_on(calls))
+        streamed_all[larger] = {json.dumps(c, sort_keys=True) for c in calls if c[auto_planner.STREAM_KEY] == "all"}
+    assert len(streamed_all[False]) == 2 and len(streamed_all[True]) == len(TABLE), streamed_all
+    assert streamed_all[False] < streamed_all[True]
+
+
 def test_streaming_is_left_out_where_no_checkpointing_fits_and_where_streamed_rows_cannot_be_measured(monkeypatch):
     monkeypatch.setattr(auto_planner, "streamable_gib", lambda request: [BLOCK_GIB] * UNITS)
     model, inputs = _frozen_blocks(), _inputs()

@@ -298,14 +298,15 @@ def _try(trial: Trial, measure: Measure, gpu_gib: float, static_gib: float,
 def run_ladder(
     measure: Measure, gpu_gib: float, static_gib: float = 0.0, *, supports_interval: bool = True,
     pinnable_gib: float | None = None, ladder: list[tuple[str, dict[str, Any]]] | None = None,
-    block_gib: Sequence[float] | None = None, win_back: bool = True,
+    block_gib: Sequence[float] | None = None, win_back: bool = True, streamed_per_block: int | None = None,
 ) -> Advice:
     """Walk the ladder with ``measure`` within ``gpu_gib`` of GPU memory and return the advice (``chosen``
     is None when nothing fits): every rung, then (``win_back``) the win-back steps on the fastest one that fits. With
     ``block_gib`` (each block's frozen weights at full depth, in forward order), rungs that are over the GPU
     only because the weights are too are tried again with some weights streamed (:func:`_streamed`), and unless no
     the fastest candidate measured fits, the fastest per-block candidates with every block streamed
-    (:func:`_streamed_per_block`), for the per-block plan to stream some units."""
+    (:func:`_streamed_per_block`, ``streamed_per_block`` of them, default :data:`STREAMED_PER_BLOCK`), for the
+    per-block plan to stream some units."""
     advice = Advice(gpu_gib, static_gib, pinnable_gib=pinnable_gib, block_gib=list(block_gib) if block_gib else None)
 
     def try_one(trial: Trial) -> Trial:
@@ -320,7 +321,8 @@ def run_ladder(
     measured = [t for t in advice.trials if t.step_ms is not None]
     fastest_fits = bool(measured) and min(measured, key=lambda t: t.step_ms or 0.0).status == "fits"
     if block_gib and not fastest_fits:  # for the per-block plan (streaming only adds copies to what already fits)
-        fits += _streamed_per_block(advice, list(block_gib), measure)
+        fits += _streamed_per_block(advice, list(block_gib), measure,
+                                    STREAMED_PER_BLOCK if streamed_per_block is None else streamed_per_block)
     if not fits:
         return advice
     chosen = min(fits, key=lambda t: t.step_ms or 0.0)
@@ -416,7 +418,8 @@ def _try_streamed(trial: Trial, advice: Advice, measure: Measure, streamed: floa
 STREAMED_PER_BLOCK = 2  # per-block candidates measured again with every block's weights streamed, fastest first
 
 
-def _streamed_per_block(advice: Advice, block_gib: list[float], measure: Measure) -> list[Trial]:
+def _streamed_per_block(advice: Advice, block_gib: list[float], measure: Measure,
+                        count: int = STREAMED_PER_BLOCK) -> list[Trial]:
     """The fastest checkpointing candidates a block can run on its own, measured again with every block's weights
     streamed ("+ stream all"), for the per-block plan (:mod:`gradseam.tools.mixed_plan`) to stream some units and
     keep others resident; uniform candidates too. The ones that fit."""
@@ -427,7 +430,7 @@ def _streamed_per_block(advice: Advice, block_gib: list[float], measure: Measure
               and not t.config.get(STREAM_KEY) and f"{t.label} + stream all" not in have]
     streamed = sum(block_gib)
     fits = []
-    for rung in sorted(chosen, key=lambda t: t.step_ms or 0.0)[:STREAMED_PER_BLOCK]:
+    for rung in sorted(chosen, key=lambda t: t.step_ms or 0.0)[:count]:
         trial = Trial(f"{rung.label} + stream all", {**rung.config, STREAM_KEY: "all"})
         advice.trials.append(trial)
         if _try_streamed(trial, advice, measure, streamed, rung):

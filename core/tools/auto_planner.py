@@ -133,9 +133,12 @@ def plan(request: Request, *, measure_on: MeasureOn | None = None, check_on: Che
     block_gib = weights
     more = rows.one if rows is not None else None
 
+    # a model larger than its GPU streams most of its blocks, so every per-block candidate is measured streamed
+    # for the mix (Wan 2.1 14B at 24 GiB ran three streamed kinds); a model that fits gets advise's two fastest
     def rechoose(gpu_gib: float, host_gib: float | None) -> Advice:
         return choose(table, gpu_gib, static, host_gib, request.model, block_gib=block_gib, more=more,
-                      candidates=candidates, saved=lambda kept: cost_cache.save(key, kept, cache_dir))
+                      candidates=candidates, saved=lambda kept: cost_cache.save(key, kept, cache_dir),
+                      streamed_per_block=len(candidates) if request.streamed else None)
 
     try:
         advice = rechoose(gpu, host)
@@ -224,7 +227,8 @@ More = Callable[[str, Mapping[str, Any]], "Estimate | str"]
 def choose(table: cost_cache.Table, gpu_gib: float, static_gib: float, host_gib: float | None, model: Any, *,
            block_gib: list[float] | None = None, more: More | None = None,
            candidates: list[tuple[str, dict[str, Any]]] = CANDIDATES,
-           saved: Callable[[cost_cache.Table], Any] | None = None) -> Advice:
+           saved: Callable[[cost_cache.Table], Any] | None = None,
+           streamed_per_block: int | None = None) -> Advice:
     """advise's choice among the table's candidates, then the fastest mix (raises :class:`NoFitError`).
 
     With ``block_gib``, candidates with streamed weights take part as in advise (the fastest per-block ones with
@@ -232,7 +236,8 @@ def choose(table: cost_cache.Table, gpu_gib: float, static_gib: float, host_gib:
     table lacks are measured with ``more`` and added to it, or, without ``more``, left out as not measured.
     ``saved(table)`` is called after each row added: a run stopped meanwhile (a time limit's SIGTERM ends Python
     without running ``finally``; on an H100, Flux's compiled rows with 31 blocks streamed took 68 s each) keeps what
-    it measured, and the next run measures only the rest."""
+    it measured, and the next run measures only the rest. ``streamed_per_block``: how many per-block candidates
+    are measured with every block streamed (advise's default where None)."""
     from . import mixed_plan
 
     def from_table(config: Mapping[str, Any]) -> Estimate:
@@ -260,7 +265,7 @@ def choose(table: cost_cache.Table, gpu_gib: float, static_gib: float, host_gib:
     base = {label for label, _ in candidates}
     ladder = [(label, config) for label, config in table.ladder() if label in base]
     advice = run_ladder(from_table, gpu_gib, static_gib, pinnable_gib=host_gib, ladder=ladder,
-                        block_gib=block_gib, win_back=False)
+                        block_gib=block_gib, win_back=False, streamed_per_block=streamed_per_block)
     advice.depth_note = table.depth_note
     mixed_plan.attach(advice, model)
     if advice.chosen is None and advice.per_block is None:
