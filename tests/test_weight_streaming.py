@@ -660,3 +660,45 @@ def test_an_entry_chooses_which_of_its_blocks_stream_and_they_train_exactly(keys
 def test_an_entry_that_cannot_stream_is_refused_naming_it(keys, words):
     with cpu_test_mode(), pytest.raises(UnsupportedStrategyError, match=words):
         gradseam.patch(WAN.fresh().requires_grad_(False), {**ON, **keys})
+
+
+def test_a_set_aside_stream_lends_the_blocks_a_measuring_patch_keeps_resident_and_parks_them_after():
+    """What ``auto`` measures a model larger than its GPU with: its stream set aside, a measuring patch streams some
+    blocks from the stream's host copies (borrowed), and ``lending`` brings the others to the device for the step,
+    as if resident; after it every block points at its host copy again, and none of it counts as the stream's
+    own loads (the summary's count is the training's). Exact against the unpatched model."""
+    from gradseam.handle import lending
+
+    def frozen() -> torch.nn.Module:
+        model = WAN.fresh()
+        for block in model.blocks:
+            block.requires_grad_(False)
+        return model
+
+    want = run_step(frozen(), WAN)
+    model = frozen()
+    with cpu_test_mode():
+        outer = gradseam.patch(model, {**ON, STREAM: "all"})
+        stream = outer.weights
+        outer.active = False  # as auto's first step: the measuring patches do not replace this one
+        try:
+            with outer.set_aside():
+                hosts = {id(b.module): {e.host.data_ptr() for e in b.tensors} for b in stream.blocks}
+
+                def parked(block: torch.nn.Module) -> bool:
+                    return {p.data_ptr() for p in block.parameters()} <= hosts[id(block)]
+
+                counted = (stream.loads, stream.misses)
+                with gradseam.patch(model, {**ON, STREAM: 2}) as one:
+                    borrowed = {id(b.module) for b in one.weights.blocks}
+                    assert len(borrowed) == 2 and all(b.borrowed for b in one.weights.blocks)
+                    with lending(model):
+                        assert [parked(b) for b in model.blocks] == [id(b) in borrowed for b in model.blocks]
+                        got = run_step(model, WAN)
+                    assert all(parked(b) for b in model.blocks), "a lent block stayed off its host copy"
+                assert not any(b.on_loan for b in stream.blocks), "a borrowed block was not handed back"
+                assert (stream.loads, stream.misses) == counted
+        finally:
+            outer.active = True
+            outer.remove()
+    assert_same_step(want, got, what="lent and borrowed blocks vs unpatched")

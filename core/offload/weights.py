@@ -317,9 +317,12 @@ class WeightStream:
         the model cut to the measured depth are loaded (``modules``: what the cut model holds)."""
         chosen = [index for index, block in enumerate(self.blocks)
                   if id(block.module) in modules and not block.on_loan and block.tensors and not block.loaded]
+        counted = self.loads, self.misses, self.most_loaded
         try:
             for index in chosen:
                 self.load(index)
+            # not this stream's loads: the summary's count ("block loads so far") is the training's
+            self.loads, self.misses, self.most_loaded = counted
             yield chosen
         finally:
             for index in chosen:
