@@ -429,6 +429,9 @@ def test_a_model_larger_than_its_gpu_budget_streams_from_patch_time_and_auto_pla
             config = handle.auto.config
             now = handle.weights
             assert now is not None and 0 < len(now.blocks) <= UNITS, config.to_dict()
+            if now is not stream:  # handed over: the old stream, unhooked inside this forward's pre-hooks, did nothing
+                assert stream.loads == 0 and not any(b.loaded for b in stream.blocks), \
+                    "the replaced stream loaded a block (on a GPU, a copy nothing waits for)"
             # 99%: room for one block (and the optimizer's moments, twice the stand-in LoRA) beside the rest; 60%: none
             assert (len(now.blocks) < UNITS) == resident, config.to_dict()
             for block in now.blocks:  # the blocks still streamed run from the host copies made at patch time

@@ -491,8 +491,13 @@ class WeightStream:
 
     def _model_pre(self, module: nn.Module, args: tuple) -> None:
         """A step starts: nothing of the last one stays loaded, and the first streamed block's copy starts now,
-        overlapping whatever runs before it (the embeddings, the resident blocks in front of it)."""
-        if torch._C._current_graph_task_id() != -1 or not self.blocks:
+        overlapping whatever runs before it (the embeddings, the resident blocks in front of it).
+
+        Nothing once unhooked: torch reads a forward's pre-hooks before running the first, so a stream unhooked by
+        an earlier one (``"auto"`` installing its plan in its own pre-hook, the stream it replaces unhooked and
+        removed there) is still called for that forward. Its prefetch would start a copy into a parameter that no
+        hook then waits for, and the block's first kernels could read it half-copied."""
+        if torch._C._current_graph_task_id() != -1 or not self.blocks or not self._hooks:
             return
         self.release_all()
         self._ran = []
@@ -502,7 +507,7 @@ class WeightStream:
     def _model_post(self, module: nn.Module, args: tuple, output: Any) -> None:
         """Forward is done: the last streamed block's backward comes first, so its copy starts now and overlaps
         the loss and the backward of the blocks after it, instead of being waited for when its gradient comes."""
-        if torch._C._current_graph_task_id() != -1 or not self.blocks:
+        if torch._C._current_graph_task_id() != -1 or not self.blocks or not self._hooks:
             return
         self._learn_order()
         if self.ahead and torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(output)):
