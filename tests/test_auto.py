@@ -717,5 +717,5 @@ def test_after_an_out_of_memory_run_what_its_step_held_is_released_once_the_erro
     rows = auto_planner._Rows(Request(model, _inputs(), 40.0, 8.0, family_for(model)),
                               lambda request: (failing, "depth 5", 0.0))
     assert rows.one("torch", {"gradient_checkpointing": True}).startswith("OOM while measuring")
-    assert rows.checker(lambda request: failing)({"gradient_checkpointing": True}).startswith("OOM on the whole model")
+    assert rows.checker(lambda request: failing, lambda config: 0.0)({"gradient_checkpointing": True}).startswith("OOM on the whole model")
     assert freed_at_release == [True, True]

@@ -213,7 +213,7 @@ def test_a_mix_streams_the_fewest_units_that_free_the_gpu_and_trains_exactly():
 def test_the_planner_predicts_what_a_run_measures_of_the_plan_it_chose():
     # what bench sets its auto row's measurements against: the GPU peak with the static memory (a mix's in its
     # block order), the pinned memory (the streamed units' weights in it, as the search counts them), the step
-    from gradseam.tools.auto_planner import predicted
+    from gradseam.tools.plan_check import predicted
 
     advice = _advise(gpu=8.0, host=5.0)
     mix = advice.per_block

@@ -317,12 +317,9 @@ class WeightStream:
         the model cut to the measured depth are loaded (``modules``: what the cut model holds)."""
         chosen = [index for index, block in enumerate(self.blocks)
                   if id(block.module) in modules and not block.on_loan and block.tensors and not block.loaded]
-        counted = self.loads, self.misses, self.most_loaded
         try:
             for index in chosen:
-                self.load(index)
-            # not this stream's loads: the summary's count ("block loads so far") is the training's
-            self.loads, self.misses, self.most_loaded = counted
+                self.load(index, count=False)
             yield chosen
         finally:
             for index in chosen:
@@ -357,16 +354,17 @@ class WeightStream:
             return None
         return self.device
 
-    def load(self, index: int, *, ahead: bool = False) -> None:
+    def load(self, index: int, *, ahead: bool = False, count: bool = True) -> None:
         """Bring block ``index``'s streamed tensors to the device. ``ahead``: a prefetch, whose copy may still
-        run when this returns; without it the compute stream waits for the copy (issued now or before)."""
+        run when this returns; without it the compute stream waits for the copy (issued now or before). ``count``:
+        a load of the training's (the summary's counts); not one lent for a measurement (:meth:`lent`)."""
         self.select()
         block = self.blocks[index]
         if block.loaded:
             if not ahead:
                 self._wait(block)
             return
-        if not ahead:
+        if not ahead and count:
             self.misses += 1
         for entry in block.tensors:
             if isinstance(entry.tensor, nn.Parameter) and entry.tensor.requires_grad:
@@ -412,8 +410,9 @@ class WeightStream:
             if not ahead:
                 self._wait(block)
         block.loaded = True
-        self.loads += 1
-        self.most_loaded = max(self.most_loaded, sum(b.loaded for b in self.blocks))
+        if count:
+            self.loads += 1
+            self.most_loaded = max(self.most_loaded, sum(b.loaded for b in self.blocks))
 
     @property
     def ahead(self) -> int:

@@ -142,7 +142,8 @@ def plan(request: Request, *, measure_on: MeasureOn | None = None, check_on: Che
 
     try:
         advice = rechoose(gpu, host)
-        check = rows.checker(above_static(check_with, request, weights)) if rows is not None and check_with else None
+        check = rows.checker(check_with, lambda config: streamed_weights_gib(request, config, weights)) \
+            if rows is not None and check_with else None
         settled = plan_check.settle(advice, table, check,
                                     rechoose, gpu_gib=gpu, host_gib=host, depth=table.depth_note.split(" (")[0])
         advice = settled.advice
@@ -162,38 +163,7 @@ def plan(request: Request, *, measure_on: MeasureOn | None = None, check_on: Che
         streamed_gib = streamed_weights_gib(request, config, weights)
         measured = {"gpu_gib": advice.static_gib + settled.measured.peak_gib,
                     "host_gib": settled.measured.pinned_gib + streamed_gib, "step_ms": settled.measured.step_ms}
-    return Planned(CheckpointConfig.from_dict(config), source, report, predicted(advice), measured)
-
-
-def predicted(advice: Advice) -> dict[str, float] | None:
-    """The chosen plan's predicted GPU peak (static memory in it), pinned host memory (streamed weights in it) and
-    step, as a run measures them (:func:`plan_check.predicted`)."""
-    return plan_check.predicted(advice)
-
-
-def above_static(check_on: CheckOn, request: Request, weights: list[float] | None) -> CheckOn:
-    """``check_on`` with each run's peak read above the static memory the planner counts, every block's weights in
-    it, as the plan's prediction is: a run's peak is above what was allocated when its step began, which lacks the
-    weights the plan streams (they left the GPU when it was patched; for a model larger than its GPU they were never
-    there, and the blocks it keeps resident came to it before the step). Read against the planner's static memory as
-    it is, a plan streaming 9.5 GiB of weights would seem to take 9.5 GiB more than it does."""
-    if not weights:
-        return check_on
-
-    def on(req: Request) -> Measure:
-        run = check_on(req)
-
-        def check(config: Mapping[str, Any]) -> Any:
-            got = run(config)
-            if isinstance(got, tuple) and not isinstance(got, Estimate):
-                got = Estimate(*got)
-            if not isinstance(got, Estimate):
-                return got
-            return replace(got, peak_gib=got.peak_gib - streamed_weights_gib(request, config, weights))
-
-        return check
-
-    return on
+    return Planned(CheckpointConfig.from_dict(config), source, report, plan_check.predicted(advice), measured)
 
 
 def streamed_weights_gib(request: Request, config: Mapping[str, Any], weights: list[float] | None) -> float:
@@ -343,9 +313,15 @@ class _Rows:
         self.seconds += seconds
         return outcome, seconds
 
-    def checker(self, check_on: CheckOn) -> Measure:
+    def checker(self, check_on: CheckOn, streamed_gib: Callable[[Mapping[str, Any]], float]) -> Measure:
         """``check_on``'s whole-model run, with a line of progress before and after, and an out-of-memory error
-        answered as ``"OOM ..."`` (the plan is then planned again): what :func:`plan_check.settle` runs a plan with."""
+        answered as ``"OOM ..."`` (the plan is then planned again): what :func:`plan_check.settle` runs a plan with.
+
+        Its peak is read above the static memory the planner counts, every block's weights in it, as the plan's
+        prediction is: a run's peak is above what was allocated when its step began, which lacks the weights the
+        plan streams (``streamed_gib(config)``: they left the GPU when it was patched; for a model larger than its GPU
+        they were never there, and the blocks it keeps resident came to it before the step). Read as it is, a plan
+        streaming 9.5 GiB of weights would seem to take 9.5 GiB more than it does."""
         made: list[Measure] = []
         name = type(self.request.model).__name__
 
@@ -355,6 +331,8 @@ class _Rows:
             print(f"gradseam auto: {name}: running the plan on the whole model before its first step",
                   file=sys.stderr, flush=True)
             outcome, seconds = self._timed(made[0], config, lambda what, exc: f"OOM on the whole model: {what}")
+            if isinstance(outcome, Estimate):
+                outcome = replace(outcome, peak_gib=outcome.peak_gib - streamed_gib(config))
             result = "ran" if isinstance(outcome, Estimate) else "out of memory"
             print(f"gradseam auto: {name}: the plan {result} in {seconds:.1f} s", file=sys.stderr, flush=True)
             return outcome
