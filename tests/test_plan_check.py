@@ -165,3 +165,29 @@ def test_a_check_answering_peak_and_time_as_a_pair_is_kept_as_a_measurement():
     got = plan_check._outcome(table, {"gradient_checkpointing": True}, 16.0, lambda config: (2.5, 120.0))
     assert got == Estimate(2.5, 120.0)
     assert table.checked == {cost_cache.config_id({"gradient_checkpointing": True}): Estimate(2.5, 120.0)}
+
+
+def test_a_plan_streaming_some_blocks_is_predicted_without_their_weights_as_its_fit_was_judged():
+    """The static memory the planner counts holds every block's weights; a candidate that streams some is judged
+    to fit without them, and its predicted GPU peak (what the plan check and bench set beside the measured one)
+    leaves them out too. Flux dev 4k's ``compile + stream 31`` under 16 GiB on an H100 read 26.85 GiB predicted and
+    15.09 measured: the 11.8 GiB it streamed, counted in."""
+    from gradseam.tools.advise import STREAM_KEY, run_ladder, streamed_weights_gib
+
+    block_gib = [0.63] * 19 + [0.26] * 38  # Flux dev's double and single blocks, bf16
+    torch_rung = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch"}
+
+    def measure(config):  # the activations fit 16 GiB; the weights (22.3 GiB static) do not
+        return Estimate(3.0, 600.0 if config.get(STREAM_KEY) else 500.0, 0.0)
+
+    advice = run_ladder(measure, 16.0, 22.3, ladder=[("torch", torch_rung)], block_gib=block_gib, win_back=False,
+                        streamed_per_block=0)
+    chosen = advice.chosen
+    assert chosen is not None and chosen.config.get(STREAM_KEY) not in (None, "all"), [
+        (t.label, t.status) for t in advice.trials]
+    streamed = streamed_weights_gib(block_gib, chosen.config[STREAM_KEY])
+    said = plan_check.predicted(advice)
+    assert said is not None and said["gpu_gib"] == pytest.approx(22.3 - streamed + 3.0)
+    assert said["gpu_gib"] <= 16.0 < 22.3 + 3.0  # within the budget it was chosen under
+    assert streamed_weights_gib(block_gib, "all") == pytest.approx(sum(block_gib))
+    assert streamed_weights_gib(block_gib, None) == 0.0

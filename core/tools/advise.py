@@ -350,6 +350,18 @@ def blocks_to_stream(block_gib: Sequence[float], over_gib: float, ahead: int = 1
     return None
 
 
+def streamed_weights_gib(block_gib: Sequence[float], count: Any) -> float:
+    """The frozen weights in host memory when ``count`` blocks stream (``"all"`` or a number of the full model's
+    blocks, spread as the runtime spreads them): what a streamed candidate's static memory is counted without."""
+    from ..planning import spread
+
+    if count == "all":
+        return sum(block_gib)
+    if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+        return 0.0
+    return sum(block_gib[i] for i in spread(min(count, len(block_gib)), len(block_gib)))
+
+
 def _streamed(advice: Advice, block_gib: list[float], measure: Measure) -> list[Trial]:
     """Each checkpointing rung that was over the GPU (not its host), fastest first, again with the fewest
     blocks' weights streamed that free its shortfall, measured; stops once :data:`STREAM_TRIES` fit. The
@@ -370,10 +382,7 @@ def _streamed(advice: Advice, block_gib: list[float], measure: Measure) -> list[
         if len(fits) >= STREAM_TRIES:
             trial.reason = f"not measured: {STREAM_TRIES} streamed rungs with faster resident steps fit"
             continue
-        from ..planning import spread
-
-        streamed = sum(block_gib[i] for i in spread(count, len(block_gib)))
-        if _try_streamed(trial, advice, measure, streamed, rung):
+        if _try_streamed(trial, advice, measure, streamed_weights_gib(block_gib, count), rung):
             fits.append(trial)
     return fits
 
