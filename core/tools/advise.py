@@ -387,30 +387,40 @@ def _streamed(advice: Advice, block_gib: list[float], measure: Measure) -> list[
     return fits
 
 
-def held_at_least_resident(streamed: Estimate, resident: UnitCosts | None) -> Estimate:
-    """``streamed``'s prediction with what each unit holds through the step at least what the same candidate holds
-    resident (``resident``: its fit per unit): streaming moves the weights, not the activations, and a block that
-    saves a weight for its backward (attention kept by the ``-ffn`` backends, no checkpointing) holds its streamed
-    copy too, so a streamed unit never holds less. Fitted through two shallow depths with the weights in flight,
-    the streamed line can come out lower: on an H100, Flux dev 4k's ``compile + stream all`` grew 0.089 GiB a unit
-    where ``compile`` grows 0.177, and ``auto``'s plan of it peaked 43% over the prediction at the full depth
-    (4.91 GiB measured, 3.43 predicted)."""
+def at_least_resident(streamed: Estimate, resident: UnitCosts | None) -> Estimate:
+    """``streamed``'s prediction with each unit holding at least what the same candidate holds resident, and taking
+    at least as long (``resident``: its fit per unit). Streaming moves the weights, not the activations, and a
+    block that saves a weight for its backward (attention kept by the ``-ffn`` backends, no checkpointing) holds its
+    streamed copy too, so a streamed unit never holds less; it runs the same kernels and waits for copies besides,
+    so it is never faster. Fitted through two shallow depths with the weights in flight, the streamed lines can come
+    out lower. On an H100, Flux dev 4k's ``compile + stream all`` grew 0.089 GiB a unit where ``compile`` grows
+    0.177, and ``auto``'s plan of it peaked 43% over the prediction at the full depth (4.91 GiB measured, 3.43
+    predicted); ``torch-ffn + attention offload + stream 41`` fitted -11.4 ms a unit (its deeper step ran faster
+    than its shallower one) and was predicted to take 36.5 ms a step, against 767.6 resident."""
     mine = streamed.unit_costs
-    if mine is None or resident is None or mine.peak_gib >= resident.peak_gib:
+    if mine is None or resident is None:
         return streamed
-    costs = replace(mine, peak_gib=resident.peak_gib)
-    return replace(streamed, peak_gib=streamed.peak_gib + (resident.peak_gib - mine.peak_gib) * mine.units,
-                   growth_gib=resident.peak_gib, unit_costs=costs)
+    costs, peak, step = mine, streamed.peak_gib, streamed.step_ms
+    if mine.peak_gib < resident.peak_gib:
+        costs = replace(costs, peak_gib=resident.peak_gib)
+        peak += (resident.peak_gib - mine.peak_gib) * mine.units
+    if mine.step_ms < resident.step_ms:
+        costs = replace(costs, step_ms=resident.step_ms)
+        step += (resident.step_ms - mine.step_ms) * mine.units
+    if costs is mine:
+        return streamed
+    growth = costs.peak_gib if costs.peak_gib != mine.peak_gib else streamed.growth_gib
+    return replace(streamed, peak_gib=peak, step_ms=step, growth_gib=growth, unit_costs=costs)
 
 
 def _try_streamed(trial: Trial, advice: Advice, measure: Measure, streamed: float, resident: Trial) -> bool:
     """Measure a rung with ``streamed`` GiB of frozen weights in host memory: its static memory is the model's less
     them, its pinned memory has them added (checked against the host's), and each unit holds at least what the
-    ``resident`` rung's units hold (:func:`held_at_least_resident`); whether it fits."""
+    ``resident`` rung's units hold and take at least its time (:func:`at_least_resident`); whether it fits."""
 
     def floored(config: Mapping[str, Any]) -> Estimate:
         got = measure(config)
-        return held_at_least_resident(got if isinstance(got, Estimate) else Estimate(*got), resident.unit_costs)
+        return at_least_resident(got if isinstance(got, Estimate) else Estimate(*got), resident.unit_costs)
 
     _try(trial, floored, advice.gpu_gib, advice.static_gib - streamed)
     if trial.pinned_gib is not None:
