@@ -413,14 +413,70 @@ def at_least_resident(streamed: Estimate, resident: UnitCosts | None) -> Estimat
     return replace(streamed, peak_gib=peak, step_ms=step, growth_gib=growth, unit_costs=costs)
 
 
+def in_flight_gib(block_gib: Sequence[float], config: Mapping[str, Any]) -> float:
+    """The most frozen weight ``config``'s streaming holds on the GPU at once over the whole model: the block that
+    runs and the ``prefetch`` streamed blocks copied ahead of it, at the worst place in forward order (the same
+    windows run back to front in the backward)."""
+    count = config.get(STREAM_KEY)
+    if not block_gib or not count:
+        return 0.0
+    from ..config import DEFAULT_STREAM_PREFETCH
+    from ..planning import spread
+
+    total = len(block_gib)
+    n = total if count == "all" else min(int(count), total)
+    streamed = [block_gib[i] for i in spread(n, total)]
+    window = 1 + int(config.get("gradient_checkpointing_stream_prefetch", DEFAULT_STREAM_PREFETCH) or 0)
+    return max(sum(streamed[i:i + window]) for i in range(len(streamed)))
+
+
+def keeps_no_weight_on_the_gpu(config: Mapping[str, Any]) -> bool:
+    """Whether what ``config``'s checkpointed blocks keep for their backward on the GPU cannot hold a block's weight:
+    a whole-block recompute keeps the block's inputs, and a backend that offloads what it keeps (``unsloth``,
+    ``unsloth-compile``) keeps nothing there. Not so for ``compile`` (the compiler may keep a weight its backward
+    needs), the ``-ffn`` backends and kept attention (attention's saved tensors, its weights among them)."""
+    if not config.get("gradient_checkpointing") or config.get("gradient_checkpointing_keep_attention"):
+        return False
+    backend = strategy_of(CheckpointConfig.from_dict(dict(config))).backend
+    return backend is not None and backend.scope is Scope.BLOCK and (backend.kind == "whole-block" or backend.moves)
+
+
+def at_most_resident_and_in_flight(streamed: Estimate, resident: Trial, in_flight: float) -> Estimate:
+    """``streamed``'s prediction no higher than the ``resident`` rung's at the full depth plus the weights in flight
+    (``in_flight``), for a candidate whose blocks keep no weight on the GPU (:func:`keeps_no_weight_on_the_gpu`):
+    nothing else on the GPU depends on where the weights live. The per-unit growth becomes the resident one, the
+    weights in flight a fixed part.
+
+    Why: the model cut to two shallow depths streams a share of its blocks, spread as in the whole model, and with
+    blocks of two sizes the largest pair in flight changes between the depths. Flux dev 4k's ``+ stream 32`` holds a
+    double and a single block in flight at depth 2 (0.90 GiB) and two double blocks at depth 4 (1.27 GiB): the fit
+    read the difference as 0.184 GiB a unit, and on an H100 predicted ``unsloth-compile + stream 32`` at 4.79 GiB of
+    activations where ``+ stream 35`` measured 2.03 on the whole model (the resident 0.78 and 1.27 in flight: 2.05).
+    Under 12 GiB the planner then ruled those rows out and chose a mix that ran 770 ms, against 709 for the
+    hand-chosen ``unsloth-compile + stream 35``."""
+    if resident.peak_gib is None or resident.unit_costs is None or streamed.unit_costs is None:
+        return streamed
+    cap = resident.peak_gib + in_flight
+    if streamed.peak_gib <= cap:
+        return streamed
+    growth = resident.unit_costs.peak_gib
+    costs = replace(streamed.unit_costs, peak_gib=growth, peak_fixed_gib=cap - growth * streamed.unit_costs.units)
+    return replace(streamed, peak_gib=cap, growth_gib=growth, unit_costs=costs)
+
+
 def _try_streamed(trial: Trial, advice: Advice, measure: Measure, streamed: float, resident: Trial) -> bool:
     """Measure a rung with ``streamed`` GiB of frozen weights in host memory: its static memory is the model's less
     them, its pinned memory has them added (checked against the host's), and each unit holds at least what the
-    ``resident`` rung's units hold and take at least its time (:func:`at_least_resident`); whether it fits."""
+    ``resident`` rung's units hold and take at least its time (:func:`at_least_resident`), and where its blocks keep
+    no weight on the GPU, at most what they hold plus the weights in flight (:func:`at_most_resident_and_in_flight`);
+    whether it fits."""
+    in_flight = in_flight_gib(advice.block_gib or [], trial.config) \
+        if keeps_no_weight_on_the_gpu(trial.config) else None
 
     def floored(config: Mapping[str, Any]) -> Estimate:
         got = measure(config)
-        return at_least_resident(got if isinstance(got, Estimate) else Estimate(*got), resident.unit_costs)
+        got = at_least_resident(got if isinstance(got, Estimate) else Estimate(*got), resident.unit_costs)
+        return got if in_flight is None else at_most_resident_and_in_flight(got, resident, in_flight)
 
     _try(trial, floored, advice.gpu_gib, advice.static_gib - streamed)
     if trial.pinned_gib is not None:
