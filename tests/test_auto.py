@@ -759,8 +759,8 @@ def test_a_streamed_block_that_keeps_no_weight_on_the_gpu_is_predicted_to_hold_t
     3 of the 6 blocks at depth 2 (a double and a single in flight at most: 0.90 GiB) and 7 of 12 at depth 4 (two
     doubles: 1.27 GiB); the fit read the difference as 0.184 GiB a unit and predicted 4.79 GiB of activations at 19
     units, where ``+ stream 35`` measured 2.03 on the whole model. Capped at the resident 0.78 and the 1.27 in
-    flight: 2.05. Only where nothing a block keeps for its backward can be a weight on the GPU: not ``compile``,
-    the ``-ffn`` backends or kept attention, whose measured lines stand."""
+    flight: 2.05. Only where nothing a block keeps for its backward can be a weight on the GPU (the backend's kind
+    says): not ``compile`` or the ``-ffn`` backends, whose measured lines stand."""
     from gradseam.tools.advise import (
         Trial,
         UnitCosts,
@@ -788,10 +788,10 @@ def test_a_streamed_block_that_keeps_no_weight_on_the_gpu_is_predicted_to_hold_t
     low = Estimate(1.5, 600.0, 0.0, 0.0, "", UnitCosts(19, 30.0, 0.0, 0.0, 1.5, 0.0, 0.0))
     assert at_most_resident_and_in_flight(low, resident, 2 * double) is low  # under the cap: as measured
     for kept in ({"gradient_checkpointing_backend": "unsloth-compile"}, {"gradient_checkpointing_backend": "unsloth"},
-                 {}, {"gradient_checkpointing_offload_attention": True}):
+                 {}, {"gradient_checkpointing_offload_attention": True}, {"gradient_checkpointing_keep_attention": True}):
         assert keeps_no_weight_on_the_gpu({"gradient_checkpointing": True, **kept}), kept
     for kept in ({"gradient_checkpointing_backend": "compile"}, {"gradient_checkpointing_backend": "torch-ffn"},
-                 {"gradient_checkpointing_backend": "unsloth-ffn"}, {"gradient_checkpointing_keep_attention": True}):
+                 {"gradient_checkpointing_backend": "unsloth-ffn"}):
         assert not keeps_no_weight_on_the_gpu({"gradient_checkpointing": True, **kept}), kept
     assert not keeps_no_weight_on_the_gpu({"gradient_checkpointing": False})
 

@@ -49,6 +49,13 @@ class RegionKind:
             return Kept.CPU
         return Kept.GPU if config.keep_attention else Kept.NOWHERE
 
+    def may_keep_weights(self, backend: Backend) -> bool:
+        """Whether what ``backend``'s regions keep on the device for their backward may hold a block's weight (a
+        matmul's saved operand): a streamed block's copy then stays on the GPU until its backward, so the planner
+        cannot bound a streamed candidate's memory by the resident one's plus the weights in flight
+        (:func:`gradseam.tools.advise.keeps_no_weight_on_the_gpu`). Yes unless the kind knows otherwise."""
+        return True
+
     def settings(self, config: CheckpointConfig) -> dict[str, Any]:
         """What of ``config`` each of its regions carries in its spec beyond the common fields (default: none)."""
         return {}

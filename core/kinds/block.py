@@ -18,6 +18,9 @@ class WholeBlock(RegionKind):
     keeps_kernels = True
     _global = "WHOLE_BLOCK"
 
+    def may_keep_weights(self, backend: Backend) -> bool:
+        return False  # a recomputed block keeps its inputs (and kept kernels their outputs): never a weight
+
     def check_family(self, backend: Backend, family: Family, config: CheckpointConfig) -> None:
         if config.gradient_checkpointing_interval and config.interval > 1 and not family.supports_interval:
             warn_once(

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..backends import CATALOG, Backend, Destination
+from ..backends import CATALOG, Backend, Destination, Offload
 from ..config import CheckpointConfig
 from ..errors import UnsupportedStrategyError
 from ..family import Family
@@ -34,6 +34,10 @@ class CompiledBlock(RegionKind):
     # eager model to rounding, not bit for bit (docs/reliability.md).
     tolerance = 1e-5
     _global = "COMPILED_BLOCK"
+
+    def may_keep_weights(self, backend: Backend) -> bool:
+        # the partitioner may save a weight its backward needs; what an offloading backend saves goes to host memory
+        return backend.offload is not Offload.SAVED
 
     def check_foreign(self, backend: Backend | None, config: CheckpointConfig) -> None:
         budget = config.gradient_checkpointing_memory_budget

@@ -431,14 +431,14 @@ def in_flight_gib(block_gib: Sequence[float], config: Mapping[str, Any]) -> floa
 
 
 def keeps_no_weight_on_the_gpu(config: Mapping[str, Any]) -> bool:
-    """Whether what ``config``'s checkpointed blocks keep for their backward on the GPU cannot hold a block's weight:
-    a whole-block recompute keeps the block's inputs, and a backend that offloads what it keeps (``unsloth``,
-    ``unsloth-compile``) keeps nothing there. Not so for ``compile`` (the compiler may keep a weight its backward
-    needs), the ``-ffn`` backends and kept attention (attention's saved tensors, its weights among them)."""
-    if not config.get("gradient_checkpointing") or config.get("gradient_checkpointing_keep_attention"):
+    """Whether nothing ``config``'s checkpointed blocks keep on the GPU for their backward can be a block's weight, as
+    the backend's kind says (:meth:`gradseam.kinds.base.RegionKind.may_keep_weights`): a whole-block recompute
+    keeps the block's inputs, and ``unsloth-compile`` moves what it keeps to host memory; ``compile`` and the
+    ``-ffn`` backends (attention's saved tensors) may keep a weight."""
+    if not config.get("gradient_checkpointing"):
         return False
     backend = strategy_of(CheckpointConfig.from_dict(dict(config))).backend
-    return backend is not None and backend.scope is Scope.BLOCK and (backend.kind == "whole-block" or backend.moves)
+    return backend is not None and not KINDS[backend.kind].may_keep_weights(backend)
 
 
 def at_most_resident_and_in_flight(streamed: Estimate, resident: Trial, in_flight: float) -> Estimate:
