@@ -172,7 +172,7 @@ def test_a_plan_streaming_some_blocks_is_predicted_without_their_weights_as_its_
     to fit without them, and its predicted GPU peak (what the plan check and bench set beside the measured one)
     leaves them out too. Flux dev 4k's ``compile + stream 31`` under 16 GiB on an H100 read 26.85 GiB predicted and
     15.09 measured: the 11.8 GiB it streamed, counted in."""
-    from gradseam.tools.advise import STREAM_KEY, run_ladder, streamed_weights_gib
+    from gradseam.tools.advise import STREAM_KEY, run_ladder, spread_weights_gib
 
     block_gib = [0.63] * 19 + [0.26] * 38  # Flux dev's double and single blocks, bf16
     torch_rung = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch"}
@@ -185,9 +185,9 @@ def test_a_plan_streaming_some_blocks_is_predicted_without_their_weights_as_its_
     chosen = advice.chosen
     assert chosen is not None and chosen.config.get(STREAM_KEY) not in (None, "all"), [
         (t.label, t.status) for t in advice.trials]
-    streamed = streamed_weights_gib(block_gib, chosen.config[STREAM_KEY])
+    streamed = spread_weights_gib(block_gib, chosen.config[STREAM_KEY])
     said = plan_check.predicted(advice)
     assert said is not None and said["gpu_gib"] == pytest.approx(22.3 - streamed + 3.0)
     assert said["gpu_gib"] <= 16.0 < 22.3 + 3.0  # within the budget it was chosen under
-    assert streamed_weights_gib(block_gib, "all") == pytest.approx(sum(block_gib))
-    assert streamed_weights_gib(block_gib, None) == 0.0
+    assert spread_weights_gib(block_gib, "all") == pytest.approx(sum(block_gib))
+    assert spread_weights_gib(block_gib, None) == 0.0

@@ -340,26 +340,31 @@ STREAM_TRIES = 2  # streamed rungs measured that fit, fastest resident step firs
 def blocks_to_stream(block_gib: Sequence[float], over_gib: float, ahead: int = 1) -> int | None:
     """The fewest blocks whose frozen weights, streamed (spread as the runtime spreads them), free ``over_gib``
     of GPU memory with the ``1 + ahead`` blocks in flight on the GPU counted back; None if not even all do."""
-    from ..planning import spread
-
     total = len(block_gib)
     for count in range(1, total + 1):
-        chosen = [block_gib[i] for i in spread(count, total)]
+        chosen = spread_blocks_gib(block_gib, count)
         if sum(chosen) - (1 + ahead) * max(chosen) >= over_gib:
             return count
     return None
 
 
-def streamed_weights_gib(block_gib: Sequence[float], count: Any) -> float:
-    """The frozen weights in host memory when ``count`` blocks stream (``"all"`` or a number of the full model's
-    blocks, spread as the runtime spreads them): what a streamed candidate's static memory is counted without."""
+def spread_blocks_gib(block_gib: Sequence[float], count: Any) -> list[float]:
+    """The frozen weights of each block that streams when ``count`` do (``"all"`` or a number of the full model's
+    blocks, spread as the runtime spreads a top-level count), in forward order. A per-block plan's streamed blocks
+    are the plan's to say (:func:`gradseam.tools.auto_planner.streamed_weights_gib` reads them from it)."""
     from ..planning import spread
 
     if count == "all":
-        return sum(block_gib)
+        return list(block_gib)
     if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
-        return 0.0
-    return sum(block_gib[i] for i in spread(min(count, len(block_gib)), len(block_gib)))
+        return []
+    return [block_gib[i] for i in spread(min(count, len(block_gib)), len(block_gib))]
+
+
+def spread_weights_gib(block_gib: Sequence[float], count: Any) -> float:
+    """The frozen weights in host memory when ``count`` blocks stream (:func:`spread_blocks_gib`): what a streamed
+    candidate's static memory is counted without."""
+    return sum(spread_blocks_gib(block_gib, count))
 
 
 def _streamed(advice: Advice, block_gib: list[float], measure: Measure) -> list[Trial]:
@@ -382,7 +387,7 @@ def _streamed(advice: Advice, block_gib: list[float], measure: Measure) -> list[
         if len(fits) >= STREAM_TRIES:
             trial.reason = f"not measured: {STREAM_TRIES} streamed rungs with faster resident steps fit"
             continue
-        if _try_streamed(trial, advice, measure, streamed_weights_gib(block_gib, count), rung):
+        if _try_streamed(trial, advice, measure, spread_weights_gib(block_gib, count), rung):
             fits.append(trial)
     return fits
 
@@ -417,17 +422,11 @@ def in_flight_gib(block_gib: Sequence[float], config: Mapping[str, Any]) -> floa
     """The most frozen weight ``config``'s streaming holds on the GPU at once over the whole model: the block that
     runs and the ``prefetch`` streamed blocks copied ahead of it, at the worst place in forward order (the same
     windows run back to front in the backward)."""
-    count = config.get(STREAM_KEY)
-    if not block_gib or not count:
-        return 0.0
     from ..config import DEFAULT_STREAM_PREFETCH
-    from ..planning import spread
 
-    total = len(block_gib)
-    n = total if count == "all" else min(int(count), total)
-    streamed = [block_gib[i] for i in spread(n, total)]
+    streamed = spread_blocks_gib(block_gib, config.get(STREAM_KEY))
     window = 1 + int(config.get("gradient_checkpointing_stream_prefetch", DEFAULT_STREAM_PREFETCH) or 0)
-    return max(sum(streamed[i:i + window]) for i in range(len(streamed)))
+    return max((sum(streamed[i:i + window]) for i in range(len(streamed))), default=0.0)
 
 
 def keeps_no_weight_on_the_gpu(config: Mapping[str, Any]) -> bool:

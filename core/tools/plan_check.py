@@ -40,7 +40,7 @@ from typing import Any
 
 from ..errors import GradseamError
 from . import cost_cache
-from .advise import STREAM_KEY, Advice, Estimate, Measure, streamed_weights_gib
+from .advise import STREAM_KEY, Advice, Estimate, Measure, spread_weights_gib
 from .compiled import gradseam_keys
 
 ROUNDS = 3  # plans run on the whole model at most, before the fastest that held is taken
@@ -87,7 +87,7 @@ def predicted(advice: Advice) -> dict[str, float] | None:
         return None
     # the static memory counts every block's weights; those the candidate streams are in host memory (its fit was
     # judged so): left in, Flux dev 4k's "compile + stream 31" under 16 GiB read 26.85 GiB predicted, 15.09 measured
-    streamed = streamed_weights_gib(advice.block_gib or [], chosen.config.get(STREAM_KEY))
+    streamed = spread_weights_gib(advice.block_gib or [], chosen.config.get(STREAM_KEY))
     return {"gpu_gib": advice.static_gib - streamed + chosen.peak_gib, "host_gib": chosen.pinned_gib or 0.0,
             "step_ms": chosen.step_ms}
 
