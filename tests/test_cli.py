@@ -462,6 +462,42 @@ def test_chart_draws_a_wide_memory_span_on_a_log_axis(tmp_path, monkeypatch):
     assert chart(wide, tmp_path / "wide.png") and scales[0] == "log"
 
 
+def test_chart_of_streamed_and_capped_rows_shows_the_whole_gpu_and_each_card(tmp_path, monkeypatch):
+    """Where weights stream or rows are capped, what must fit the card is the whole GPU's peak (a streamed row's
+    2 GiB of activations beside its resident weights), so x is that, and each cap a dotted line; a row without the
+    figure keeps the activation axis."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from gradseam.tools.bench_report import chart
+
+    seen: list[tuple[str, list[float], list[float]]] = []
+    real_close = plt.close
+
+    def close(fig):
+        ax = fig.axes[0]
+        xs = [float(p[0]) for c in ax.collections for p in c.get_offsets()]
+        lines = [line.get_xdata()[0] for line in ax.get_lines()]
+        seen.append((ax.get_xlabel(), xs, lines))
+        real_close(fig)
+
+    monkeypatch.setattr(plt, "close", close)
+    rows = [{"workload": "flux", "strategy": "unsloth-compile", "peak_gib": 0.83, "gpu_peak_gib": 23.12,
+             "step_ms": 535.8},
+            {"workload": "flux", "strategy": "unsloth-compile + stream 25 @ 16GiB", "peak_gib": 1.87,
+             "gpu_peak_gib": 14.62, "step_ms": 614.0},
+            {"workload": "flux", "strategy": "unsloth-compile + stream 35 @ 12GiB", "peak_gib": 2.03,
+             "gpu_peak_gib": 10.65, "step_ms": 708.7}]
+    assert chart(rows, tmp_path / "gpu.png")
+    label, xs, lines = seen[-1]
+    assert label.startswith("GPU peak, weights included") and sorted(xs) == [10.65, 14.62, 23.12]
+    assert sorted(lines) == [12.0, 16.0]
+    unknown = [dict(rows[0], gpu_peak_gib=None), *rows[1:]]
+    assert chart(unknown, tmp_path / "act.png")
+    label, xs, lines = seen[-1]
+    assert label.startswith("activation peak") and sorted(xs) == [0.83, 1.87, 2.03] and lines == []
+
+
 def test_real_rows_cover_references_and_strategies():
     from gradseam.tools.bench_rows import DIFFUSERS_ROW, real_rows
 

@@ -128,6 +128,16 @@ def test_the_prediction_equals_the_measurement_at_full_depth(flux_run):
     assert full["unsloth"]["peak_gib"] is None and full["unsloth"]["status"] == b.NEEDS_CUDA
 
 
+def test_the_full_depth_rows_carry_the_whole_gpus_peak_where_the_full_depth_was_measured(flux_run):
+    """What a capped or streamed row's chart reads (the CPU rows have none: set here as a GPU run sets it)."""
+    gpu = dataclasses.replace(flux_run, results=[dataclasses.replace(r, gpu_peak_gib=10.0 + r.depth)
+                                                 for r in flux_run.results])
+    full = {r["strategy"]: r for r in report.full_depth_rows(gpu)}
+    assert full["torch"]["gpu_peak_gib"] == 14.0 and full["unsloth"]["gpu_peak_gib"] is None  # not measured
+    fit_only = dataclasses.replace(gpu, results=[r for r in gpu.results if r.depth != 4])
+    assert all(r["gpu_peak_gib"] is None for r in report.full_depth_rows(fit_only))  # predicted: no GPU peak
+
+
 def test_without_the_full_depth_the_figures_are_predicted_and_marked(flux_run):
     fit_only = dataclasses.replace(flux_run, results=[r for r in flux_run.results if r.depth != 4])
     rows = report.full_depth_rows(fit_only)

@@ -29,7 +29,8 @@ The JSON written by ``gradseam bench`` (see :func:`payload`)::
          "peak_fit": "step" | "forward" | "backward" | null,  # whose fit predicts the peak (depth.predict_peak)
          "growth_gib_per_unit": float | null, "fixed_gib": float | null,  # of that fit
          "pinned_gib": float | null, "pinned_source": str | null,
-         "step_ms": float | null, "step_source": str | null, "vs_none": float | null}
+         "step_ms": float | null, "step_source": str | null, "vs_none": float | null,
+         "gpu_peak_gib": float | null}  # the whole GPU's peak where the full depth was measured, else null
       ],
       "rows": [                # every measurement, one per (workload, depth, strategy), in sweep order
         {"workload": str, "tokens": int, "strategy": str, "depth": int | null, "blocks": str | null,
@@ -158,6 +159,7 @@ def full_depth_rows(run: RealRun) -> list[dict[str, Any]]:
                                            if measured is not None and guess is not None and guess[0] > 0 else None)
                 row["growth_gib_per_unit"] = round(guess[1].growth, 9) if guess is not None else None
                 row["fixed_gib"] = round(guess[1].fixed, 9) if guess is not None else None
+        row["gpu_peak_gib"] = at_full.gpu_peak_gib if at_full is not None and at_full.status == "ok" else None
         if row["peak_gib"] is None:
             failed = at_full if at_full is not None and at_full.status != "ok" else next(
                 (r for r in mine if r.status != "ok"), None)
@@ -343,11 +345,37 @@ def auto_plans_note(rows: list[dict[str, Any]]) -> str | None:
     return "\n".join(lines) or None
 
 
+def _caps(rows: list[dict[str, Any]]) -> list[float]:
+    """The GPU caps the rows' labels name (``"... @ 16GiB"``), in GiB, smallest first."""
+    from .checks import parse_size
+
+    found = set()
+    for r in rows:
+        _, sep, cap = r["strategy"].partition(CAP_SUFFIX)
+        if sep:
+            try:
+                found.add(parse_size(cap))
+            except ValueError:
+                continue
+    return sorted(found)
+
+
+def _gpu_axis(rows: list[dict[str, Any]]) -> bool:
+    """Whether a workload's chart shows the whole GPU's peak: where weights stream or a row has a cap of its own, the
+    activations are not what must fit (a streamed row's 2 GiB of activations stand beside its resident weights and
+    the blocks in flight), and every row has the figure."""
+    relevant = any(STREAM_SUFFIX in r["strategy"] or CAP_SUFFIX in r["strategy"] or streams_weights(r.get("config"))
+                   for r in rows)
+    return relevant and all(r.get("gpu_peak_gib") is not None for r in rows)
+
+
 def chart(rows: list[dict[str, Any]], path: Any, title: str = "gradseam bench", *, cpu: bool = False) -> bool:
     """Memory (x) vs step time (y), one point per strategy, one panel per workload; False without matplotlib.
 
     ``rows`` are measured rows or full-depth rows (``peak_source`` present): predicted points are
-    drawn hollow. ``cpu=True``: x is the MiB autograd keeps for backward (``peak_gib`` of a CPU run).
+    drawn hollow. ``cpu=True``: x is the MiB autograd keeps for backward (``peak_gib`` of a CPU run). Where weights
+    stream or rows are capped (:func:`_gpu_axis`), x is the whole GPU's peak, and each cap a dotted line: what a
+    card of that size holds.
     """
     try:
         import matplotlib
@@ -363,6 +391,7 @@ def chart(rows: list[dict[str, Any]], path: Any, title: str = "gradseam bench", 
     for ax, workload in zip(axes[0], workloads):
         mine = [r for r in rows if r["workload"] == workload and r["peak_gib"] is not None and r["step_ms"]]
         failed = [r["strategy"] for r in rows if r["workload"] == workload and r["peak_gib"] is None]
+        whole_gpu = not cpu and _gpu_axis(mine)
         predicted = False
         points = []
         for r in mine:
@@ -370,7 +399,7 @@ def chart(rows: list[dict[str, Any]], path: Any, title: str = "gradseam bench", 
             color = "grey" if ref else "C0"
             guess = "predicted" in (r.get("peak_source"), r.get("step_source"))
             predicted |= guess
-            x = r["peak_gib"] * GiB / MiB if cpu else r["peak_gib"]
+            x = r["peak_gib"] * GiB / MiB if cpu else r["gpu_peak_gib"] if whole_gpu else r["peak_gib"]
             ax.scatter(x, r["step_ms"], marker="s" if ref else "o", facecolors="none" if guess else color,
                        edgecolors=color)
             points.append((r["strategy"], x, r["step_ms"]))
@@ -386,7 +415,14 @@ def chart(rows: list[dict[str, Any]], path: Any, title: str = "gradseam bench", 
             ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
             ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
             ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
-        ax.set_xlabel(("kept for backward (MiB, CPU)" if cpu else "activation peak (GiB)") + (", log scale" if wide else ""))
+        if whole_gpu:
+            for cap in _caps(mine):
+                ax.axvline(cap, color="C3", linestyle=":", linewidth=1)
+                ax.annotate(f"{cap:g} GiB card", (cap, 0.0), xycoords=("data", "axes fraction"), xytext=(3, 4),
+                            textcoords="offset points", fontsize=7, color="C3", rotation=90)
+        what = ("kept for backward (MiB, CPU)" if cpu else
+                "GPU peak, weights included (GiB)" if whole_gpu else "activation peak (GiB)")
+        ax.set_xlabel(what + (", log scale" if wide else ""))
         ax.set_ylabel("step time (ms)")
         ax.set_title(workload + (" (hollow: predicted)" if predicted else ""), fontsize=9)
         ax.grid(alpha=0.3)
