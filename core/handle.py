@@ -415,7 +415,10 @@ def lending(model: nn.Module) -> Iterator[None]:
     if stream is None:
         yield
         return
-    with stream.lent({id(m) for m in model.modules()}):
+    measuring = {id(block.module) for hook in model._forward_pre_hooks.values()
+                 if isinstance(hook, _ModelHooks) and not hook.handle._aside and hook.handle.weights is not None
+                 for block in hook.handle.weights.blocks}
+    with stream.lent({id(m) for m in model.modules()} - measuring):
         yield
 
 

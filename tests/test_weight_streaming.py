@@ -696,7 +696,7 @@ def test_a_set_aside_stream_lends_the_blocks_a_measuring_patch_keeps_resident_an
                         assert [parked(b) for b in model.blocks] == [id(b) in borrowed for b in model.blocks]
                         got = run_step(model, WAN)
                     assert all(parked(b) for b in model.blocks), "a lent block stayed off its host copy"
-                assert not any(b.on_loan for b in stream.blocks), "a borrowed block was not handed back"
+                assert not any(b.loaded for b in stream.blocks), "a lent block stayed loaded"
                 assert (stream.loads, stream.misses) == counted
         finally:
             outer.active = True

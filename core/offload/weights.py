@@ -126,7 +126,6 @@ class _Block:
     loaded: bool = False
     copied: Any = None  # the copy stream's event for a load the compute stream has not waited for yet
     borrowed: bool = False  # its host copies are a set-aside stream's, lent while "auto" measures (lender)
-    on_loan: bool = False  # (in the lender) a measuring patch's stream borrowed its host copies: that one loads it
 
     @property
     def nbytes(self) -> int:
@@ -302,13 +301,12 @@ class WeightStream:
         if old is None:
             return False
         block.tensors, block.buffers, block.borrowed = list(old.tensors), [], True
-        old.on_loan = True
         return True
 
     @contextmanager
     def lent(self, modules: set[int]) -> Iterator[list[int]]:
-        """Inside, the blocks whose module's id is in ``modules`` and that no measuring patch's stream borrowed are on
-        the device, as if resident; parked again on exit. Yields their indices.
+        """Inside, the blocks whose module's id is in ``modules`` are on the device, as if resident; parked again on
+        exit. Yields their indices. (The caller leaves out the blocks a measuring patch streams: that one loads them.)
 
         Why: ``"auto"`` measures a model larger than its GPU (every block's weights in host memory since patch time,
         this stream set aside) under patches of its own, and a candidate that keeps a block's weights resident must
@@ -316,7 +314,7 @@ class WeightStream:
         what is allocated before it (the planner counts each resident block's weights apart), and only the blocks of
         the model cut to the measured depth are loaded (``modules``: what the cut model holds)."""
         chosen = [index for index, block in enumerate(self.blocks)
-                  if id(block.module) in modules and not block.on_loan and block.tensors and not block.loaded]
+                  if id(block.module) in modules and block.tensors and not block.loaded]
         try:
             for index in chosen:
                 self.load(index, count=False)
@@ -596,10 +594,6 @@ class WeightStream:
                 for entry in block.tensors:
                     entry.tensor.data = entry.host
                 block.tensors = []
-                lent = next((b for b in self.lender.blocks if b.module is block.module), None) \
-                    if self.lender is not None else None
-                if lent is not None:
-                    lent.on_loan = False
                 continue
             for entry, copy in zip(block.tensors, restored):
                 entry.tensor.data = copy
