@@ -460,3 +460,79 @@ def test_workload_on_a_quantized_base_trains_only_its_lora():
     assert workload.label(16).endswith("torchao-int8, LoRA r=4)")
     forward_backward(workload.model, workload.inputs())()
     assert all(p.grad is not None for n, p in workload.model.named_parameters() if n in trainable)
+
+
+# -- a two-depth line that cannot be right ---------------------------------------------------------
+
+
+def _scripted_depths(monkeypatch, times: dict[tuple[int, int], float]) -> list[tuple[int, int]]:
+    """``measure_once`` replaced: each (depth, steps) call returns its scripted step time (the peak grows with
+    depth); returns the calls made, in order."""
+    from gradseam.tools import advise as advise_module
+    from gradseam.tools.measure import Measurement
+
+    calls: list[tuple[int, int]] = []
+
+    def once(model, inputs, config, depth, loss_fn=None, *, family, plan, device="cuda", steps=1):
+        calls.append((depth, steps))
+        return Measurement(peak_gib=0.5 * depth, step_ms=times[depth, steps], pinned_gib=0.0)
+
+    monkeypatch.setattr(advise_module, "measure_once", once)
+    return calls
+
+
+def _two_depths(device: str = "cuda"):
+    from cases import FLUX
+
+    from gradseam.tools.advise import depth_measure
+
+    model = FLUX.fresh()
+    measure, _ = depth_measure(model, {}, device=device, depths=(2, 4), target=19)
+    return measure
+
+
+def test_a_deeper_step_timed_faster_is_timed_again_and_the_second_line_is_used(monkeypatch):
+    """One step each said depth 4 ran faster than depth 2 (a line falling with depth would predict the full model
+    faster than either): both depths are timed again over three steps, and their line is the estimate."""
+    calls = _scripted_depths(monkeypatch, {(2, 1): 230.0, (4, 1): 207.0, (2, 3): 100.0, (4, 3): 160.0})
+    got = _two_depths()({"gradient_checkpointing": True})
+    assert calls == [(2, 1), (4, 1), (2, 3), (4, 3)]
+    assert got.unit_costs.step_ms == pytest.approx(30.0)  # (160 - 100) / 2 per unit
+    assert got.step_ms == pytest.approx(40.0 + 30.0 * 19)
+
+
+def test_a_step_that_never_grows_with_depth_is_refused_with_both_times(monkeypatch):
+    _scripted_depths(monkeypatch, {(2, 1): 230.0, (4, 1): 207.0, (2, 3): 221.0, (4, 3): 221.0})
+    with pytest.raises(UnsupportedStrategyError) as raised:
+        _two_depths()({"gradient_checkpointing": True})
+    message = str(raised.value)
+    assert "221.0 ms at depth 2 and 221.0 ms at depth 4" in message
+    assert "median of 3 steps" in message and "gradseam advise --depths" in message
+
+
+def test_a_step_that_grows_with_depth_is_timed_once_per_depth(monkeypatch):
+    calls = _scripted_depths(monkeypatch, {(2, 1): 100.0, (4, 1): 160.0})
+    assert _two_depths()({"gradient_checkpointing": True}).unit_costs.step_ms == pytest.approx(30.0)
+    assert calls == [(2, 1), (4, 1)]
+
+
+def test_the_cpu_measures_saved_bytes_and_does_not_time_again(monkeypatch):
+    """On the CPU a row's figure is what it saves for backward; a tiny model's step time is within the noise."""
+    calls = _scripted_depths(monkeypatch, {(2, 1): 230.0, (4, 1): 207.0})
+    _two_depths("cpu")({"gradient_checkpointing": True})
+    assert calls == [(2, 1), (4, 1)]
+
+
+def test_the_planner_records_a_refused_line_as_unsupported_with_its_reason(monkeypatch):
+    """What ``auto`` caches for such a row: its reason, so the plan leaves it out instead of trusting the line."""
+    from gradseam.tools.auto_planner import _Rows
+
+    _scripted_depths(monkeypatch, {(2, 1): 230.0, (4, 1): 207.0, (2, 3): 221.0, (4, 3): 220.0})
+    measure = _two_depths()
+
+    class Request:
+        model = torch.nn.Linear(1, 1)
+
+    rows = _Rows(Request(), lambda request: (measure, "depths 2 and 4", 0.0))  # type: ignore[arg-type]
+    got = rows.one("torch", {"gradient_checkpointing": True})
+    assert isinstance(got, str) and got.startswith("unsupported: its step did not take longer with more blocks")

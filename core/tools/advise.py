@@ -601,14 +601,23 @@ def depth_measure(
         if unseen:
             note += f" (note: {unseen})"
 
-    def once(config: Mapping[str, Any], depth: int) -> Any:  # a measure.Measurement
-        return measure_once(model, inputs, config, depth, loss_fn, family=family, plan=plan, device=device)
+    def once(config: Mapping[str, Any], depth: int, steps: int = 1) -> Any:  # a measure.Measurement
+        return measure_once(model, inputs, config, depth, loss_fn, family=family, plan=plan, device=device, steps=steps)
 
     def measure(config: Mapping[str, Any]) -> Estimate:
         if depths is None:
             got = once(config, plan.full)
             return Estimate(got.peak_gib, got.step_ms, got.pinned_gib)
         a, b = once(config, depths[0]), once(config, depths[1])
+        if device != "cpu" and not grows(a, b):
+            a, b = once(config, depths[0], RETIMED_STEPS), once(config, depths[1], RETIMED_STEPS)
+            if not grows(a, b):
+                raise UnsupportedStrategyError(
+                    f"its step did not take longer with more blocks: {a.step_ms:.1f} ms at depth {depths[0]} and "
+                    f"{b.step_ms:.1f} ms at depth {depths[1]}, timed again as the median of {RETIMED_STEPS} steps "
+                    "at each depth after one step each said the same. On this GPU its timing varies by more than a "
+                    "unit of depth adds, so no line through the two depths can predict the full model; measure it "
+                    "at deeper depths (gradseam advise --depths) or at the full depth (gradseam bench --full)")
         _, peak = highest(peak_lines(depths, a, b), target)  # each pass's own line too (depth.highest)
         ms = fit(depths, (a.step_ms, b.step_ms))
         pinned = fit(depths, (a.pinned_gib, b.pinned_gib))
@@ -619,10 +628,24 @@ def depth_measure(
     return measure, note
 
 
+# Timed steps per depth when one step each said that the deeper model ran faster (the median is kept)
+RETIMED_STEPS = 3
+
+
+def grows(shallow: Any, deep: Any) -> bool:
+    """Whether the deeper of two measurements took longer, as every unit of depth adds kernels: a line through two
+    depths where it did not would predict the full model faster than the cut one. On an H100, Flux dev 4k's
+    ``torch-ffn + attention offload + stream 41`` took 230 ms at depth 2 and 207 at depth 4, one timed step each,
+    and its line said 36.5 ms for the whole model (767.6 resident)."""
+    return deep.step_ms > shallow.step_ms
+
+
 def measure_once(model: Any, inputs: Mapping[str, Any], config: Mapping[str, Any], depth: int,
-                 loss_fn: Callable[[Any], Any] | None = None, *, family: Any, plan: Any, device: str = "cuda") -> Any:
+                 loss_fn: Callable[[Any], Any] | None = None, *, family: Any, plan: Any, device: str = "cuda",
+                 steps: int = 1) -> Any:
     """One candidate patched onto ``model`` cut to ``depth`` (``plan.full``: the whole model), warmed up and timed
-    for one step; the patch is removed after. Returns a :class:`gradseam.tools.measure.Measurement`."""
+    for ``steps`` steps (their median); the patch is removed after. Returns a
+    :class:`gradseam.tools.measure.Measurement`."""
     import gradseam
 
     from ..handle import lending
@@ -640,7 +663,7 @@ def measure_once(model: Any, inputs: Mapping[str, Any], config: Mapping[str, Any
         try:
             # two warm-ups where blocks compile: the second call of a compiled block may compile again (its
             # backward, a guard on what the first call changed), and a timed compile ruins the fit
-            return measuring.measure(step, steps=1, warmup=2 if compiles(config) else 1,
+            return measuring.measure(step, steps=steps, warmup=2 if compiles(config) else 1,
                                      device=device, engine=getattr(handle, "engine", None))
         finally:
             step = None
