@@ -13,6 +13,7 @@ import functools
 import json
 import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -819,3 +820,58 @@ def test_under_12_gib_flux_is_planned_as_the_uniform_streamed_row_the_cap_lets_f
     said = plan_check.predicted(advice)
     assert plan_check.name_of(advice) == "unsloth-compile + stream 32", plan_check.name_of(advice)
     assert said is not None and said["gpu_gib"] <= 12.0 and said["step_ms"] < 742.3, said
+
+
+def _saved_file(cache_dir) -> Path:
+    (path,) = cache_dir.glob("costs/*.json")
+    return path
+
+
+def test_a_table_from_before_checked_plans_counted_streamed_weights_keeps_its_rows_and_runs_its_plans_again(_cache):
+    """Format 1 kept a checked plan's pinned figure without the weights it streamed (a plan over the host budget by
+    its weights passed): such a file's measured rows are read, its checked plans are not, and a format-2 file keeps
+    both. A format this reader does not know is measured again."""
+    model, inputs = WAN.fresh(), _inputs()
+    key = cost_cache.key_of(Request(model, inputs, None, None, family_for(model)), auto_planner.CANDIDATES)
+    _write_table(model, inputs)
+    table = cost_cache.load(key)
+    table.checked[cost_cache.config_id({"gradient_checkpointing": True})] = Estimate(2.0, 100.0, 1.0)
+    cost_cache.save(key, table)
+    path = _saved_file(_cache)
+    data = json.loads(path.read_text())
+    assert data["format"] == cost_cache.FORMAT == 2
+    assert cost_cache.load(key).checked, "a current file lost its checked plans"
+    path.write_text(json.dumps({**data, "format": 1}))
+    old = cost_cache.load(key)
+    assert old is not None and old.checked == {} and old.results == table.results and old.complete
+    path.write_text(json.dumps({**data, "format": 3}))
+    assert cost_cache.load(key) is None
+
+
+def test_a_cached_row_whose_step_fell_with_depth_is_measured_again_and_only_it(_cache):
+    """A file written before advise timed such rows again holds their falling line (on an H100, 36.5 ms predicted for a
+    row that took 767 ms resident): read back, the row is missing, the table incomplete, and a run that can measure
+    measures that row alone."""
+    model, inputs = WAN.fresh(), _inputs()
+    request = Request(model, inputs, 40.0, 8.0, family_for(model))
+    key = cost_cache.key_of(request, auto_planner.CANDIDATES)
+    _write_table(model, inputs)
+    path = _saved_file(_cache)
+    data = json.loads(path.read_text())
+    row = next(c for c in data["candidates"] if c["label"] == "torch")
+    row["result"]["unit_costs"]["step_ms"] = -11.4
+    path.write_text(json.dumps(data))
+    table = cost_cache.load(key)
+    assert not table.complete and [label for label, _ in table.missing()] == ["torch"]
+    measured: list[dict] = []
+
+    def measure_on(request):
+        def measure(config):
+            measured.append(dict(config))
+            return _estimate("torch")
+        return measure, "depth 5, from a table", STATIC
+
+    auto_planner.plan(request, measure_on=measure_on)
+    assert measured == [dict(auto_planner.CANDIDATES)["torch"]]
+    again = cost_cache.load(key)
+    assert again.complete and again.results["torch"] == _estimate("torch")

@@ -28,7 +28,11 @@ from typing import Any
 
 from .advise import Estimate, UnitCosts
 
-FORMAT = 1  # bumped when what a table means changes: older files are then measured again
+# Bumped when what a table means changes. 2: a checked plan's pinned figure counts the weights it streams (in 1 it
+# did not, so a plan over the host budget by its weights passed; a format-1 file's rows are kept and its checked
+# plans dropped, to run again). Any other format is measured again.
+FORMAT = 2
+READABLE = {1, 2}
 
 
 @dataclass
@@ -78,14 +82,26 @@ class Table:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Table:
+        """The table a file holds. A row whose line falls with depth (its deeper step ran faster) is left to measure
+        again: :func:`gradseam.tools.advise.depth_measure` now times such a row again and refuses it if it still
+        falls, and a file written before kept the line, which predicts the whole model faster than a cut one."""
         candidates, results = [], {}
         for item in data["candidates"]:
             candidates.append((item["label"], dict(item["config"])))
-            results[item["label"]] = _result(item["result"])
+            result = _result(item["result"])
+            if not falls(result):
+                results[item["label"]] = result
         candidates += [(item["label"], dict(item["config"])) for item in data.get("to_measure", ())]
-        checked = {config_id(item["config"]): _result(item["result"]) for item in data.get("checked", ())}
-        return cls(candidates, results, float(data["static_gib"]), str(data["depth_note"]),
-                   bool(data.get("complete", True)), checked)
+        checked = {}
+        if data.get("format") == FORMAT:
+            checked = {config_id(item["config"]): _result(item["result"]) for item in data.get("checked", ())}
+        complete = bool(data.get("complete", True)) and len(results) == len(candidates)
+        return cls(candidates, results, float(data["static_gib"]), str(data["depth_note"]), complete, checked)
+
+
+def falls(result: Estimate | str) -> bool:
+    """Whether ``result``'s step time fell with depth (its line through two depths gives each unit no time)."""
+    return isinstance(result, Estimate) and result.unit_costs is not None and result.unit_costs.step_ms <= 0
 
 
 def config_id(config: Mapping[str, Any]) -> str:
@@ -175,11 +191,11 @@ def _path(key: Mapping[str, Any], override: str | os.PathLike[str] | None) -> Pa
 
 
 def load(key: Mapping[str, Any], override: str | os.PathLike[str] | None = None) -> Table | None:
-    """The table cached for ``key``, or None (none, unreadable, another format or another key)."""
+    """The table cached for ``key``, or None (none, unreadable, a format not in :data:`READABLE` or another key)."""
     path = _path(key, override)
     try:
         data = json.loads(path.read_text())
-        if data.get("format") != FORMAT or data.get("key") != json.loads(json.dumps(key)):
+        if data.get("format") not in READABLE or data.get("key") != json.loads(json.dumps(key)):
             return None
         return Table.from_json(data)
     except (OSError, ValueError, KeyError, TypeError):
