@@ -458,16 +458,26 @@ def _print_bench(out: Console, sweep: _Sweep, results: list[Result], run: RealRu
                  png_path: Path) -> None:
     """The results file, the tables (pasteable markdown) and the chart."""
     from . import bench_report as report
-    from . import measure
 
     measured = report.with_ratios(results, sweep.steps_of(results))
     deep = depth_info = None
     if run is not None:
         deep = report.full_depth_rows(run)
         depth_info = report.depth_info(run, measured_full=full)
-    payload = report.payload(measured, sweep.title, depth=depth_info, full_depth=deep, **sweep.meta)
-    sweep.json_path.write_text(json.dumps(payload, indent=1))
-    out.print(sweep.title, markup=False)
+    _show_bench(out, sweep.title, sweep.meta, sweep.json_path, measured, deep, depth_info, cpu=cpu, png_path=png_path)
+
+
+def _show_bench(out: Console, title: str, meta: dict[str, Any], json_path: Path, measured: list[dict[str, Any]],
+                deep: list[dict[str, Any]] | None, depth_info: dict[str, Any] | None, *, cpu: bool,
+                png_path: Path) -> None:
+    """Rows with their ratios, as one sweep or the processes of ``--isolate-rows`` measured them: the JSON, the
+    tables and the chart."""
+    from . import bench_report as report
+    from . import measure
+
+    payload = report.payload(measured, title, depth=depth_info, full_depth=deep, **meta)
+    json_path.write_text(json.dumps(payload, indent=1))
+    out.print(title, markup=False)
     if deep is not None:
         out.print(report.full_depth_markdown(deep, depth_info), markup=False, highlight=False, soft_wrap=True)
         out.print("\nMeasured:", markup=False)
@@ -480,15 +490,55 @@ def _print_bench(out: Console, sweep: _Sweep, results: list[Result], run: RealRu
         left_out = report.cpu_status_note(measured)
         if left_out:
             out.print(left_out, markup=False, highlight=False)
-        out.print(measure.spread_line(sweep.meta["steps"]), markup=False)
+        out.print(measure.spread_line(meta["steps"]), markup=False)
         note = report.cpu_noise_note(measured)
         if note:
             out.print(note, markup=False, highlight=False)
-    out.print(f"wrote {sweep.json_path}", markup=False)
-    if report.chart(deep if deep is not None else measured, png_path, sweep.title, cpu=cpu):
+    out.print(f"wrote {json_path}", markup=False)
+    if report.chart(deep if deep is not None else measured, png_path, title, cpu=cpu):
         out.print(f"wrote {png_path}", markup=False)
     else:
         out.print("matplotlib is not installed, so no chart was written (pip install 'gradseam[bench]').", markup=False)
+
+
+def _bench_isolated(family: str, preset: str, json_path: Path, png_path: Path, *, depths: str | None, full: bool,
+                    full_rows: list[str] | None, depth: int | None, tokens: list[int] | None, rows: list[str] | None,
+                    skip_rows: list[str] | None, steps: int | None, base: str | None, lora: int | None,
+                    gpu_memory: str | None, host_memory: str | None, config_row_specs: list[str],
+                    meta: dict[str, Any]) -> None:
+    """``bench --isolate-rows``: each row by a ``gradseam bench`` process of its own (:mod:`.bench_isolated`), one
+    step of progress per row, then the rows shown as one sweep shows them."""
+    from . import bench_isolated as isolated
+    from . import bench_report as report
+    from .bench_rows import CPU_STATUS_WHY, config_rows, real_rows
+
+    if skip_rows:
+        rows = [name for name, _ in real_rows() if name not in skip_rows]
+    labels = [name for name, _ in real_rows(rows, extra=config_rows(config_row_specs))]
+    sweep = isolated.Sweep(family, preset, depths, full, full_rows, depth, tokens, steps, base, lora, gpu_memory,
+                           host_memory, config_row_specs)
+    folder = json_path.with_name(f"{json_path.stem}-rows")
+    title = f"gradseam bench: {family} {preset} (each row in a process of its own)"
+    out = console()
+    with _progress(out) as progress:
+        task = progress.add_task(f"row 1 of {len(labels)}: {labels[0]}" if labels else "bench", total=len(labels))
+
+        def on_row(position: int, label: str, mine: list[Result]) -> None:
+            progress.advance(task)
+            if position < len(labels):
+                progress.update(task, description=f"row {position + 1} of {len(labels)}: {labels[position]}")
+            for result in mine:
+                if result.status != "ok" and result.status not in CPU_STATUS_WHY:
+                    where = f" at depth {result.depth}" if result.depth is not None else ""
+                    why = f" ({result.failure})" if result.failure else ""
+                    progress.console.print(f"{label}{where}: {result.status}{why}", markup=False, highlight=False)
+
+        gathered = isolated.run(sweep, labels, folder, on_row=on_row)
+    measured = report.with_ratios(gathered.results, gathered.steps)
+    deep = isolated.with_ratios_across(gathered.full_depth) if gathered.full_depth is not None else None
+    _show_bench(out, title, {**meta, **gathered.meta}, json_path, measured, deep, gathered.depth, cpu=False,
+                png_path=png_path)
+    out.print(f"each row's JSON and output: {folder}", markup=False)
 
 
 # the weights a real-size model is measured with: bench's and advise's options
@@ -520,6 +570,7 @@ def bench(
     gpu_memory: Annotated[str | None, typer.Option(metavar="SIZE", help="with --family: run every row's steps on this much of the GPU, e.g. '24GiB' (torch.cuda.set_per_process_memory_fraction), as on a smaller card; rows that stream weights ('unsloth-compile + stream all') fit where resident ones do not; the 'auto' row plans within it")] = None,
     host_memory: Annotated[str | None, typer.Option(metavar="SIZE", help="with --row auto: the pinned host memory its plan may use (its gradient_checkpointing_host_memory), e.g. '48GiB' (default: 3/4 of this machine's available memory)")] = None,
     config_row_specs: Annotated[list[str] | None, typer.Option("--config-row", metavar="LABEL=FILE", help="with --family: also measure your own config as a row labelled LABEL, after the rows --row picks, by the same protocol (repeat for several). FILE is a JSON object of gradseam config keys as a trainer config writes them (a hand-chosen per-block plan, say), or an auto row's \"plan\" object from bench's JSON, whose \"config\" is such an object. 'mine @ 24GiB=FILE' runs its steps on 24 GiB of the GPU, as other rows' ' @ SIZE' does; --full-row LABEL measures it at the full depth")] = None,
+    isolate_rows: Annotated[bool, typer.Option("--isolate-rows", help="with --family: measure each row in a process of its own, the model built again for each, so no row runs after another in one process (its allocator cache, pinned pool and compiled graphs); each row's JSON and output are kept in FILE-rows/ beside --json FILE")] = False,
 ) -> None:
     """Benchmark every strategy: memory, host memory and step time, side by side with the references.
 
@@ -545,6 +596,8 @@ def bench(
         extra_rows = config_rows(config_row_specs or [])
     except gradseam.GradseamError as exc:
         bad("--config-row", str(exc))
+    if isolate_rows and family is None:
+        fail("--isolate-rows measures each row of a real-size model's sweep in a process of its own; it needs --family.")
     if host_gib is not None and not any(is_auto_row(r) for r in rows or ()):
         fail("--host-memory is the budget the 'auto' row plans within; add --row auto (or --row 'auto @ 24GiB').")
     fam, preset = _family(family, preset) if family is not None else (None, preset)
@@ -562,6 +615,14 @@ def bench(
         )
         _model_class(fam)
     device = _device(device)
+    if isolate_rows:
+        assert fam is not None
+        _bench_isolated(fam.name, preset, json_path, png_path, depths=depths, full=full, full_rows=full_rows,
+                        depth=depth, tokens=tokens, rows=rows, skip_rows=skip_rows, steps=steps, base=base, lora=lora,
+                        gpu_memory=gpu_memory, host_memory=host_memory, config_row_specs=config_row_specs or [],
+                        meta={"device": "cuda", "family": family, "preset": preset, "steps": steps or 5,
+                              "base": base, "lora": lora, "gpu_memory_gib": cap_gib, "host_memory_gib": host_gib})
+        return
     from . import bench as b
     from . import measure
 
