@@ -115,7 +115,7 @@ def row_variant(label: str, known: dict[str, dict[str, Any] | None]) -> tuple[st
     block's copy waited for; ``+ stream all naive``: the naive reference, each block copied in on the compute
     stream as it runs and copied back out after, :class:`gradseam.offload.weights.WeightStream`'s ``naive``);
     ``" @ 24GiB"`` after any gradseam row runs its steps on 24 GiB of the GPU. None for any other label."""
-    from .checks import parse_size
+    from ..config import parse_size
 
     match = _VARIANT.fullmatch(label)
     if match is None or (match["count"] is None and match["cap"] is None):
