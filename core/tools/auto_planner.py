@@ -60,8 +60,9 @@ from ..auto import Planned, Request
 from ..config import BLOCK_KEYS, CheckpointConfig
 from ..errors import GradseamError, UnsupportedStrategyError, warn_once
 from . import cost_cache, plan_check
-from .advise import LADDER, STREAM_KEY, Advice, Estimate, Measure, NoFitError, run_ladder
+from .advise import LADDER, run_ladder
 from .compiled import gradseam_keys
+from .estimates import STREAM_KEY, Advice, Estimate, Measure, NoFitError
 
 GiB = 1 << 30
 DEFAULT: dict[str, Any] = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch"}

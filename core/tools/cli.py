@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from rich.progress import TaskID
 
     from ..family import Family
-    from .advise import Advice
+    from .estimates import Advice
     from .measure import Measurement
     from .results import RealRun, Result
     from .workloads import Workload
@@ -704,8 +704,8 @@ def _measure_advice(out: Console, fam: Family, preset: str, gpu_gib: float, *, d
     """Build the model and walk the ladder; the advice and the exit code (1: nothing fits)."""
     import torch
 
-    from .advise import NoFitError
     from .advise import advise as run_advise
+    from .estimates import NoFitError
     from .workloads import build
 
     _quiet_diffusers()

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .advise import Estimate, UnitCosts
+from .estimates import Estimate, UnitCosts
 
 # Bumped when what a table means changes. 2: a checked plan's pinned figure counts the weights it streams (in 1 it
 # did not, so a plan over the host budget by its weights passed; a format-1 file's rows are kept and its checked

@@ -2,7 +2,7 @@
 fastest while the GPU's and the host's memory both hold (issue 41, the planner's first part).
 
 ``advise`` measures every candidate of its ladder uniformly, at two depths, and predicts it at the real
-depth from a line per quantity (:class:`gradseam.tools.advise.UnitCosts`): what one unit of depth adds to
+depth from a line per quantity (:class:`gradseam.tools.estimates.UnitCosts`): what one unit of depth adds to
 the step time, to the activations held through the step and to the pinned host memory, and what is there
 at depth zero. A uniform plan has to fit its worst block into both budgets: on a 64 GB host,
 ``unsloth-compile`` pins every block's activations and may not fit, while ``compile`` keeps them on a GPU
@@ -38,8 +38,8 @@ from typing import Any
 
 from ..config import BLOCK_KEYS, CheckpointConfig
 from ..plan_search import Budget, Group, Option, Plan, search
-from .advise import STREAM_KEY, Advice, Trial, UnitCosts
 from .compiled import gradseam_keys
+from .estimates import STREAM_KEY, Advice, Trial, UnitCosts
 
 BLOCKS_KEY = "gradient_checkpointing_blocks"
 GROUP = "units"  # the one group the search plans: every unit of depth is alike

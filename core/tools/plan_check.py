@@ -40,8 +40,9 @@ from typing import Any
 
 from ..errors import GradseamError
 from . import cost_cache
-from .advise import STREAM_KEY, Advice, Estimate, Measure, spread_weights_gib
+from .advise import spread_weights_gib
 from .compiled import gradseam_keys
+from .estimates import STREAM_KEY, Advice, Estimate, Measure
 
 ROUNDS = 3  # plans run on the whole model at most, before the fastest that held is taken
 SLOWER = 0.05  # a plan measured this much slower than predicted is planned again from what it measured
@@ -191,7 +192,7 @@ def settle(advice: Advice, table: cost_cache.Table, check: Measure | None, recho
            gpu_gib: float, host_gib: float | None, depth: str = "") -> Settled:
     """The plan the first step runs (see the module docstring). ``check`` runs a config on the whole model (None:
     only what the table holds is read, and a plan it lacks runs unchecked)."""
-    from .advise import NoFitError
+    from .estimates import NoFitError
 
     held: list[tuple[Advice, Estimate]] = []
     lines: list[str] = []
