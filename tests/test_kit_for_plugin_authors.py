@@ -173,3 +173,16 @@ def test_the_marker_line_names_the_mark():
     from gradseam.testing import MARKERS
 
     assert [line.split(":")[0] for line in MARKERS] == [COMPILED_MARK]
+
+
+def test_the_hooks_recognise_a_suite_by_the_attribute_the_suite_class_sets():
+    """The pytest hooks tell the kit's tests from others by an attribute every suite class inherits (they do not
+    import the suite, which registers them): its name in the hooks and on the class must agree."""
+    from gradseam.testing import ConformanceSuite
+    from gradseam.testing.plugin import SUITE_ATTRIBUTE
+
+    class Mine(ConformanceSuite):
+        pass
+
+    assert getattr(Mine, SUITE_ATTRIBUTE) is True
+    assert getattr(object, SUITE_ATTRIBUTE, False) is False
