@@ -57,6 +57,7 @@ SLOW_TESTS = {  # by function name, in any file (every parametrization)
     "test_bench_workload_truncates_steps_and_patches_exactly", "test_workload_builds_truncates_and_steps",
     "test_compiled_blocks_match_compiled_unpatched",  # test_stack.py: compiles
     "test_patching_a_model_loads_no_tool",  # a subprocess
+    "test_real_row_processes_that_stop_say_why_in_their_rows",  # bench --isolate-rows: a process per row
     "test_the_saved_bytes_count_leaves_quantized_weights_out",  # compiles
     "test_compiled_blocks_leave_hidreams_eval_routed_gates_without_a_gradient_as_eager",  # compiles
     "test_bench_family_sweep_writes_full_depth_rows",  # a bench --family sweep, end to end
