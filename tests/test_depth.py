@@ -153,6 +153,32 @@ def test_without_the_full_depth_the_figures_are_predicted_and_marked(flux_run):
     assert doc["depth"]["fit"] == [1, 2] and doc["depth"]["exact"] and doc["full_depth"][0]["strategy"] == "none"
 
 
+def test_a_step_that_did_not_grow_between_the_fit_depths_is_not_predicted_and_the_table_says_why():
+    """A timing noisier than what a unit adds (one timed step each, on a busy GPU) can time the deeper model faster:
+    the line through the two would put the full model faster still. No step figure is predicted from it; the table
+    says which row, both times, and how to measure it. Where the full depth was measured, that figure stands."""
+    from gradseam.tools.depth import DepthPlan
+    from gradseam.tools.results import RealRun, Result
+
+    def row(strategy: str, depth: int, ms: float) -> Result:
+        return Result("flux (16 seq)", 16, strategy, 0.5 * depth, ms, depth=depth, blocks=f"{depth} blocks")
+
+    results = [row("none", 1, 100.0), row("none", 2, 180.0), row("torch", 1, 230.0), row("torch", 2, 207.0)]
+    run = RealRun(DepthPlan({"blocks": 8}), (1, 2), 8, results)
+    full = {r["strategy"]: r for r in report.full_depth_rows(run)}
+    assert full["torch"]["step_ms"] is None and full["torch"]["vs_none"] is None
+    assert full["torch"]["step_not_predicted"] == "230.0 ms at depth 1, 207.0 ms at depth 2"
+    assert full["torch"]["peak_gib"] == pytest.approx(4.0), "its peak is still predicted"
+    assert full["none"]["step_ms"] == pytest.approx(100.0 + 80.0 * 7) and "step_not_predicted" not in full["none"]
+    text = report.full_depth_markdown(list(full.values()), report.depth_info(run, measured_full=False))
+    assert "No step time predicted for torch (230.0 ms at depth 1, 207.0 ms at depth 2)" in text
+    assert "--full-row" in text
+    measured = RealRun(run.plan, (1, 2), 8, [*results, row("torch", 8, 900.0)])
+    torch_row = next(r for r in report.full_depth_rows(measured) if r["strategy"] == "torch")
+    assert torch_row["step_ms"] == 900.0 and torch_row["step_source"] == "measured"
+    assert "step_not_predicted" not in torch_row
+
+
 def test_rows_that_would_not_fit_the_host_are_ruled_out_not_tried(flux_run, monkeypatch):
     results = [dataclasses.replace(r, pinned_gib=10.0 * r.depth) if r.strategy == "torch" else r
                for r in flux_run.results if r.depth != 4]

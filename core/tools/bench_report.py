@@ -30,6 +30,7 @@ The JSON written by ``gradseam bench`` (see :func:`payload`)::
          "growth_gib_per_unit": float | null, "fixed_gib": float | null,  # of that fit
          "pinned_gib": float | null, "pinned_source": str | null,
          "step_ms": float | null, "step_source": str | null, "vs_none": float | null,
+         "step_not_predicted": str,  # only where the step did not grow between the fit depths: its two times
          "gpu_peak_gib": float | null}  # the whole GPU's peak where the full depth was measured, else null
       ],
       "rows": [                # every measurement, one per (workload, depth, strategy), in sweep order
@@ -146,6 +147,12 @@ def full_depth_rows(run: RealRun) -> list[dict[str, Any]]:
             else:
                 guess = predict(run.results, workload, strategy, fit_depths, target, key)
             measured = getattr(at_full, key) if at_full is not None and at_full.status == "ok" else None
+            falls = key == "step_ms" and guess is not None and guess[1].growth <= 0
+            if falls and measured is None:
+                # the deeper model ran no slower: a line through the two would say the full model is faster still
+                (d1, d2), (v1, v2) = guess[1].depths, guess[1].values
+                row["step_not_predicted"] = f"{v1:.1f} ms at depth {d1}, {v2:.1f} ms at depth {d2}"
+                guess = None
             value, source = (measured, "measured") if measured is not None else (
                 (guess[0], "predicted") if guess is not None else (None, None))
             if key == "pinned_gib" and value is not None:
@@ -232,6 +239,12 @@ def full_depth_markdown(rows: list[dict[str, Any]], depth: dict[str, Any]) -> st
             f"{_figure(r['pinned_gib'], r['pinned_source'], '.1f')} | {_figure(r['step_ms'], r['step_source'], '.0f')} "
             f"| {vs_none} | {check} |"
         )
+    unpredicted = [f"{r['strategy']} ({r['step_not_predicted']})" for r in rows if r.get("step_not_predicted")]
+    if unpredicted:
+        lines += ["", f"No step time predicted for {'; '.join(unpredicted)}: the deeper model ran no slower, so the "
+                      "timing's noise was larger than what a unit of depth adds, and a line through the two would "
+                      "predict the full model faster than either. Measure it at the full depth (--full-row) or at "
+                      "deeper --depths, over more --steps."]
     if passes:
         which = " or ".join(f"the {p}" for p in sorted(passes))
         lines += ["", f"† predicted from {which} pass's own peak, which grows with depth faster than the whole "

@@ -69,7 +69,8 @@ def draw(families: list[str], out: Path) -> None:
             predicted = row.get("peak_source") == "predicted"
             style = {"color": COLOURS[name], "markerfacecolor": "none" if predicted else COLOURS[name]}
             peak_ax.plot([row["peak_gib"]], [y], "o", **style)
-            step_ax.plot([row["vs_none"]], [y], "o", **style)
+            if row.get("vs_none") is not None:  # none: no step figure (bench_report's step_not_predicted, or no none)
+                step_ax.plot([row["vs_none"]], [y], "o", **style)
     peak_ax.set_xscale("log")
     peak_ax.set_xlim(left=0.1)
     peak_ax.set_xlabel("activation peak at full depth, GiB (log)")
