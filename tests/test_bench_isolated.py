@@ -155,3 +155,21 @@ def test_real_row_processes_that_stop_say_why_in_their_rows(gpu, tmp_path):
     for row in rows:
         assert row["status"].startswith("error: its process exited with code 2")
         assert "it needs a CUDA GPU" in row["status"], row["status"]
+
+
+def test_the_sweeps_json_holds_the_rows_so_far_after_each_row(gpu, monkeypatch, tmp_path):
+    """A sweep stopped between rows (Ctrl-C, a time limit's SIGTERM) keeps the rows measured, as one sweep's JSON
+    does."""
+    path = tmp_path / "flux.json"
+    seen: list[list[str]] = []
+    write = fake_process([])
+
+    def spawn(argv: list[str], log: Path) -> int:
+        if path.exists():
+            seen.append([r["strategy"] for r in json.loads(path.read_text())["rows"]])
+        return write(argv, log)
+
+    monkeypatch.setattr(bench_isolated, "spawn_process", spawn)
+    _invoke("bench", "--family", "flux", "--row", "none", "--row", "torch", "--json", str(path), "--isolate-rows")
+    assert seen == [["none", "none"]], "the first row's two depths were not in the file when the second started"
+    assert "partial" not in json.loads(path.read_text())["title"]

@@ -18,7 +18,7 @@ What each row's process is given:
 - ``--config-row`` for a config row.
 
 Its JSON and its output (stdout and stderr) are kept beside the sweep's JSON, in ``<name>-rows/``, so a row that
-failed can be read there. A process that ended without writing its row gives a row with the exit code and its last
+failed can be read there; the sweep's JSON is written after each row, so a sweep stopped between rows keeps them. A process that ended without writing its row gives a row with the exit code and its last
 line of output as the status.
 """
 
@@ -97,9 +97,10 @@ class Gathered:
 
 
 def run(sweep: Sweep, labels: Sequence[str], folder: Path, *, spawn: Spawn | None = None,
-        on_row: Callable[[int, str, list[Result]], None] | None = None) -> Gathered:
+        on_row: Callable[[int, str, list[Result], Gathered], None] | None = None) -> Gathered:
     """Each of ``labels`` measured by its own process (its JSON and log in ``folder``), in order, and read back.
-    ``spawn`` runs one (default :func:`spawn_process`); ``on_row(position, label, its results)`` after each."""
+    ``spawn`` runs one (default :func:`spawn_process`); ``on_row(position, label, its results, all so far)`` after
+    each."""
     folder.mkdir(parents=True, exist_ok=True)
     gathered = Gathered([], [], None, None, {})
     failed: list[Result] = []
@@ -115,7 +116,7 @@ def run(sweep: Sweep, labels: Sequence[str], folder: Path, *, spawn: Spawn | Non
             gathered.steps.append(None)
             failed.append(mine[0])
         if on_row is not None:
-            on_row(position, label, mine)
+            on_row(position, label, mine, gathered)
     workload = _workload(gathered, sweep)
     tokens = next((r.tokens for r in gathered.results if r.tokens), 0)
     for result in failed:  # a row that failed before any other was read is named by the family until now
@@ -156,6 +157,14 @@ def _read(json_path: Path, into: Gathered) -> list[Result]:
     if data.get("weights_gib") is not None:
         into.meta["weights_gib"] = data["weights_gib"]
     return mine
+
+
+def tables(gathered: Gathered) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The measured rows and the full-depth rows, with their ratios across the processes: what bench shows."""
+    from .bench_report import with_ratios
+
+    deep = with_ratios_across(gathered.full_depth) if gathered.full_depth is not None else None
+    return with_ratios(gathered.results, gathered.steps), deep
 
 
 def with_ratios_across(full_depth: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -523,7 +523,12 @@ def _bench_isolated(family: str, preset: str, json_path: Path, png_path: Path, *
     with _progress(out) as progress:
         task = progress.add_task(f"row 1 of {len(labels)}: {labels[0]}" if labels else "bench", total=len(labels))
 
-        def on_row(position: int, label: str, mine: list[Result]) -> None:
+        def on_row(position: int, label: str, mine: list[Result], gathered: isolated.Gathered) -> None:
+            # the rows so far, as one file (an interrupted or timed-out sweep keeps them, as a sweep's JSON does)
+            measured, deep = isolated.tables(gathered)
+            json_path.write_text(json.dumps(report.payload(
+                measured, f"{title} (partial: interrupted runs keep this)", depth=gathered.depth, full_depth=deep,
+                **{**meta, **gathered.meta}), indent=1))
             progress.advance(task)
             if position < len(labels):
                 progress.update(task, description=f"row {position + 1} of {len(labels)}: {labels[position]}")
@@ -534,8 +539,7 @@ def _bench_isolated(family: str, preset: str, json_path: Path, png_path: Path, *
                     progress.console.print(f"{label}{where}: {result.status}{why}", markup=False, highlight=False)
 
         gathered = isolated.run(sweep, labels, folder, on_row=on_row)
-    measured = report.with_ratios(gathered.results, gathered.steps)
-    deep = isolated.with_ratios_across(gathered.full_depth) if gathered.full_depth is not None else None
+    measured, deep = isolated.tables(gathered)
     _show_bench(out, title, {**meta, **gathered.meta}, json_path, measured, deep, gathered.depth, cpu=False,
                 png_path=png_path)
     out.print(f"each row's JSON and output: {folder}", markup=False)
