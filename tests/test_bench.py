@@ -98,7 +98,7 @@ def test_other_errors_in_a_cell_are_recorded(monkeypatch):
 def test_payload_and_cpu_table_and_chart(results, tmp_path):
     rows = report.with_ratios(results)
     doc = json.loads(json.dumps(report.payload(rows, b.synthetic_title("cpu"), device="cpu", steps=1)))
-    assert set(doc) == {"title", "device", "memory", "family", "preset", "steps", "base", "lora", "weights_gib",
+    assert set(doc) == {"title", "device", "gpu", "torch", "memory", "family", "preset", "steps", "base", "lora", "weights_gib",
                         "gpu_memory_gib", "host_memory_gib", "depth",
                         "full_depth", "rows"}
     assert doc["device"] == "cpu" and doc["memory"] == report.MEMORY_CPU and "CPU" in doc["title"]

@@ -199,10 +199,11 @@ def test_bench_synthetic_on_cpu_writes_json_and_png(tmp_path):
 
     result, doc, path = _bench_json(tmp_path)
     # the documented schema (gradseam.tools.bench's module docstring)
-    assert set(doc) == {"title", "device", "memory", "family", "preset", "steps", "base", "lora", "weights_gib",
+    assert set(doc) == {"title", "device", "gpu", "torch", "memory", "family", "preset", "steps", "base", "lora", "weights_gib",
                         "gpu_memory_gib", "host_memory_gib", "depth", "full_depth", "rows"}
     assert doc["device"] == "cpu" and "CPU" in doc["title"] and doc["memory"] == MEMORY_CPU
     assert doc["family"] is None and doc["steps"] == 1
+    assert doc["gpu"] is None and doc["torch"] == torch.__version__  # which machine measured it
     assert all(set(r) == ROW_KEYS for r in doc["rows"])
     by = {r["strategy"]: r for r in doc["rows"]}
     assert {r["workload"] for r in doc["rows"]} == {"synthetic 2x64x128"}

@@ -305,6 +305,24 @@ def test_families_chart_draws_every_family_the_benchmarks_page_lists(tmp_path):
     assert (tmp_path / "chart.png").stat().st_size > 10_000
 
 
+def test_families_table_gives_the_figures_the_benchmarks_page_shows_and_the_chart_names_the_card():
+    """``families_chart.py --table`` writes the page's families table from the committed JSON: for families measured
+    at the full depth, each of its rows (past the family's name, which the page writes in full) is the page's row,
+    bold marks aside. The chart's title names the card the JSON recorded (H200 for runs from before the field)."""
+    spec = importlib.util.spec_from_file_location("families_chart", DOCS / "scripts" / "families_chart.py")
+    chart = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chart)
+    page = (DOCS / "benchmarks.md").read_text(encoding="utf-8").replace("**", "")
+    lines = chart.table(["hidream", "ideogram4"]).splitlines()
+    assert len(lines) == 2 + 8
+    for line in lines[2:]:
+        tail = line.split(" | ", 2)[2] if not line.startswith("| | |") else line
+        assert tail in page, line
+    assert chart.card("hidream") == "H200"
+    data = json.loads((DOCS / "data" / "bench-hidream-full.json").read_text())
+    assert "gpu" not in data, "this run names its card now: the test's H200 comes from the default, check it"
+
+
 def test_upstream_tests_script_patches_every_model_a_test_builds(tmp_path):
     """docs/scripts/upstream_tests.py on a two-test stand-in for diffusers' suite: unpatched both pass;
     under a config the test that sees a patched model fails and is reported as the one change, with

@@ -5,6 +5,8 @@ The JSON written by ``gradseam bench`` (see :func:`payload`)::
     {
       "title": str,            # also the table/chart title; says "CPU" on the CPU
       "device": "cuda" | "cpu",
+      "gpu": str | null,       # the GPU's name as torch reads it ("NVIDIA H200"), null on the CPU: which card measured
+      "torch": str | null,     # torch's version
       "memory": str,           # what peak_gib measures (MEMORY_GPU or MEMORY_CPU)
       "family": str | null, "preset": str | null, "steps": int,
       "base": str | null,      # real models: the quantized base (gradseam.tools.bases), null for bf16 weights
@@ -191,10 +193,12 @@ def payload(
     preset: str | None = None, steps: int = 5, depth: dict[str, Any] | None = None,
     full_depth: list[dict[str, Any]] | None = None, base: str | None = None, lora: int | None = None,
     weights_gib: float | None = None, gpu_memory_gib: float | None = None, host_memory_gib: float | None = None,
+    gpu: str | None = None, torch_version: str | None = None,
 ) -> dict[str, Any]:
     """The JSON document ``gradseam bench`` writes (schema in this module's docstring)."""
     return {
-        "title": title, "device": device, "memory": MEMORY_CPU if device == "cpu" else MEMORY_GPU,
+        "title": title, "device": device, "gpu": gpu, "torch": torch_version,
+        "memory": MEMORY_CPU if device == "cpu" else MEMORY_GPU,
         "family": family, "preset": preset, "steps": steps, "base": base, "lora": lora, "weights_gib": weights_gib,
         "gpu_memory_gib": gpu_memory_gib, "host_memory_gib": host_memory_gib,
         "depth": depth, "full_depth": full_depth, "rows": rows,

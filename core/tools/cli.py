@@ -501,6 +501,15 @@ def _show_bench(out: Console, title: str, meta: dict[str, Any], json_path: Path,
         out.print("matplotlib is not installed, so no chart was written (pip install 'gradseam[bench]').", markup=False)
 
 
+def _machine(device: str) -> dict[str, str | None]:
+    """What measured a bench run, for its JSON: the GPU's name (None on the CPU) and torch's version. Rows of
+    different cards are not comparable, and a figure must say which card gave it."""
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if device != "cpu" and torch.cuda.is_available() else None
+    return {"gpu": gpu, "torch_version": torch.__version__}
+
+
 def _bench_isolated(family: str, preset: str, json_path: Path, png_path: Path, *, depths: str | None, full: bool,
                     full_rows: list[str] | None, depth: int | None, tokens: list[int] | None, rows: list[str] | None,
                     skip_rows: list[str] | None, steps: int | None, base: str | None, lora: int | None,
@@ -625,7 +634,8 @@ def bench(
                         depth=depth, tokens=tokens, rows=rows, skip_rows=skip_rows, steps=steps, base=base, lora=lora,
                         gpu_memory=gpu_memory, host_memory=host_memory, config_row_specs=config_row_specs or [],
                         meta={"device": "cuda", "family": family, "preset": preset, "steps": steps or 5,
-                              "base": base, "lora": lora, "gpu_memory_gib": cap_gib, "host_memory_gib": host_gib})
+                              "base": base, "lora": lora, "gpu_memory_gib": cap_gib, "host_memory_gib": host_gib,
+                              **_machine("cuda")})
         return
     from . import bench as b
     from . import measure
@@ -638,7 +648,7 @@ def bench(
         steps = b.CPU_STEPS if cpu else 5
     title = f"gradseam bench: {fam.name} {preset}" if fam is not None else b.synthetic_title(dev)
     meta = {"device": dev, "family": family, "preset": preset, "steps": steps, "base": base, "lora": lora,
-            "gpu_memory_gib": cap_gib, "host_memory_gib": host_gib}
+            "gpu_memory_gib": cap_gib, "host_memory_gib": host_gib, **_machine(dev)}
     out = console()
     run = None
     if fam is not None:

@@ -1,6 +1,6 @@
 """One picture of every family's full-depth rows: activation peak and step time, side by side.
 
-``python docs/scripts/families_chart.py [--out docs/img/families-full-depth.png] FAMILY ...`` reads
+``python docs/scripts/families_chart.py [--out docs/img/families-full-depth.png] [--table] FAMILY ...`` reads
 ``docs/data/bench-FAMILY-full.json`` (a ``gradseam bench --family FAMILY --depths 2,4 --full`` run)
 where there is one, else ``docs/data/bench-FAMILY.json`` (the same without ``--full``: every
 full-depth figure predicted), and draws, per family, the full-depth activation peak of each row on a log scale (left) and its step
@@ -18,16 +18,33 @@ from pathlib import Path
 from typing import Any
 
 DATA = Path(__file__).resolve().parents[1] / "data"
+# bench's JSON names the GPU that measured it since the twenty-second session; every family run before that was
+# on the H200 (docs/benchmarks.md says so for each)
+BEFORE_RECORDED = "H200"
+# how the benchmarks page writes each row's name
+LABELS = {"none": "none", "torch": "`torch`", "unsloth + attention offload": "`unsloth` + attention offload",
+          "unsloth-compile": "`unsloth-compile`"}
 ROWS = ("none", "torch", "unsloth + attention offload", "unsloth-compile")
 COLOURS = {"none": "#7f7f7f", "torch": "#1f77b4", "unsloth + attention offload": "#2ca02c",
            "unsloth-compile": "#d62728"}
 
 
-def load(family: str) -> tuple[str, list[dict[str, Any]]]:
-    # a run that measured the full depth supersedes one that only predicted it; a later run of the compiled
-    # rows (bench-FAMILY-compiled.json) fills in a row the main run could not give (HunyuanVideo's OOM)
+def _run(family: str) -> dict[str, Any]:
+    # a run that measured the full depth supersedes one that only predicted it
     full = DATA / f"bench-{family}-full.json"
-    run = json.loads((full if full.exists() else DATA / f"bench-{family}.json").read_text())
+    return json.loads((full if full.exists() else DATA / f"bench-{family}.json").read_text())
+
+
+def card(family: str) -> str:
+    """The GPU that measured ``family``'s run, as its JSON names it."""
+    gpu = _run(family).get("gpu") or BEFORE_RECORDED
+    return gpu.removeprefix("NVIDIA ")
+
+
+def load(family: str) -> tuple[str, list[dict[str, Any]]]:
+    # a later run of the compiled rows (bench-FAMILY-compiled.json) fills in a row the main run could not give
+    # (HunyuanVideo's OOM)
+    run = _run(family)
     rows = [r for r in run["full_depth"] if r["strategy"] in ROWS]
     later = DATA / f"bench-{family}-compiled.json"
     if later.exists():
@@ -83,20 +100,57 @@ def draw(families: list[str], out: Path) -> None:
     handles = [plt.Line2D([], [], marker="o", ls="", color=c, label=n) for n, c in COLOURS.items()]
     handles.append(plt.Line2D([], [], marker="o", ls="", color="k", markerfacecolor="none",
                               label="hollow: predicted from depths 2 and 4"))
-    fig.suptitle("gradseam bench, H200, bf16 frozen weights: every row at the family's full depth", fontsize=10)
+    cards = ", ".join(dict.fromkeys(card(f) for f in families))
+    fig.suptitle(f"gradseam bench, {cards}, bf16 frozen weights: every row at the family's full depth", fontsize=10)
     fig.legend(handles=handles, loc="upper center", ncol=3, fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.975))
     fig.tight_layout(rect=(0, 0, 1, 0.93))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
 
 
+def table(families: list[str]) -> str:
+    """The benchmarks page's table of the same rows: ``~`` marks a figure predicted from the two fit depths, a plain
+    one was measured at the full depth; a row that failed shows its status."""
+    lines = ["| family (preset) | full depth | row | act. peak GiB | GiB per unit | pinned host GiB | step ms | vs none |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+    for family in families:
+        run = _run(family)
+        _, rows = load(family)
+        tokens = next((r["tokens"] for r in run["rows"] if r.get("tokens")), None)
+        first = f"{family} ({run['preset']}{f', {tokens:,} tokens' if tokens else ''}) | {run['depth']['blocks']}"
+        for name in ROWS:
+            row = next((r for r in rows if r["strategy"] == name), None)
+            if row is None:
+                continue
+            head = f"| {first} | {LABELS[name]} |" if first else f"| | | {LABELS[name]} |"
+            first = ""
+            if row.get("status") != "ok" or row.get("peak_gib") is None:
+                lines.append(f"{head} {row.get('status')} | | | | |")
+                continue
+
+            def figure(value: float | None, source: str | None, fmt: str) -> str:
+                return "" if value is None else ("~" if source == "predicted" else "") + format(value, fmt)
+
+            growth = row.get("growth_gib_per_unit")
+            vs_none = row.get("vs_none")
+            lines.append(f"{head} {figure(row['peak_gib'], row.get('peak_source'), '.2f')} | "
+                         f"{'' if growth is None else format(growth, '.3f')} | "
+                         f"{figure(row.get('pinned_gib'), row.get('pinned_source'), '.1f')} | "
+                         f"{figure(row.get('step_ms'), row.get('step_source'), ',.0f')} | "
+                         f"{'' if vs_none is None else format(vs_none, '.2f')} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("families", nargs="+", help="names whose docs/data/bench-NAME[-full].json to draw")
     parser.add_argument("--out", type=Path, default=DATA.parent / "img" / "families-full-depth.png")
+    parser.add_argument("--table", action="store_true", help="print the benchmarks page's table of the same rows too")
     args = parser.parse_args()
     draw(args.families, args.out)
     print(f"wrote {args.out}")
+    if args.table:
+        print(table(args.families))
 
 
 if __name__ == "__main__":
