@@ -278,17 +278,23 @@ def _measure_row(sweep: _Sweep, name: str, config: dict[str, Any] | None) -> Res
             if naive:
                 handle.weights.naive = True
             compiled = compiles(config) or _compiles(handle)
-            # looked up per call, so tests can replace measuring.measure
             with capped(cap):
-                got = measuring.measure(step, steps=sweep.steps, warmup=2 if compiled else 1, device=sweep.device,
-                                        engine=getattr(handle, "engine", None))
-            stream = getattr(handle, "weights", None)
-            streamed_pinned = stream.pinned_bytes / GiB if stream is not None else None
+                got, streamed_pinned = _timed(sweep, step, handle, compiled)
     finally:
         step = None  # the step holds the model's activations: drop it before the next row, even on failure
     return _result(sweep, name, got, streamed_pinned, pinned=name != "ref: save_on_cpu",
                    first_step_ms=got.warmup_times_ms[0] if compiled and got.warmup_times_ms else None,
                    config=gradseam_keys(config) if is_config_row(config) else None)
+
+
+def _timed(sweep: _Sweep, step: Callable[[], Any], handle: Any, compiled: bool) -> tuple[measuring.Measurement, float | None]:
+    """``sweep.steps`` timed steps after the warm-ups (two where blocks compile: the second call may compile again),
+    and the GiB the patch's streamed weights pin (None where nothing streams). ``measuring.measure`` is looked up
+    per call, so tests can replace it."""
+    got = measuring.measure(step, steps=sweep.steps, warmup=2 if compiled else 1, device=sweep.device,
+                            engine=getattr(handle, "engine", None))
+    stream = getattr(handle, "weights", None)
+    return got, stream.pinned_bytes / GiB if stream is not None else None
 
 
 def _result(sweep: _Sweep, name: str, got: measuring.Measurement, streamed_pinned: float | None, *, pinned: bool = True,
@@ -344,11 +350,8 @@ def _measure_auto(sweep: _Sweep, name: str, config: dict[str, Any], cap: float |
             planning_ms = (time.perf_counter() - start) * 1000
             planned = handle.auto.planned
             assert planned is not None, "auto did not plan at the first training step"
-            compiled = _compiles(handle)  # the plan installed, block by block
-            got = measuring.measure(step, steps=sweep.steps, warmup=2 if compiled else 1, device=sweep.device,
-                                    engine=getattr(handle, "engine", None))
-        stream = handle.weights
-        streamed_pinned = stream.pinned_bytes / GiB if stream is not None else None
+            # the plan installed, block by block
+            got, streamed_pinned = _timed(sweep, step, handle, _compiles(handle))
     except Exception as exc:
         # a plan that fails its steps (out of memory, above all) is what the row must show: its keys and prediction
         planned = handle.auto.planned if handle is not None and handle.auto is not None else None
