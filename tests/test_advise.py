@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -536,3 +537,30 @@ def test_the_planner_records_a_refused_line_as_unsupported_with_its_reason(monke
     rows = _Rows(Request(), lambda request: (measure, "depths 2 and 4", 0.0))  # type: ignore[arg-type]
     got = rows.one("torch", {"gradient_checkpointing": True})
     assert isinstance(got, str) and got.startswith("unsupported: its step did not take longer with more blocks")
+
+
+def test_each_candidate_is_reported_as_it_starts_and_as_it_ends_with_its_seconds():
+    """A large model's ladder takes minutes: ``progress`` hears each candidate's label as it starts and how it
+    ended (measured, out of memory, unsupported) with its own seconds and the running total."""
+    values = {**LADDER_VALUES, "torch-ffn": torch.OutOfMemoryError("CUDA out of memory"),
+              "unsloth-ffn": UnsupportedStrategyError("no FFN seam")}
+    heard: list[tuple[str, bool]] = []
+    advise(None, {}, 50.0, measure=FakeMeasure(values), static_gib=10.0, progress=lambda line, done: heard.append(
+        (line, done)))
+    started = [line for line, done in heard if not done]
+    ended = [line for line, done in heard if done]
+    assert started[:3] == ["measuring none at two depths", "measuring torch-ffn at two depths",
+                           "measuring torch at two depths"]
+    assert len(started) == len(ended) and heard[0][1] is False and heard[1][1] is True
+    assert re.fullmatch(r"none: measured in \d+\.\d s \(1 candidates, \d+ s so far\)", ended[0]), ended[0]
+    assert ended[1].startswith("torch-ffn: out of memory in ")
+    assert next(line for line in ended if line.startswith("unsloth-ffn:")).startswith("unsloth-ffn: unsupported in ")
+
+
+def test_a_streamed_rung_and_a_config_off_the_ladder_are_labelled():
+    from gradseam.tools.advise import label_of
+
+    torch_rung = dict(LADDER)["torch"]
+    assert label_of({**torch_rung, STREAM: 12}) == "torch + stream 12"
+    assert label_of(torch_rung) == "torch"
+    assert label_of({"gradient_checkpointing": True, "made_up": 1}) == "{'gradient_checkpointing': True, 'made_up': 1}"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 
@@ -738,3 +739,34 @@ def test_advise_measures_with_the_gpu_size_and_prints_the_advice(tmp_path, monke
     advice.per_block = None
     result = _invoke("advise", "--family", "flux", "--gpu", "8GiB")
     assert result.exit_code == 1 and "nothing fits: raise --gpu" in result.stdout
+
+
+def test_advise_prints_a_line_per_candidate_as_it_is_measured(monkeypatch):
+    """A large model's ladder runs for minutes: each candidate measured is a line with its time, as it ends."""
+    from test_advise import LADDER_VALUES, FakeMeasure
+
+    from gradseam.tools import advise as advise_module
+    from gradseam.tools import cli, workloads
+    from gradseam.tools.estimates import NoFitError
+
+    class Built:
+        fit_depths, plan, dropped_gib, model = (2, 4), None, 0.0, None
+
+        def inputs(self, tokens):
+            return {}
+
+    def fake_advise(model, inputs, gpu, *, progress, **kwargs):
+        measure = advise_module.reporting(FakeMeasure(LADDER_VALUES), progress)
+        measure(dict(advise_module.LADDER)["torch"])
+        raise NoFitError(advise_module.Advice(gpu, 0.0))
+
+    monkeypatch.setattr(cli, "_need_cuda", lambda *args: None)
+    monkeypatch.setattr(cli, "_model_class", lambda fam: None)
+    monkeypatch.setattr(workloads, "build", lambda *args, **kwargs: Built())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *args: 0)
+    monkeypatch.setattr(advise_module, "advise", fake_advise)
+    monkeypatch.setattr(cli, "_print_advice", lambda *args: None)
+    result = _invoke("advise", "--family", "flux", "--gpu", "24GiB")
+    assert re.search(r"^  torch: measured in \d+\.\d s \(1 candidates, \d+ s so far\)$", result.output, re.M), \
+        result.output

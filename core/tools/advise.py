@@ -544,6 +544,7 @@ def advise(
     plan: Any = None,
     budget: str | float | None = None,
     block_gib: Sequence[float] | None = None,
+    progress: Callable[[str, bool], None] | None = None,
 ) -> Advice:
     """The fastest strategy whose predicted peak plus the model's static memory fits in ``gpu``.
 
@@ -557,7 +558,9 @@ def advise(
     ``pinnable_gib`` overrides the host's pinnable memory (default: what :mod:`gradseam.tools.host`
     reads, less its margin). ``block_gib``: each block's frozen weights in GiB at full depth, forward
     order; when the weights are what does not fit, rungs are tried with some of them streamed (measured
-    on the GPU: read from ``model`` unless given; with ``measure=``, only if given).
+    on the GPU: read from ``model`` unless given; with ``measure=``, only if given). ``progress(line, done)`` hears
+    of each candidate as it starts (``done`` False) and as it ends, with its own seconds (``done`` True): a large
+    model's ladder takes minutes.
     """
     gpu_gib = parse_size(_gpu_argument(gpu, budget))
     supports_interval = True
@@ -573,6 +576,8 @@ def advise(
             from .host import pinnable_gib as host_pinnable
 
             pinnable_gib = host_pinnable()
+    if progress is not None:
+        measure = reporting(measure, progress)
     advice = run_ladder(measure, gpu_gib, static_gib or 0.0, supports_interval=supports_interval,
                         pinnable_gib=pinnable_gib, block_gib=block_gib)
     advice.depth_note = note
@@ -582,6 +587,50 @@ def advise(
     if advice.chosen is None and advice.per_block is None:
         raise NoFitError(advice)
     return advice
+
+
+def label_of(config: Mapping[str, Any]) -> str:
+    """The ladder's label for ``config`` (``"torch + stream 12"`` for a rung with streamed weights), or the config
+    itself where the ladder has none."""
+    resident = {k: v for k, v in config.items() if k != STREAM_KEY}
+    every = [*LADDER, INTERVAL_STEP, *STRIDE_STEPS]
+    label = next((name for name, known in every if known == resident), None)
+    if label is None:
+        return str(dict(config))
+    return f"{label} + stream {config[STREAM_KEY]}" if STREAM_KEY in config else label
+
+
+def reporting(measure: Measure, progress: Callable[[str, bool], None]) -> Measure:
+    """``measure`` telling ``progress`` of each candidate: its label as it starts, then how it ended (measured,
+    out of memory, unsupported) with its own seconds and the total so far."""
+    import time
+
+    total = [0.0, 0]
+
+    def measured(config: Mapping[str, Any]) -> Estimate | tuple[float, float]:
+        label = label_of(config)
+        progress(f"measuring {label} at two depths", False)
+        start = time.perf_counter()
+        outcome = "stopped"  # a KeyboardInterrupt
+        try:
+            got = measure(config)
+            outcome = "measured"
+            return got
+        except UnsupportedStrategyError:
+            outcome = "unsupported"
+            raise
+        except Exception as exc:
+            from .measure import is_oom
+
+            outcome = "out of memory" if is_oom(exc) else f"failed ({type(exc).__name__})"
+            raise
+        finally:
+            seconds = time.perf_counter() - start
+            total[0] += seconds
+            total[1] += 1
+            progress(f"{label}: {outcome} in {seconds:.1f} s ({total[1]} candidates, {total[0]:.0f} s so far)", True)
+
+    return measured
 
 
 def _gpu_argument(gpu: str | float | None, budget: str | float | None) -> str | float:

@@ -729,11 +729,18 @@ def _measure_advice(out: Console, fam: Family, preset: str, gpu_gib: float, *, d
             inputs = workload.inputs(tokens)
             torch.cuda.synchronize()
             static = torch.cuda.memory_allocated() / (1 << 30) + workload.dropped_gib
-        with out.status("measuring the ladder at two depths (one warm-up + one timed step per candidate and depth)"):
+        with out.status("measuring the ladder at two depths (one warm-up + one timed step per candidate and depth)") \
+                as status:
             from .host import pinnable_gib
 
+            def progress(line: str, done: bool) -> None:  # a line per candidate measured; the spinner names the next
+                if done:
+                    out.print(f"  {line}", markup=False, highlight=False)
+                else:
+                    status.update(line)
+
             result = run_advise(workload.model, inputs, gpu_gib, static_gib=static, depths=workload.fit_depths,
-                                depth=depth, plan=workload.plan,
+                                depth=depth, plan=workload.plan, progress=progress,
                                 pinnable_gib=pinnable_gib(host_gib) if host_gib is not None else None)
         return workload, result, 0
     except NoFitError as exc:
