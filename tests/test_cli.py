@@ -688,7 +688,8 @@ def test_advise_measures_with_the_gpu_size_and_prints_the_advice(tmp_path, monke
         to_json=lambda: '{"gradient_checkpointing": true}', no_fit_message=lambda: "nothing fits: raise --gpu",
         per_block=None, per_block_note="")
 
-    def run_ladder(model, inputs, gpu_gib, **kwargs):
+    def run_ladder(model, inputs, gpu_gib, *, progress, **kwargs):
+        assert callable(progress)  # a line per candidate (test_advise_prints_a_line_per_candidate_as_it_is_measured)
         seen["advise"] = (model, inputs, gpu_gib, kwargs)
         if gpu_gib < 10:
             raise advise.NoFitError(advice)  # type: ignore[arg-type]
