@@ -29,6 +29,7 @@ SLOW_FILES = {
     "test_example_plugin.py",  # installs the example plugin into a fresh venv
     "test_config_fuzz.py",  # hypothesis: hundreds of examples
     "test_compiled_hostile.py",  # the compiled backends under real training loops: compiles per case
+    "test_compiled_sharing.py",  # measuring's shared compiled functions: compiles
 }
 SLOW_TESTS = {  # by function name, in any file (every parametrization)
     # subprocesses: `python -m gradseam run`, torchrun, accelerate, mkdocs, the docs' scripts

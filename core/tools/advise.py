@@ -578,8 +578,11 @@ def advise(
             pinnable_gib = host_pinnable()
     if progress is not None:
         measure = reporting(measure, progress)
-    advice = run_ladder(measure, gpu_gib, static_gib or 0.0, supports_interval=supports_interval,
-                        pinnable_gib=pinnable_gib, block_gib=block_gib)
+    from ..run.compiled import sharing
+
+    with sharing():  # each compiled candidate is patched at two depths: it compiles once (sharing() says why)
+        advice = run_ladder(measure, gpu_gib, static_gib or 0.0, supports_interval=supports_interval,
+                            pinnable_gib=pinnable_gib, block_gib=block_gib)
     advice.depth_note = note
     from . import mixed_plan
 

@@ -89,7 +89,17 @@ def plan(request: Request, *, measure_on: MeasureOn | None = None, check_on: Che
          cache_dir: str | None = None) -> Planned:
     """The explicit config ``request.model`` runs from its first training step (see the module docstring).
     ``measure_on`` measures the candidates and ``check_on`` runs the plan on the whole model (both default to the
-    model's CUDA GPU; with ``measure_on`` given and no ``check_on``, the plan is not run before the step)."""
+    model's CUDA GPU; with ``measure_on`` given and no ``check_on``, the plan is not run before the step).
+    Every patch the measuring and the check make shares its compiled block functions
+    (:func:`gradseam.run.compiled.sharing`): a compiled candidate compiles once, not at each depth and again for
+    the check."""
+    from ..run.compiled import sharing
+
+    with sharing():
+        return _plan(request, measure_on, check_on, cache_dir)
+
+
+def _plan(request: Request, measure_on: MeasureOn | None, check_on: CheckOn | None, cache_dir: str | None) -> Planned:
     import torch
 
     cuda = _device(request.model).type == "cuda"
