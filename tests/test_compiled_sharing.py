@@ -98,3 +98,25 @@ def test_auto_and_advise_measure_inside_one_scope(monkeypatch):
     auto_planner.plan(request, measure_on=lambda request: (measure, "depths 1 and 2", 0.0))
     assert len(scopes) == len(auto_planner.CANDIDATES) and len(set(scopes)) == 1 and scopes[0] != 0
     assert not compiled._SHARED
+
+
+def test_a_shared_function_near_dynamos_recompile_limit_is_not_handed_on(fresh_dynamo):
+    """Past ``recompile_limit`` dynamo runs a function eagerly: a measurement would time the block without its
+    budget or offload. A shared function with fewer than ``ROOM`` graphs left before the limit makes the next patch
+    compile a fresh one."""
+    from torch._dynamo import config as dynamo_config
+
+    model = FLUX.fresh()
+    with compiled.sharing():
+        _patched_step(model, COMPILE)
+        before = dict(compiled._SHARED[-1])
+        _patched_step(model, COMPILE)
+        assert compiled._SHARED[-1] == before, "a function with room was not handed on"
+        # Flux's single-stream function holds two graphs (its first block's inputs are laid out unlike the rest's)
+        with dynamo_config.patch(recompile_limit=compiled.ROOM + 1):
+            graphs = _graphs()
+            again = _patched_step(model, COMPILE)
+        after = compiled._SHARED[-1]
+        renewed = [key for key in before if after[key][0] is not before[key][0]]
+        assert renewed and _graphs() > graphs, "a function at the limit was handed on"
+    assert_same_step(_patched_step(FLUX.fresh(), COMPILE), again)

@@ -145,8 +145,19 @@ def _fresh(function: types.FunctionType) -> types.FunctionType:
     return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__)
 
 
-# the compiled functions of the innermost :func:`sharing` scope, by CompiledBlocks key and budget (none outside one)
-_SHARED: list[dict[tuple[Any, ...], Callable[..., Any]]] = []
+# the compiled functions of the innermost :func:`sharing` scope, by CompiledBlocks key and budget (none outside one),
+# each with the code object dynamo keeps its graphs on
+_SHARED: list[dict[tuple[Any, ...], tuple[Callable[..., Any], types.CodeType]]] = []
+ROOM = 2  # graphs a shared function must still have room for under dynamo's recompile limit, or a fresh one starts
+
+
+def _full(code: types.CodeType) -> bool:
+    """Whether dynamo holds so many graphs for ``code`` that a patch adding a few would pass its recompile limit,
+    past which it runs the function eagerly (no budget, no offload: a measurement of the wrong thing)."""
+    from torch._dynamo import config as dynamo_config
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    return len(_debug_get_cache_entry_list(code)) > dynamo_config.recompile_limit - ROOM
 
 
 @contextlib.contextmanager
@@ -161,7 +172,8 @@ def sharing() -> Iterator[None]:
     wherever dynamo's guards pass (the same block classes, shapes and dtypes; the budget is in the key, since the
     partitioner reads it when it compiles; the offload group and the eager attention sit outside the compiled
     call). Where they do not, dynamo compiles a graph of its own, as for a new shape: sharing saves compiling, it
-    never changes what runs. Outside a scope each handle keeps its own functions, so two patched models in one
+    never changes what runs. A shared function near dynamo's recompile limit (:data:`ROOM`) is not handed on: the
+    next patch compiles a fresh one, so no measurement runs a block eagerly past the limit. Outside a scope each handle keeps its own functions, so two patched models in one
     training process never share a cache. Bench does not share: its compiled rows report their first step's
     compile time."""
     _SHARED.append({})
@@ -276,13 +288,13 @@ class CompiledBlocks:
         found = self._compiled.get(key)
         if found is None:
             shared = _SHARED[-1] if _SHARED else None
-            found = shared.get((*key, self.budget)) if shared is not None else None
-            if found is None:
-                body = _block_forward_own_outputs if own_outputs else _block_forward
-                found = compile_block_function(_fresh(body), device, pattern_matcher=not int8_weights)
+            entry = shared.get((*key, self.budget)) if shared is not None else None
+            if entry is None or _full(entry[1]):
+                body = _fresh(_block_forward_own_outputs if own_outputs else _block_forward)
+                entry = (compile_block_function(body, device, pattern_matcher=not int8_weights), body.__code__)
                 if shared is not None:
-                    shared[(*key, self.budget)] = found
-            self._compiled[key] = found
+                    shared[(*key, self.budget)] = entry
+            found = self._compiled[key] = entry[0]
         return found
 
     def functions(self) -> list[Callable[..., Any]]:
