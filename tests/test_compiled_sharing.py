@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cases import FLUX
+from cases import FLUX, WAN
 
 import gradseam
 from gradseam.offload import cpu_test_mode
@@ -28,9 +28,9 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def _patched_step(model: torch.nn.Module, config: dict):
+def _patched_step(model: torch.nn.Module, config: dict, case=WAN):
     with cpu_test_mode(), gradseam.patch(model, config):
-        return run_step(model, FLUX, count_bytes=False)
+        return run_step(model, case, count_bytes=False)
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def fresh_dynamo():
 
 
 def test_within_a_sharing_scope_another_patch_compiles_nothing_and_steps_to_the_bit(fresh_dynamo):
-    model = FLUX.fresh()
+    model = WAN.fresh()
     alone = _patched_step(model, COMPILE)  # a handle of its own, as in training
     with compiled.sharing():
         first = _patched_step(model, COMPILE)
@@ -56,7 +56,7 @@ def test_within_a_sharing_scope_another_patch_compiles_nothing_and_steps_to_the_
 
 
 def test_another_budget_in_the_scope_compiles_its_own(fresh_dynamo):
-    model = FLUX.fresh()
+    model = WAN.fresh()
     with compiled.sharing():
         _patched_step(model, COMPILE)
         graphs = _graphs()
@@ -65,7 +65,7 @@ def test_another_budget_in_the_scope_compiles_its_own(fresh_dynamo):
 
 
 def test_outside_a_scope_each_patch_compiles_its_own(fresh_dynamo):
-    model = FLUX.fresh()
+    model = WAN.fresh()
     _patched_step(model, COMPILE)
     graphs = _graphs()
     _patched_step(model, COMPILE)
@@ -75,7 +75,6 @@ def test_outside_a_scope_each_patch_compiles_its_own(fresh_dynamo):
 
 def test_auto_and_advise_measure_inside_one_scope(monkeypatch):
     """Both planners' measuring runs inside one sharing scope, from the first candidate to the last."""
-    from cases import WAN
 
     from gradseam.auto import Request
     from gradseam.patcher import family_for
@@ -108,15 +107,15 @@ def test_a_shared_function_near_dynamos_recompile_limit_is_not_handed_on(fresh_d
 
     model = FLUX.fresh()
     with compiled.sharing():
-        _patched_step(model, COMPILE)
+        _patched_step(model, COMPILE, FLUX)
         before = dict(compiled._SHARED[-1])
-        _patched_step(model, COMPILE)
+        _patched_step(model, COMPILE, FLUX)
         assert compiled._SHARED[-1] == before, "a function with room was not handed on"
         # Flux's single-stream function holds two graphs (its first block's inputs are laid out unlike the rest's)
         with dynamo_config.patch(recompile_limit=compiled.ROOM + 1):
             graphs = _graphs()
-            again = _patched_step(model, COMPILE)
+            again = _patched_step(model, COMPILE, FLUX)
         after = compiled._SHARED[-1]
         renewed = [key for key in before if after[key][0] is not before[key][0]]
         assert renewed and _graphs() > graphs, "a function at the limit was handed on"
-    assert_same_step(_patched_step(FLUX.fresh(), COMPILE), again)
+    assert_same_step(_patched_step(FLUX.fresh(), COMPILE, FLUX), again)
