@@ -70,6 +70,7 @@ SLOW_TESTS = {  # by function name, in any file (every parametrization)
     # auto measuring every candidate at two depths (the quick subset keeps its cached and refused paths), bench's
     # auto row end to end, and a gloo process group for DDP
     "test_a_run_stopped_while_measuring_resumes_from_the_candidates_it_measured",
+    "test_a_model_larger_than_its_gpu_budget_streams_from_patch_time_and_auto_plans_which_blocks_stay_resident",
     "test_the_auto_row_plans_at_its_first_step_within_bench_budgets_and_reports_the_plan",
     "test_distributed_data_parallel_is_unwrapped",
 }
