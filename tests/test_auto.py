@@ -707,7 +707,7 @@ def test_the_plan_is_run_on_the_whole_model_before_the_first_step_which_trains_e
                 expected = _step(explicit, _inputs())
             assert_same_step(expected, got, what="auto (its plan run on the whole model first) vs its config")
             table = json.loads(next(_cache.glob("costs/*.json")).read_text())
-            assert [item["config"] for item in table["checked"]] == runs
+            assert [json.loads(item["id"]) for item in table["checked"]] == runs
             again = WAN.fresh()
             with gradseam.patch(again, {**AUTO, "gradient_checkpointing_gpu_memory": 40}) as second:
                 _step(again, _inputs())

@@ -155,6 +155,9 @@ def test_what_each_plan_measured_is_kept_in_the_table_so_a_restart_settles_witho
     out = Planner(STREAMED, flux, static=0.5, answer=_mixes_run_out)
     out.settle(16.0, 42.0)
     assert any(name.endswith("under 16.00 GiB") for name in out.table.checked)
+    # saved and read back with it: on an H100, saving a table that held one raised JSONDecodeError and lost the row
+    cost_cache.save(key, out.table, tmp_path)
+    assert cost_cache.load(key, tmp_path).checked == out.table.checked
     config = plan_check.config_of(out.rechoose(16.0, 42.0))
     assert plan_check._outcome(out.table, config, 20.0, None) is None
 

@@ -77,7 +77,8 @@ class Table:
                            for label, config in self.candidates if (r := self.results.get(label)) is not None],
             # an incomplete table's candidates still to measure, in order
             "to_measure": [{"label": label, "config": dict(config)} for label, config in self.missing()],
-            "checked": [{"config": json.loads(config), "result": _result_json(r)} for config, r in self.checked.items()],
+            # by id: a plan that ran out of memory is kept as "<config id> under <GPU GiB>" (plan_check), not JSON
+            "checked": [{"id": name, "result": _result_json(r)} for name, r in self.checked.items()],
         }
 
     @classmethod
@@ -94,7 +95,7 @@ class Table:
         candidates += [(item["label"], dict(item["config"])) for item in data.get("to_measure", ())]
         checked = {}
         if data.get("format") == FORMAT:
-            checked = {config_id(item["config"]): _result(item["result"]) for item in data.get("checked", ())}
+            checked = {item["id"]: _result(item["result"]) for item in data.get("checked", ())}
         complete = bool(data.get("complete", True)) and len(results) == len(candidates)
         return cls(candidates, results, float(data["static_gib"]), str(data["depth_note"]), complete, checked)
 
