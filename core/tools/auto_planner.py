@@ -60,7 +60,7 @@ from ..auto import Planned, Request
 from ..config import BLOCK_KEYS, CheckpointConfig
 from ..errors import GradseamError, UnsupportedStrategyError, warn_once
 from . import cost_cache, plan_check
-from .advise import LADDER, run_ladder
+from .advise import LADDER, label_of, run_ladder
 from .compiled import compiles, gradseam_keys
 from .estimates import STREAM_KEY, Advice, Estimate, Measure, NoFitError
 
@@ -226,7 +226,7 @@ def choose(table: cost_cache.Table, gpu_gib: float, static_gib: float, host_gib:
                 raise UnsupportedStrategyError(
                     "not measured: a candidate with streamed weights is measured on the model's CUDA GPU, in one "
                     "process, at the first training step that needs it")
-            label = streamed_label(config)
+            label = label_of(config)
             found = more(label, config)
             table.add(label, config, found)
             if saved is not None:
@@ -250,13 +250,6 @@ def choose(table: cost_cache.Table, gpu_gib: float, static_gib: float, host_gib:
     if advice.chosen is None and advice.per_block is None:
         raise NoFitError(advice)
     return advice
-
-
-def streamed_label(config: Mapping[str, Any]) -> str:
-    """``"torch + stream all"``: the resident candidate's label with what streams, as advise labels its rungs."""
-    resident = {k: v for k, v in config.items() if k != STREAM_KEY}
-    base = next((label for label, known in CANDIDATES if known == resident), str(resident))
-    return f"{base} + stream {config[STREAM_KEY]}"
 
 
 def torch_oom(reason: str) -> BaseException:

@@ -161,21 +161,11 @@ def _read(json_path: Path, into: Gathered) -> list[Result]:
 
 def tables(gathered: Gathered) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """The measured rows and the full-depth rows, with their ratios across the processes: what bench shows."""
-    from .bench_report import with_ratios
+    from .bench_report import full_depth_ratios, with_ratios
 
-    deep = with_ratios_across(gathered.full_depth) if gathered.full_depth is not None else None
+    # each process computed its ratios against a none it did not run
+    deep = full_depth_ratios(gathered.full_depth) if gathered.full_depth is not None else None
     return with_ratios(gathered.results, gathered.steps), deep
-
-
-def with_ratios_across(full_depth: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The full-depth rows with ``vs none`` taken against the ``none`` row of the same workload, wherever it ran
-    (each process computed its own against a ``none`` it did not run, so had none)."""
-    out = []
-    for row in full_depth:
-        none = next((o for o in full_depth if o["workload"] == row["workload"] and o["strategy"] == "none"), None)
-        none_ms = none["step_ms"] if none is not None else None
-        out.append({**row, "vs_none": round(row["step_ms"] / none_ms, 3) if row["step_ms"] and none_ms else None})
-    return out
 
 
 def _ended(code: int, log: Path) -> str:

@@ -174,10 +174,17 @@ def full_depth_rows(run: RealRun) -> list[dict[str, Any]]:
                 (r for r in mine if r.status != "ok"), None)
             row["status"] = failed.status if failed is not None else "not measured"
         out.append(row)
-    for row in out:
-        none = next((o for o in out if o["workload"] == row["workload"] and o["strategy"] == "none"), None)
+    return full_depth_ratios(out)
+
+
+def full_depth_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows`` (full-depth rows) with each ``vs_none`` taken against the ``none`` row of the same workload among
+    them: one sweep's, or the rows of ``--isolate-rows``' processes read back together."""
+    out = []
+    for row in rows:
+        none = next((o for o in rows if o["workload"] == row["workload"] and o["strategy"] == "none"), None)
         none_ms = none["step_ms"] if none is not None else None
-        row["vs_none"] = round(row["step_ms"] / none_ms, 3) if row["step_ms"] and none_ms else None
+        out.append({**row, "vs_none": round(row["step_ms"] / none_ms, 3) if row["step_ms"] and none_ms else None})
     return out
 
 
