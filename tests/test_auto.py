@@ -848,19 +848,26 @@ def test_a_table_from_before_checked_plans_counted_streamed_weights_keeps_its_ro
     assert cost_cache.load(key) is None
 
 
-def test_a_cached_row_whose_step_fell_with_depth_is_measured_again_and_only_it(_cache):
+def test_a_cached_row_whose_step_fell_with_depth_is_measured_again_and_only_it(_cache, monkeypatch):
     """A file written before advise timed such rows again holds their falling line (on an H100, 36.5 ms predicted for a
     row that took 767 ms resident): read back, the row is missing, the table incomplete, and a run that can measure
     measures that row alone."""
     model, inputs = WAN.fresh(), _inputs()
     request = Request(model, inputs, 40.0, 8.0, family_for(model))
-    key = cost_cache.key_of(request, auto_planner.CANDIDATES)
+    cpu_key = cost_cache.key_of(request, auto_planner.CANDIDATES)
     _write_table(model, inputs)
-    path = _saved_file(_cache)
-    data = json.loads(path.read_text())
+    data = json.loads(_saved_file(_cache).read_text())
     row = next(c for c in data["candidates"] if c["label"] == "torch")
     row["result"]["unit_costs"]["step_ms"] = -11.4
-    path.write_text(json.dumps(data))
+    _saved_file(_cache).write_text(json.dumps(data))
+    assert cost_cache.load(cpu_key).complete, "a CPU table's row was dropped (its step time is noise there)"
+    # the same table as a GPU measured it
+    real_key_of = cost_cache.key_of
+    monkeypatch.setattr(cost_cache, "key_of", lambda *a: {**real_key_of(*a), "device": "NVIDIA H100 80GB HBM3"})
+    key = cost_cache.key_of(request, auto_planner.CANDIDATES)
+    for old_file in _cache.glob("costs/*.json"):
+        old_file.unlink()
+    cost_cache.save(key, cost_cache.Table.from_json({**data, "key": key}))
     table = cost_cache.load(key)
     assert not table.complete and [label for label, _ in table.missing()] == ["torch"]
     measured: list[dict] = []

@@ -83,14 +83,17 @@ class Table:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Table:
-        """The table a file holds. A row whose line falls with depth (its deeper step ran faster) is left to measure
-        again: :func:`gradseam.tools.advise.depth_measure` now times such a row again and refuses it if it still
-        falls, and a file written before kept the line, which predicts the whole model faster than a cut one."""
+        """The table a file holds. A GPU row whose line falls with depth (its deeper step ran faster) is left to
+        measure again: :func:`gradseam.tools.advise.depth_measure` now times such a row again and refuses it if it
+        still falls, and a file written before kept the line, which predicts the whole model faster than a cut one.
+        A CPU table's rows stay (as depth_measure does not time them again there: a CPU row's figure is its saved
+        bytes, and a tiny model's step time is noise)."""
+        cpu = (data.get("key") or {}).get("device") == "cpu"
         candidates, results = [], {}
         for item in data["candidates"]:
             candidates.append((item["label"], dict(item["config"])))
             result = _result(item["result"])
-            if not falls(result):
+            if cpu or not falls(result):
                 results[item["label"]] = result
         candidates += [(item["label"], dict(item["config"])) for item in data.get("to_measure", ())]
         checked = {}
