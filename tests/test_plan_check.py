@@ -194,3 +194,48 @@ def test_a_plan_streaming_some_blocks_is_predicted_without_their_weights_as_its_
     assert said["gpu_gib"] <= 16.0 < 22.3 + 3.0  # within the budget it was chosen under
     assert spread_weights_gib(block_gib, "all") == pytest.approx(sum(block_gib))
     assert spread_weights_gib(block_gib, None) == 0.0
+
+
+def test_a_uniform_streamed_plan_out_of_memory_is_planned_again_with_more_blocks_streamed(flux):
+    """The H100's Flux dev 4k costs under 12 GiB (22.29 GiB static): ``unsloth-compile + stream 32`` is predicted at
+    11.84 GiB, and on the whole model it ran out of memory. Its prediction is capped at the resident rung plus the
+    weights in flight, so writing its costs up alone gave the same plan back and ``auto`` stopped with "no plan held
+    the budgets". Planned again under a budget lowered by the margin, the streamed rung asks for more blocks streamed
+    (measured then, as on the GPU), and that plan holds."""
+    from gradseam.tools.advise import STREAM_KEY, spread_weights_gib
+
+    blocks = [sum(p.numel() for p in b.parameters()) * 2 / 2**30
+              for b in [*flux.transformer_blocks, *flux.single_transformer_blocks]]
+    data = json.loads((DATA / "flux-dev-4k-h100-streamed-counts.json").read_text())
+    table = cost_cache.Table.from_json(data)
+    measured: list[str] = []
+
+    def more(label, config):  # a count the table lacks, measured at two depths: as the rung's measured count did
+        measured.append(label)
+        rung = label.rsplit(" + stream ", 1)[0]
+        return next((found for name, found in table.results.items() if name.rsplit(" + stream ", 1)[0] == rung
+                     and " + stream " in name and isinstance(found, Estimate)), "unsupported: not measured here")
+
+    def rechoose(gpu, host):
+        return auto_planner.choose(table, gpu, 22.29, host, flux, block_gib=blocks, more=more,
+                                   streamed_per_block=len(auto_planner.CANDIDATES))
+
+    runs: list[dict] = []
+
+    def check(config):
+        runs.append(config)
+        if config.get(STREAM_KEY) == 32:
+            return "OOM on the whole model: CUDA out of memory. Tried to allocate 54.00 MiB"
+        # as unsloth-compile + stream 35 ran by hand: 2.03 GiB over what its step began with, which lacks the streamed
+        # weights (the checker reads the peak above the static memory the planner counts, every weight in it)
+        weights = spread_weights_gib(blocks, config[STREAM_KEY])
+        return Estimate(2.03 - weights, 684.2, 3.72 + weights)
+
+    first = rechoose(12.0, 64.0)
+    assert plan_check.name_of(first) == "unsloth-compile + stream 32" and plan_check.predicted(first)["gpu_gib"] > 11.8
+    settled = plan_check.settle(first, table, check, rechoose, gpu_gib=12.0, host_gib=64.0, depth="depth 19")
+    assert len(runs) >= 2 and runs[0][STREAM_KEY] == 32, runs
+    assert all(isinstance(run.get(STREAM_KEY), int) and run[STREAM_KEY] > 32 for run in runs[1:]), runs
+    assert measured and all("stream 32" not in label for label in measured), measured
+    assert "OOM on the whole model" in settled.lines[0] and settled.measured.step_ms == 684.2
+    assert plan_check.predicted(settled.advice)["gpu_gib"] < 12.0 * (1 - plan_check.MARGIN)

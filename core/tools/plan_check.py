@@ -16,9 +16,9 @@ So before the first step runs a plan, :func:`settle` runs it on the whole model,
 timed step: :func:`gradseam.tools.advise.full_depth_check`), and reads what it measured against the budgets and the
 prediction:
 
-- **Over a budget, or out of memory**: a mix is planned again under a GPU budget lowered by what it overshot (by
+- **Over a budget, or out of memory**: the plan is made again under a GPU budget lowered by what it overshot (by
   :data:`MARGIN` of the budget where it ran out of memory and the overshoot is unknown); a uniform candidate's costs
-  become what it measured at the real depth (for an out-of-memory one: at least the budget), so the planner moves on.
+  also become what it measured at the real depth (for an out-of-memory one: at least the budget).
 - **More than** :data:`SLOWER` **slower than predicted**: a uniform candidate's costs become what it measured and the
   planner chooses again (the same choice again ends it); a mix gives way to the best uniform candidate where that is
   predicted faster than the mix measured.
@@ -156,11 +156,8 @@ def _next_after_mix(advice: Advice, measured: Estimate | None, over_gpu: bool, o
     # took beyond its prediction, and a step more, so the next search cannot return the same mix
     mix = advice.per_block
     gpu, host = min(advice.gpu_gib, mix.plan.gpu_gib), advice.pinnable_gib if advice.pinnable_gib is not None else host_gib
-    expected = _said(advice)["gpu_gib"]
     if over_gpu:  # out of memory: it took at least the whole budget, and by an unknown amount more
-        beyond = advice.static_gib + measured.peak_gib - expected if measured is not None \
-            else gpu_gib - expected + MARGIN * gpu_gib
-        gpu -= beyond + STEP * gpu_gib
+        gpu = _lowered(advice, gpu, measured, gpu_gib)
     if over_host and measured is not None and host is not None:
         host = min(host, mix.plan.host_gib) - (measured.pinned_gib - mix.plan.host_gib) - STEP * host
     if last or gpu <= advice.static_gib or (host is not None and host <= 0):
@@ -170,10 +167,18 @@ def _next_after_mix(advice: Advice, measured: Estimate | None, over_gpu: bool, o
     return rechoose(gpu, host)
 
 
-def _next_after_uniform(advice: Advice, table: cost_cache.Table, measured: Estimate | None, rechoose: Rechoose,
-                        gpu_gib: float, depth: str) -> Advice | None:
+def _next_after_uniform(advice: Advice, table: cost_cache.Table, measured: Estimate | None, over_gpu: bool,
+                        rechoose: Rechoose, gpu_gib: float, depth: str) -> Advice | None:
     """After a uniform candidate that did not do as predicted: its costs become what it measured on the whole model
-    (out of memory: at least the budget), and the planner chooses again (None: its costs are not in the table)."""
+    (out of memory: at least the budget), and the planner chooses again (None: its costs are not in the table).
+    Over the GPU budget, it chooses under a budget lowered as after a mix (:func:`_lowered`).
+
+    Why lowered too: a streamed candidate's prediction is capped at what its resident rung holds plus the weights in
+    flight (:func:`gradseam.tools.advise.at_most_resident_and_in_flight`), so the costs written here come back capped,
+    and the planner chose the same plan again. On an H100, Flux dev 4k's ``unsloth-compile + stream 32`` under 12 GiB
+    was predicted at 11.84 GiB (the peak the allocator counts, as measured for ``+ stream 35``: 10.68 predicted, 10.66
+    on the whole model) and ran out of memory under the cap with its allocator's own overhead; ``auto`` then stopped
+    with "no plan held the budgets" where streaming three blocks more fits."""
     assert advice.chosen is not None
     label = advice.chosen.label
     estimate = table.results.get(label)
@@ -185,7 +190,20 @@ def _next_after_uniform(advice: Advice, table: cost_cache.Table, measured: Estim
         table.results[label] = measured_costs(estimate, at_least, estimate.step_ms, estimate.pinned_gib, why)
     else:
         table.results[label] = measured_costs(estimate, measured.peak_gib, measured.step_ms, measured.pinned_gib, why)
-    return rechoose(advice.gpu_gib, advice.pinnable_gib)
+    gpu = _lowered(advice, advice.gpu_gib, measured, gpu_gib) if over_gpu else advice.gpu_gib
+    if gpu <= 0:
+        return None
+    return rechoose(gpu, advice.pinnable_gib)
+
+
+def _lowered(advice: Advice, gpu: float, measured: Estimate | None, gpu_gib: float) -> float:
+    """``gpu`` less what the plan took beyond its prediction (out of memory: the budget less the prediction, and
+    :data:`MARGIN` of the budget, the overshoot being unknown), and :data:`STEP` of the budget more, so the next search
+    cannot return the same plan. (The search holds its own bound, not the expected peak: ``gpu`` is that bound.)"""
+    expected = _said(advice)["gpu_gib"]
+    beyond = advice.static_gib + measured.peak_gib - expected if measured is not None \
+        else gpu_gib - expected + MARGIN * gpu_gib
+    return gpu - beyond - STEP * gpu_gib
 
 
 def settle(advice: Advice, table: cost_cache.Table, check: Measure | None, rechoose: Rechoose, *,
@@ -227,7 +245,7 @@ def settle(advice: Advice, table: cost_cache.Table, check: Measure | None, recho
                     break
                 advice = after
                 continue
-            again = _next_after_uniform(advice, table, measured, rechoose, gpu_gib, depth)
+            again = _next_after_uniform(advice, table, measured, over_gpu, rechoose, gpu_gib, depth)
             if again is None or config_of(again) == config:
                 break  # the same choice from what it measured
             advice = again
