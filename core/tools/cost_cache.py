@@ -104,8 +104,11 @@ class Table:
 
 
 def falls(result: Estimate | str) -> bool:
-    """Whether ``result``'s step time fell with depth (its line through two depths gives each unit no time)."""
-    return isinstance(result, Estimate) and result.unit_costs is not None and result.unit_costs.step_ms <= 0
+    """Whether ``result``'s step time fell with depth (its line through two depths gives each unit no time). A row
+    whose costs were moved onto what the whole model took (:func:`gradseam.tools.plan_check.measured_costs`) is a
+    measurement, whatever its per-unit split: on a tiny model the line's fixed part can exceed the whole step."""
+    return isinstance(result, Estimate) and result.source.startswith("predicted") \
+        and result.unit_costs is not None and result.unit_costs.step_ms <= 0
 
 
 def config_id(config: Mapping[str, Any]) -> str:
