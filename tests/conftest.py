@@ -162,6 +162,21 @@ def checkpoint_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def even_spread(monkeypatch):
+    """Streamed blocks placed evenly by position, as they were until the twenty-third session placed them by size
+    (:func:`gradseam.planning.spread`): the cost tables an H100 measured for Flux's streamed counts hold the blocks
+    that rule chose, and a replay of them must ask for the same blocks."""
+    from gradseam import planning
+
+    def even(count: int, sizes) -> list[int]:
+        total = sizes if isinstance(sizes, int) else len(sizes)
+        count = min(max(count, 0), total)
+        return [((2 * k + 1) * total) // (2 * count) for k in range(count)]
+
+    monkeypatch.setattr(planning, "spread", even)
+
+
 def _entry_points() -> dict[str, str]:
     from pathlib import Path
 

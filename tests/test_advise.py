@@ -227,10 +227,10 @@ def test_every_block_streams_when_nothing_less_frees_enough():
     assert advice.chosen.label == "unsloth + stream all" and advice.config[STREAM] == "all"
 
 
-@pytest.mark.parametrize(("over", "want"), [(3.0, 5), (-1.0, 1), (4.0, 6), (5.0, None)])
+@pytest.mark.parametrize(("over", "want"), [(2.0, 5), (3.0, 6), (-1.0, 1), (4.0, 6), (5.0, None)])
 def test_the_blocks_to_stream_are_counted_in_bytes_as_the_runtime_spreads_them(over, want):
-    """Two 2 GiB blocks then four of 1 GiB: spread picks blocks by position, and the two largest picked stay
-    on the GPU in flight, so 3 GiB needs five of the six."""
+    """Two 2 GiB blocks then four of 1 GiB: spread places blocks by size (five of the six are blocks 1 to 5), and the
+    two largest picked stay on the GPU in flight, so 2 GiB needs five and 3 GiB all six."""
     from gradseam.tools.advise import blocks_to_stream
 
     assert blocks_to_stream([2, 2, 1, 1, 1, 1], over) == want

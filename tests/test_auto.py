@@ -797,7 +797,7 @@ def test_a_streamed_block_that_keeps_no_weight_on_the_gpu_is_predicted_to_hold_t
     assert not keeps_no_weight_on_the_gpu({"gradient_checkpointing": False})
 
 
-def test_under_12_gib_flux_is_planned_as_the_uniform_streamed_row_the_cap_lets_fit():
+def test_under_12_gib_flux_is_planned_as_the_uniform_streamed_row_the_cap_lets_fit(even_spread):
     """The H100 run's costs (Flux dev 4k, 19 units, every candidate resident and streamed, as ``auto`` measured them
     for 16 and 12 GiB), replayed under that run's budget (12 GiB, 22.29 GiB of static memory): with the two-depth
     fits of the streamed ``unsloth-compile`` rows capped, ``unsloth-compile + stream 32`` fits and is chosen,
@@ -815,6 +815,8 @@ def test_under_12_gib_flux_is_planned_as_the_uniform_streamed_row_the_cap_lets_f
     blocks = [sum(p.numel() for p in b.parameters()) * 2 / 2**30
               for b in [*flux.transformer_blocks, *flux.single_transformer_blocks]]
     data = json.loads((Path(__file__).parent / "data" / "auto" / "flux-dev-4k-h100-streamed-counts.json").read_text())
+    # read as the current format: under even_spread each count streams the blocks it streamed when measured
+    data = {**data, "format": cost_cache.FORMAT}
     advice = auto_planner.choose(cost_cache.Table.from_json(data), 12.0, 22.29, 64.0, flux, block_gib=blocks,
                                  streamed_per_block=len(auto_planner.CANDIDATES))
     said = plan_check.predicted(advice)
@@ -839,13 +841,41 @@ def test_a_table_from_before_checked_plans_counted_streamed_weights_keeps_its_ro
     cost_cache.save(key, table)
     path = _saved_file(_cache)
     data = json.loads(path.read_text())
-    assert data["format"] == cost_cache.FORMAT == 2
+    assert data["format"] == cost_cache.FORMAT == 3
     assert cost_cache.load(key).checked, "a current file lost its checked plans"
     path.write_text(json.dumps({**data, "format": 1}))
     old = cost_cache.load(key)
     assert old is not None and old.checked == {} and old.results == table.results and old.complete
-    path.write_text(json.dumps({**data, "format": 3}))
+    path.write_text(json.dumps({**data, "format": 4}))
     assert cost_cache.load(key) is None
+
+
+def test_a_table_from_before_counts_were_placed_by_size_measures_its_counted_streamed_rows_again(_cache):
+    """Format 2 measured "+ stream N" with the N blocks placed evenly; placed by size they are other blocks on a model
+    whose blocks differ (Flux): such rows and checked plans are dropped (measured again where a budget asks), and
+    everything else is kept, "+ stream all" and the per-block entries streaming "all" among it."""
+    from gradseam.tools.estimates import STREAM_KEY
+
+    model, inputs = WAN.fresh(), _inputs()
+    key = cost_cache.key_of(Request(model, inputs, None, None, family_for(model)), auto_planner.CANDIDATES)
+    _write_table(model, inputs)
+    table = cost_cache.load(key)
+    torch_rung = dict(auto_planner.CANDIDATES)["torch"]
+    counted, every = {**torch_rung, STREAM_KEY: 3}, {**torch_rung, STREAM_KEY: "all"}
+    entry = {**torch_rung, "gradient_checkpointing_blocks": [{"blocks": "blocks[0:2]", STREAM_KEY: 2}]}
+    for label, config in (("torch + stream 3", counted), ("torch + stream all", every), ("entry", entry)):
+        table.add(label, config, Estimate(1.0, 10.0, 1.0))
+        table.checked[cost_cache.config_id(config)] = Estimate(1.0, 10.0, 1.0)
+    table.checked[f"{cost_cache.config_id(counted)} under 8.00 GiB"] = "OOM on the whole model"
+    cost_cache.save(key, table)
+    path = _saved_file(_cache)
+    data = json.loads(path.read_text())
+    assert cost_cache.load(key).results.keys() == table.results.keys(), "a current file lost rows"
+    path.write_text(json.dumps({**data, "format": 2}))
+    old = cost_cache.load(key)
+    assert "torch + stream 3" not in old.results and "entry" not in old.results and "torch + stream all" in old.results
+    assert all(label not in ("torch + stream 3", "entry") for label, _ in old.candidates) and old.complete
+    assert set(old.checked) == {cost_cache.config_id(every)}
 
 
 def test_a_cached_row_whose_step_fell_with_depth_is_measured_again_and_only_it(_cache, monkeypatch):

@@ -509,6 +509,54 @@ def test_streamed_blocks_are_spread_evenly_each_in_the_middle_of_its_share(count
     assert spread(count, total) == want
 
 
+FLUX_DEV_GIB = [0.633] * 19 + [0.262] * 38  # Flux dev's double and single blocks in bf16, in forward order
+
+
+@pytest.mark.parametrize("count", [20, 26, 32, 40])
+def test_blocks_of_two_sizes_are_placed_with_gaps_that_grow_with_their_bytes(count):
+    """A streamed block's copy overlaps the blocks run since the streamed one before it, and copies take time in
+    proportion to their bytes: Flux's double blocks (2.4 times a single's bytes) get gaps about that much wider."""
+    from gradseam.planning import spread
+
+    chosen = spread(count, FLUX_DEV_GIB)
+    assert len(chosen) == count and chosen == sorted(set(chosen))
+    gaps = {"double": [], "single": []}
+    for before, index in zip(chosen, chosen[1:]):
+        gaps["double" if index < 19 else "single"].append(index - before)
+    mean = {kind: sum(g) / len(g) for kind, g in gaps.items() if g}
+    assert mean["double"] >= 2 * mean["single"], (chosen, mean)
+    # read in steps of the largest block's size: a LoRA's few bytes on some blocks move nothing
+    assert spread(count, [g * (1.001 if i % 3 else 1.0) for i, g in enumerate(FLUX_DEV_GIB)]) == chosen
+
+
+def test_every_count_of_blocks_of_mixed_sizes_streams_that_many_distinct_blocks():
+    from gradseam.planning import spread
+
+    sizes = [3.0, 1.0, 1.0, 2.0, 0.5, 0.5, 0.5, 4.0, 1.0]
+    for count in range(len(sizes) + 1):
+        chosen = spread(count, sizes)
+        assert len(chosen) == count and chosen == sorted(set(chosen)) and all(0 <= i < len(sizes) for i in chosen)
+
+
+def test_the_runtime_streams_the_blocks_the_planner_counts():
+    """The planner predicts which blocks a count streams from their frozen bytes (advise.spread_blocks_gib); the
+    runtime places them by all their bytes: the same blocks of a Flux whose double and single blocks differ."""
+    pytest.importorskip("peft")
+    from gradseam.patcher import family_for
+    from gradseam.planning import spread
+    from gradseam.tools.advise import frozen_block_gib
+
+    case = LORA[FLUX.name]
+    model = case.fresh()
+    sizes = frozen_block_gib(model, family_for(model))
+    assert len(set(round(s, 6) for s in sizes)) > 1, "the test model's blocks are all of one size"
+    order = [("transformer_blocks", i) for i in range(len(model.transformer_blocks))] + \
+        [("single_transformer_blocks", i) for i in range(len(model.single_transformer_blocks))]
+    for count in range(1, len(order) + 1):
+        with cpu_test_mode(), gradseam.patch(model, {**ON, STREAM: count}) as handle:
+            assert list(handle.plan.streamed) == [order[i] for i in spread(count, sizes)], count
+
+
 def test_streamed_blocks_spread_among_resident_ones_and_the_first_and_last_copies_start_early():
     """2 of Wan's 5 test blocks stream: blocks 1 and 3, so each copy overlaps a resident block's compute. The
     first streamed block is loaded as the model's forward starts (before block 0 runs), the last one as it

@@ -30,9 +30,12 @@ from .estimates import Estimate, UnitCosts
 
 # Bumped when what a table means changes. 2: a checked plan's pinned figure counts the weights it streams (in 1 it
 # did not, so a plan over the host budget by its weights passed; a format-1 file's rows are kept and its checked
-# plans dropped, to run again). Any other format is measured again.
-FORMAT = 2
-READABLE = {1, 2}
+# plans dropped, to run again). 3: a streamed count N places its blocks by size (gradseam.planning.spread), so on a
+# model whose blocks differ in size "stream N" streams other blocks than it did; a file before 3 keeps every row and
+# checked plan but those streaming a count, which are measured again where a budget asks for them. Any other format
+# is measured again.
+FORMAT = 3
+READABLE = {1, 2, 3}
 
 
 @dataclass
@@ -89,18 +92,42 @@ class Table:
         A CPU table's rows stay (as depth_measure does not time them again there: a CPU row's figure is its saved
         bytes, and a tiny model's step time is noise)."""
         cpu = (data.get("key") or {}).get("device") == "cpu"
+        placed_by_size = data.get("format", FORMAT) >= 3
         candidates, results = [], {}
         for item in data["candidates"]:
+            if not placed_by_size and streams_a_count(item["config"]):
+                continue  # measured with other blocks streamed: measured again where a budget asks for it
             candidates.append((item["label"], dict(item["config"])))
             result = _result(item["result"])
             if cpu or not falls(result):
                 results[item["label"]] = result
         candidates += [(item["label"], dict(item["config"])) for item in data.get("to_measure", ())]
         checked = {}
-        if data.get("format") == FORMAT:
-            checked = {item["id"]: _result(item["result"]) for item in data.get("checked", ())}
+        if data.get("format") in (2, 3):
+            checked = {item["id"]: _result(item["result"]) for item in data.get("checked", ())
+                       if placed_by_size or not _id_streams_a_count(item["id"])}
         complete = bool(data.get("complete", True)) and len(results) == len(candidates)
         return cls(candidates, results, float(data["static_gib"]), str(data["depth_note"]), complete, checked)
+
+
+def streams_a_count(config: Mapping[str, Any]) -> bool:
+    """Whether ``config`` streams a number of blocks (which ones: :func:`gradseam.planning.spread`), at the top level
+    or in an entry of ``gradient_checkpointing_blocks``; ``"all"`` streams the same blocks whatever the placement."""
+    from ..config import BLOCKS_KEY
+    from .estimates import STREAM_KEY
+
+    values = [config.get(STREAM_KEY)] + [dict(entry).get(STREAM_KEY) for entry in config.get(BLOCKS_KEY) or ()]
+    return any(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)
+
+
+def _id_streams_a_count(name: str) -> bool:
+    """:func:`streams_a_count` for a checked plan's id (its config as :func:`config_id` wrote it, perhaps followed by
+    `` under <GiB>`` for one that ran out of memory)."""
+    text = name.split(" under ")[0] if name.endswith(" GiB") else name
+    try:
+        return streams_a_count(json.loads(text))
+    except ValueError:
+        return True  # not a config this reader can read: run it again
 
 
 def falls(result: Estimate | str) -> bool:
