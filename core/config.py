@@ -560,11 +560,11 @@ class CheckpointConfig:
     gradient_checkpointing_stream_weights: int | str | None = _key(None, KeySpec(
         flag="--stream-weights", value=str, metavar="N|all", parse=_parse_streamed, group=GROUP_WEIGHTS,
         nullable=True, needs_checkpointing=True,  # streamed blocks are released after forward, reloaded to recompute
-        help="keep the frozen weights of N blocks, spread evenly (or all), in host memory, copied to the GPU as "
+        help="keep the frozen weights of N blocks, spread by size (or all), in host memory, copied to the GPU as "
              "each block runs",
         doc_type='int ≥ 0, `"all"` or null', doc_default="null (nothing streams; so does `0`)",
-        doc="moves the frozen base weights of N blocks, spread evenly over the forward order (`\"all\"`: every "
-            "block), to host memory and copies them to the GPU as each block runs; LoRA and other trainable "
+        doc="moves the frozen base weights of N blocks, spread over the forward order, larger blocks farther apart "
+            "(`\"all\"`: every block), to host memory and copies them to the GPU as each block runs; LoRA and other trainable "
             "parameters stay on the GPU. musubi-tuner's `blocks_to_swap` counts blocks the same way (which "
             "blocks it picks may differ) ([weight streaming](strategies.md#weights-that-do-not-fit-streaming-them-from-host-memory))"))
     gradient_checkpointing_stream_prefetch: int = _key(DEFAULT_STREAM_PREFETCH, KeySpec(

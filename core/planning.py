@@ -202,7 +202,7 @@ STREAM_KEY = "gradient_checkpointing_stream_weights"
 def _streamed(model: nn.Module, config: CheckpointConfig, lists: list[tuple[BlockList, list[nn.Module]]],
               unchecked: set[tuple[str, int]]) -> tuple[tuple[str, int], ...]:
     """The blocks whose frozen weights stream from host memory (:mod:`gradseam.offload.weights`), in forward
-    order. The top-level N spreads evenly over the blocks no entry of gradient_checkpointing_blocks sets it for
+    order. The top-level N spreads over the blocks no entry of gradient_checkpointing_blocks sets it for
     (:func:`spread`; ``"all"``: every one); an entry's value does the same over the blocks it decides (the
     later entry wins, as for every key). Each refusal names what to do instead."""
     groups = _stream_groups(model, config, lists)
