@@ -277,8 +277,8 @@ def _stream_groups(model: nn.Module, config: CheckpointConfig, lists: list[tuple
 SIZE_CLASSES = 8  # a block's size is read as one of this many fractions of the largest block's
 
 
-def spread(count: int, sizes: int | Sequence[float]) -> list[int]:
-    """``count`` of the blocks whose sizes are ``sizes`` (in forward order; an int: that many blocks of one size), each
+def spread(count: int, sizes: Sequence[float]) -> list[int]:
+    """``count`` of the blocks whose sizes are ``sizes`` (in forward order), each
     placed so the compute before it can hide its copy: the blocks are laid on an axis where each takes the inverse of
     its size, the axis is cut into ``count`` equal shares, and each share's middle is streamed. Blocks of one size are
     spread evenly: 2 of 8 -> [2, 6].
@@ -299,7 +299,6 @@ def spread(count: int, sizes: int | Sequence[float]) -> list[int]:
     weights, the link is the bound whatever the placement (280 ms at 12.3 GiB, 293 at 12.6). Sizes are read in
     :data:`SIZE_CLASSES` steps of the largest, so a LoRA added to some blocks, or the planner counting frozen bytes
     where the runtime counts all, places the same blocks."""
-    sizes = [1.0] * sizes if isinstance(sizes, int) else list(sizes)
     total = len(sizes)
     if count <= 0:
         return []
@@ -322,15 +321,9 @@ def spread(count: int, sizes: int | Sequence[float]) -> list[int]:
 
 
 def block_bytes(block: nn.Module) -> int:
-    """The bytes of ``block``'s parameters and buffers: the size :func:`spread` places it by (its frozen weights are
-    nearly all of it; which of them are frozen may not be known yet, for a model patched as it loads)."""
-    seen: set[int] = set()
-    total = 0
-    for t in (*block.parameters(), *block.buffers()):
-        if id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    return total
+    """The bytes of ``block``'s parameters and buffers (each once): the size :func:`spread` places it by (its frozen
+    weights are nearly all of it; which of them are frozen may not be known yet, for a model patched as it loads)."""
+    return sum(t.nbytes for t in (*block.parameters(), *block.buffers()))
 
 
 def _refuse_unstreamable(model: nn.Module, where: str, block: nn.Module) -> None:

@@ -170,7 +170,7 @@ def even_spread(monkeypatch):
     from gradseam import planning
 
     def even(count: int, sizes) -> list[int]:
-        total = sizes if isinstance(sizes, int) else len(sizes)
+        total = len(sizes)
         count = min(max(count, 0), total)
         return [((2 * k + 1) * total) // (2 * count) for k in range(count)]
 

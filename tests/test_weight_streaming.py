@@ -506,7 +506,17 @@ def test_the_next_blocks_weights_are_loaded_while_a_block_runs_and_no_more(backe
 def test_streamed_blocks_are_spread_evenly_each_in_the_middle_of_its_share(count, total, want):
     from gradseam.planning import spread
 
-    assert spread(count, total) == want
+    assert spread(count, [1.0] * total) == want
+
+
+def test_blocks_of_one_size_are_placed_as_the_even_spread_placed_them_for_every_count():
+    """Placing by size changes nothing where every block has one size (Wan, and most families): each of ``count``
+    equal shares' middle block, as before."""
+    from gradseam.planning import spread
+
+    for total in range(1, 41):
+        for count in range(total + 1):
+            assert spread(count, [0.4] * total) == [((2 * k + 1) * total) // (2 * count) for k in range(count)]
 
 
 FLUX_DEV_GIB = [0.633] * 19 + [0.262] * 38  # Flux dev's double and single blocks in bf16, in forward order

@@ -166,7 +166,7 @@ def spread_blocks_gib(block_gib: Sequence[float], count: Any) -> list[float]:
         return list(block_gib)
     if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
         return []
-    return [block_gib[i] for i in spread(min(count, len(block_gib)), block_gib)]
+    return [block_gib[i] for i in spread(count, block_gib)]
 
 
 def spread_weights_gib(block_gib: Sequence[float], count: Any) -> float:
