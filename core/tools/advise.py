@@ -92,6 +92,7 @@ def _try(trial: Trial, measure: Measure, gpu_gib: float, static_gib: float,
     trial.pinned_gib, trial.source = round(max(float(got.pinned_gib), 0.0), 2), got.source
     trial.growth_gib = round(got.growth_gib, 3) if got.growth_gib is not None else None
     trial.unit_costs = got.unit_costs
+    trial.forward_ms = round(got.forward_ms, 1) if got.forward_ms is not None else None
     over = static_gib + trial.peak_gib - gpu_gib
     if over > 0:
         trial.status, trial.reason = "over GPU memory", f"over the GPU size by {over:.2f} GiB"
@@ -108,6 +109,7 @@ def run_ladder(
     measure: Measure, gpu_gib: float, static_gib: float = 0.0, *, supports_interval: bool = True,
     pinnable_gib: float | None = None, ladder: list[tuple[str, dict[str, Any]]] | None = None,
     block_gib: Sequence[float] | None = None, win_back: bool = True, streamed_per_block: int | None = None,
+    link_gib_s: float | None = None,
 ) -> Advice:
     """Walk the ladder with ``measure`` within ``gpu_gib`` of GPU memory and return the advice (``chosen``
     is None when nothing fits): every rung, then (``win_back``) the win-back steps on the fastest one that fits. With
@@ -115,8 +117,10 @@ def run_ladder(
     only because the weights are too are tried again with some weights streamed (:func:`_streamed`), and unless no
     the fastest candidate measured fits, the fastest per-block candidates with every block streamed
     (:func:`_streamed_per_block`, ``streamed_per_block`` of them, default :data:`STREAMED_PER_BLOCK`), for the
-    per-block plan to stream some units."""
-    advice = Advice(gpu_gib, static_gib, pinnable_gib=pinnable_gib, block_gib=list(block_gib) if block_gib else None)
+    per-block plan to stream some units. ``link_gib_s``: the host link's rate (:mod:`gradseam.tools.host_link`),
+    which the streamed rungs' steps are modelled from where given."""
+    advice = Advice(gpu_gib, static_gib, pinnable_gib=pinnable_gib, block_gib=list(block_gib) if block_gib else None,
+                    link_gib_s=link_gib_s)
 
     def try_one(trial: Trial) -> Trial:
         return _try(trial, measure, gpu_gib, static_gib, pinnable_gib)
@@ -160,13 +164,18 @@ def spread_blocks_gib(block_gib: Sequence[float], count: Any) -> list[float]:
     """The frozen weights of each block that streams when ``count`` do (``"all"`` or a number of the full model's
     blocks, spread as the runtime spreads a top-level count), in forward order. A per-block plan's streamed blocks
     are the plan's to say (:func:`gradseam.tools.auto_planner.streamed_weights_gib` reads them from it)."""
+    return [block_gib[i] for i in streamed_indices(block_gib, count)]
+
+
+def streamed_indices(block_gib: Sequence[float], count: Any) -> list[int]:
+    """Which blocks (indices in forward order) stream when ``count`` do: :func:`spread_blocks_gib`'s blocks."""
     from ..planning import spread
 
     if count == "all":
-        return list(block_gib)
+        return list(range(len(block_gib)))
     if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
         return []
-    return [block_gib[i] for i in spread(count, block_gib)]
+    return spread(count, block_gib)
 
 
 def spread_weights_gib(block_gib: Sequence[float], count: Any) -> float:
@@ -271,19 +280,48 @@ def at_most_resident_and_in_flight(streamed: Estimate, resident: Trial, in_fligh
     return replace(streamed, peak_gib=cap, growth_gib=growth, unit_costs=costs)
 
 
+def with_link_waits(streamed: Estimate, resident: Trial, block_gib: Sequence[float], config: Mapping[str, Any],
+                    link_gib_s: float) -> Estimate:
+    """``streamed``'s step as its ``resident`` rung's at the full depth plus what the copy stream's model
+    (:func:`gradseam.tools.host_link.waits_ms`) says the streamed blocks' copies add at the link's rate, the waits
+    spread evenly over the units; the memory and pinned figures stay as measured. Why not the line through the two
+    depths: see :mod:`gradseam.tools.host_link` (on an H100 it missed Flux's streamed rows by -20% to +36%)."""
+    from ..config import DEFAULT_STREAM_PREFETCH
+    from .host_link import FORWARD_SHARE, waits_ms
+
+    if resident.step_ms is None or resident.unit_costs is None or streamed.unit_costs is None or not block_gib:
+        return streamed
+    forward = resident.forward_ms if resident.forward_ms is not None else resident.step_ms * FORWARD_SHARE
+    prefetch = int(config.get("gradient_checkpointing_stream_prefetch", DEFAULT_STREAM_PREFETCH) or 0)
+    chosen = streamed_indices(block_gib, config.get(STREAM_KEY))
+    ahead, behind = waits_ms(block_gib, chosen, forward, resident.step_ms - forward, link_gib_s, prefetch)
+    units = streamed.unit_costs.units
+    costs = replace(streamed.unit_costs, step_ms=resident.unit_costs.step_ms + (ahead + behind) / units,
+                    step_fixed_ms=resident.unit_costs.step_fixed_ms)
+    source = (f"{streamed.source}; step: {resident.label}'s {resident.step_ms:.1f} ms + the copies' waits modelled at "
+              f"{link_gib_s:.1f} GiB/s ({ahead:.1f} ms forward, {behind:.1f} ms backward)")
+    return replace(streamed, step_ms=resident.step_ms + ahead + behind, unit_costs=costs, source=source,
+                   forward_ms=forward + ahead)
+
+
 def _try_streamed(trial: Trial, advice: Advice, measure: Measure, streamed: float, resident: Trial) -> bool:
     """Measure a rung with ``streamed`` GiB of frozen weights in host memory: its static memory is the model's less
     them, its pinned memory has them added (checked against the host's), and each unit holds at least what the
     ``resident`` rung's units hold and take at least its time (:func:`at_least_resident`), and where its blocks keep
     no weight on the GPU, at most what they hold plus the weights in flight (:func:`at_most_resident_and_in_flight`);
-    whether it fits."""
+    where the link's rate is known, its step is the resident rung's plus the copies' modelled waits
+    (:func:`with_link_waits`); whether it fits."""
     in_flight = in_flight_gib(advice.block_gib or [], trial.config) \
         if keeps_no_weight_on_the_gpu(trial.config) else None
 
     def floored(config: Mapping[str, Any]) -> Estimate:
         got = measure(config)
         got = at_least_resident(got if isinstance(got, Estimate) else Estimate(*got), resident.unit_costs)
-        return got if in_flight is None else at_most_resident_and_in_flight(got, resident, in_flight)
+        if in_flight is not None:
+            got = at_most_resident_and_in_flight(got, resident, in_flight)
+        if advice.link_gib_s:
+            got = with_link_waits(got, resident, advice.block_gib or [], config, advice.link_gib_s)
+        return got
 
     _try(trial, floored, advice.gpu_gib, advice.static_gib - streamed)
     if trial.pinned_gib is not None:
@@ -415,7 +453,7 @@ def depth_measure(
     def measure(config: Mapping[str, Any]) -> Estimate:
         if depths is None:
             got = once(config, plan.full)
-            return Estimate(got.peak_gib, got.step_ms, got.pinned_gib)
+            return Estimate(got.peak_gib, got.step_ms, got.pinned_gib, forward_ms=getattr(got, "forward_ms", None))
         a, b = once(config, depths[0]), once(config, depths[1])
         if device != "cpu" and not grows(a, b):
             a, b = once(config, depths[0], RETIMED_STEPS), once(config, depths[1], RETIMED_STEPS)
@@ -430,8 +468,12 @@ def depth_measure(
         ms = fit(depths, (a.step_ms, b.step_ms))
         pinned = fit(depths, (a.pinned_gib, b.pinned_gib))
         units = UnitCosts(target, ms.growth, ms.fixed, peak.growth, peak.fixed, pinned.growth, pinned.fixed)
+        forward = None
+        passes = getattr(a, "forward_ms", None), getattr(b, "forward_ms", None)  # GPU measurements time each pass
+        if None not in passes:
+            forward = min(max(fit(depths, passes).at(target), 0.0), ms.at(target))
         return Estimate(peak.at(target), ms.at(target), pinned.at(target), peak.growth, f"predicted at depth {target}",
-                        units)
+                        units, forward)
 
     return measure, note
 
@@ -490,7 +532,8 @@ def full_depth_check(model: Any, inputs: Mapping[str, Any], loss_fn: Callable[[A
 
     def check(config: Mapping[str, Any]) -> Estimate:
         got = measure_once(model, inputs, config, plan.full, loss_fn, family=family, plan=plan, device=device)
-        return Estimate(got.peak_gib, got.step_ms, got.pinned_gib, None, f"measured at depth {plan.full}")
+        return Estimate(got.peak_gib, got.step_ms, got.pinned_gib, None, f"measured at depth {plan.full}",
+                        forward_ms=getattr(got, "forward_ms", None))
 
     return check
 
@@ -545,6 +588,7 @@ def advise(
     budget: str | float | None = None,
     block_gib: Sequence[float] | None = None,
     progress: Callable[[str, bool], None] | None = None,
+    link_gib_s: float | None = None,
 ) -> Advice:
     """The fastest strategy whose predicted peak plus the model's static memory fits in ``gpu``.
 
@@ -560,7 +604,8 @@ def advise(
     order; when the weights are what does not fit, rungs are tried with some of them streamed (measured
     on the GPU: read from ``model`` unless given; with ``measure=``, only if given). ``progress(line, done)`` hears
     of each candidate as it starts (``done`` False) and as it ends, with its own seconds (``done`` True): a large
-    model's ladder takes minutes.
+    model's ladder takes minutes. ``link_gib_s``: the host link's rate, from which streamed rungs' steps are
+    modelled (:mod:`gradseam.tools.host_link`; measured on the GPU unless given; with ``measure=``, only if given).
     """
     gpu_gib = parse_size(_gpu_argument(gpu, budget))
     supports_interval = True
@@ -572,6 +617,11 @@ def advise(
             from ..patcher import family_for
 
             block_gib = frozen_block_gib(model, family_for(model), plan)
+        if link_gib_s is None and block_gib and sum(block_gib):
+            from ..patcher import family_for
+            from .host_link import measure_model_gib_s
+
+            link_gib_s = measure_model_gib_s(model, family_for(model))
         if pinnable_gib is None:
             from .host import pinnable_gib as host_pinnable
 
@@ -582,7 +632,7 @@ def advise(
 
     with sharing():  # each compiled candidate is patched at two depths: it compiles once (sharing() says why)
         advice = run_ladder(measure, gpu_gib, static_gib or 0.0, supports_interval=supports_interval,
-                            pinnable_gib=pinnable_gib, block_gib=block_gib)
+                            pinnable_gib=pinnable_gib, block_gib=block_gib, link_gib_s=link_gib_s)
     advice.depth_note = note
     from . import mixed_plan
 

@@ -139,7 +139,9 @@ def _plan(request: Request, measure_on: MeasureOn | None, check_on: CheckOn | No
             "gradient_checkpointing_backend \"auto\": the model is not on a CUDA GPU, so its memory cannot be read; "
             "set gradient_checkpointing_gpu_memory (e.g. \"24GiB\").")
     host = request.host_gib if request.host_gib is not None else _host_default()
-    known, checked = len(table.results), len(table.checked)
+    known, checked, link = len(table.results), len(table.checked), table.link_gib_s
+    if weights and table.link_gib_s is None and rows is not None and cuda:
+        table.link_gib_s = rows.link_gib_s()  # what a streamed candidate's step is modelled from
     check_with = check_on or (gpu_check_on if measure_on is None and cuda else None)
     block_gib = weights
     more = rows.one if rows is not None else None
@@ -148,6 +150,7 @@ def _plan(request: Request, measure_on: MeasureOn | None, check_on: CheckOn | No
     # for the mix (Wan 2.1 14B at 24 GiB ran three streamed kinds); a model that fits gets advise's two fastest
     def rechoose(gpu_gib: float, host_gib: float | None) -> Advice:
         return choose(table, gpu_gib, static, host_gib, request.model, block_gib=block_gib, more=more,
+                      link_gib_s=table.link_gib_s,
                       candidates=candidates, saved=lambda kept: cost_cache.save(key, kept, cache_dir),
                       streamed_per_block=len(candidates) if request.streamed else None)
 
@@ -159,7 +162,8 @@ def _plan(request: Request, measure_on: MeasureOn | None, check_on: CheckOn | No
                                     rechoose, gpu_gib=gpu, host_gib=host, depth=table.depth_note.split(" (")[0])
         advice = settled.advice
     finally:
-        if len(table.results) > known or len(table.checked) > checked:  # the next run reads what this one measured
+        if len(table.results) > known or len(table.checked) > checked or table.link_gib_s != link:
+            # the next run reads what this one measured
             cost_cache.save(key, table, cache_dir)
     config = plan_check.config_of(advice)
     report = _report(advice, table, source, len(table.results) - known) + settled.report()
@@ -207,7 +211,7 @@ def choose(table: cost_cache.Table, gpu_gib: float, static_gib: float, host_gib:
            block_gib: list[float] | None = None, more: More | None = None,
            candidates: list[tuple[str, dict[str, Any]]] = CANDIDATES,
            saved: Callable[[cost_cache.Table], Any] | None = None,
-           streamed_per_block: int | None = None) -> Advice:
+           streamed_per_block: int | None = None, link_gib_s: float | None = None) -> Advice:
     """advise's choice among the table's candidates, then the fastest mix (raises :class:`NoFitError`).
 
     With ``block_gib``, candidates with streamed weights take part as in advise (the fastest per-block ones with
@@ -216,7 +220,8 @@ def choose(table: cost_cache.Table, gpu_gib: float, static_gib: float, host_gib:
     ``saved(table)`` is called after each row added: a run stopped meanwhile (a time limit's SIGTERM ends Python
     without running ``finally``; on an H100, Flux's compiled rows with 31 blocks streamed took 68 s each) keeps what
     it measured, and the next run measures only the rest. ``streamed_per_block``: how many per-block candidates
-    are measured with every block streamed (advise's default where None)."""
+    are measured with every block streamed (advise's default where None). ``link_gib_s``: the host link's rate, from
+    which the streamed candidates' steps are modelled (:mod:`gradseam.tools.host_link`)."""
     from . import mixed_plan
 
     def from_table(config: Mapping[str, Any]) -> Estimate:
@@ -244,7 +249,8 @@ def choose(table: cost_cache.Table, gpu_gib: float, static_gib: float, host_gib:
     base = {label for label, _ in candidates}
     ladder = [(label, config) for label, config in table.ladder() if label in base]
     advice = run_ladder(from_table, gpu_gib, static_gib, pinnable_gib=host_gib, ladder=ladder,
-                        block_gib=block_gib, win_back=False, streamed_per_block=streamed_per_block)
+                        block_gib=block_gib, win_back=False, streamed_per_block=streamed_per_block,
+                        link_gib_s=link_gib_s)
     advice.depth_note = table.depth_note
     mixed_plan.attach(advice, model)
     if advice.chosen is None and advice.per_block is None:
@@ -293,6 +299,18 @@ class _Rows:
               + (f"; about {left:.0f} s left for the {len(after)} still to measure" if left is not None else ""),
               file=sys.stderr, flush=True)
         return outcome
+
+    def link_gib_s(self) -> float | None:
+        """The host link's rate, measured with the model's largest block (:mod:`gradseam.tools.host_link`)."""
+        from .host_link import measure_model_gib_s
+
+        name = type(self.request.model).__name__
+        start = time.perf_counter()
+        rate = measure_model_gib_s(self.request.model, self.request.family, _device(self.request.model))
+        if rate is not None:
+            print(f"gradseam auto: {name}: host link {rate:.1f} GiB/s (one block's weights copied in, measured in "
+                  f"{time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
+        return rate
 
     def left(self, after: Sequence[Mapping[str, Any]]) -> float | None:
         """The seconds ``after`` should take, each row at the mean of the rows measured so far that compile as it

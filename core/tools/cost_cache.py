@@ -51,6 +51,9 @@ class Table:
     # :func:`config_id`: what each took at the real depth, or why it did not run ("OOM ..."); a run reading the
     # table then settles on the same plan without running any of them again
     checked: dict[str, Estimate | str] = field(default_factory=dict)
+    # the host link's rate in GiB/s as streaming uses it (gradseam.tools.host_link), measured once for the table:
+    # a streamed candidate's step is modelled from it; None where not measured (no CUDA, nothing to stream)
+    link_gib_s: float | None = None
 
     def missing(self) -> list[tuple[str, Mapping[str, Any]]]:
         """The candidates not measured yet (an incomplete table's): a resumed run measures only these."""
@@ -82,6 +85,7 @@ class Table:
             "to_measure": [{"label": label, "config": dict(config)} for label, config in self.missing()],
             # by id: a plan that ran out of memory is kept as "<config id> under <GPU GiB>" (plan_check), not JSON
             "checked": [{"id": name, "result": _result_json(r)} for name, r in self.checked.items()],
+            "link_gib_s": self.link_gib_s,
         }
 
     @classmethod
@@ -107,7 +111,9 @@ class Table:
             checked = {item["id"]: _result(item["result"]) for item in data.get("checked", ())
                        if placed_by_size or not _id_streams_a_count(item["id"])}
         complete = bool(data.get("complete", True)) and len(results) == len(candidates)
-        return cls(candidates, results, float(data["static_gib"]), str(data["depth_note"]), complete, checked)
+        link = data.get("link_gib_s")
+        return cls(candidates, results, float(data["static_gib"]), str(data["depth_note"]), complete, checked,
+                   float(link) if link else None)
 
 
 def streams_a_count(config: Mapping[str, Any]) -> bool:

@@ -47,6 +47,9 @@ class Estimate:
     growth_gib: float | None = None  # activation peak added per unit of depth
     source: str = "measured"
     unit_costs: UnitCosts | None = None  # predicted ones: the fit per unit of depth
+    # the forward's own time at this depth (GPU rows; None: not timed on its own, or a table from before), what the
+    # model of streamed weights' copies splits a step by (:mod:`gradseam.tools.host_link`)
+    forward_ms: float | None = None
 
 
 # measure(candidate) -> Estimate, or (activation peak GiB, step ms); raises torch.OutOfMemoryError
@@ -66,6 +69,7 @@ class Trial:
     growth_gib: float | None = None
     source: str = ""
     unit_costs: UnitCosts | None = None
+    forward_ms: float | None = None  # the forward's own share of step_ms, where it was timed (Estimate.forward_ms)
 
 
 @dataclass
@@ -79,6 +83,9 @@ class Advice:
     per_block: Any = None  # a gradseam.tools.mixed_plan.MixedPlan faster than the chosen rung, or None
     per_block_note: str = ""  # why there is no per-block plan, or that none beat the chosen rung
     block_gib: list[float] | None = None  # each block's frozen weights at full depth (what streaming moves), if known
+    # the host link's rate as streaming uses it (gradseam.tools.host_link), if measured: a streamed rung's step is
+    # then its resident rung's plus what the copy stream's model adds, not its line through two shallow depths
+    link_gib_s: float | None = None
 
     @property
     def streaming_tried(self) -> bool:

@@ -17,7 +17,8 @@ The model: blocks run in forward order, each taking ``block_ms``; one copy strea
 order, each at ``link_gib_s``; a streamed block's copy is issued when the streamed block ``prefetch`` places before it
 starts (the first when the forward starts), and a streamed block starts once its copy is done. That is what
 :mod:`gradseam.offload.weights` does; what it leaves out (kernel launch gaps, the activations' own copies) moves both
-placements alike.
+placements alike. ``auto`` predicts a streamed candidate's step with the same model
+(:mod:`gradseam.tools.host_link`), forward and backward.
 """
 
 from __future__ import annotations
@@ -28,30 +29,11 @@ from collections.abc import Sequence
 
 def forward_ms(streamed: Sequence[int], sizes: Sequence[float], block_ms: float, link_gib_s: float,
                prefetch: int = 1) -> float:
-    """The forward's time when the blocks at ``streamed`` (forward order) stream, in the model above."""
-    order = sorted(streamed)
-    copy_done: dict[int, float] = {}
-    link_free = 0.0
+    """The forward's time when the blocks at ``streamed`` (forward order) stream: the model ``auto`` plans with
+    (:func:`gradseam.tools.host_link.pass_ms`), every block taking ``block_ms``."""
+    from gradseam.tools.host_link import pass_ms
 
-    def issue(k: int, at: float) -> None:
-        nonlocal link_free
-        if k < len(order) and k not in copy_done:
-            start = max(at, link_free)
-            link_free = start + sizes[order[k]] / link_gib_s * 1000.0
-            copy_done[k] = link_free
-
-    issue(0, 0.0)
-    position = {block: k for k, block in enumerate(order)}
-    clock = 0.0
-    for block in range(len(sizes)):
-        if block in position:
-            k = position[block]
-            issue(k, clock)
-            clock = max(clock, copy_done[k])
-            for ahead in range(1, prefetch + 1):
-                issue(k + ahead, clock)
-        clock += block_ms
-    return clock
+    return pass_ms([block_ms] * len(sizes), sizes, streamed, link_gib_s, prefetch)
 
 
 def freed_gib(streamed: Sequence[int], sizes: Sequence[float], prefetch: int = 1) -> float:

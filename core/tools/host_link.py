@@ -1,0 +1,134 @@
+"""What streamed weights add to a step: the host link's rate, measured, and a model of the copy stream.
+
+Why a model and not the two-depth line every other cost comes from: a streamed block's copy hides only behind the
+compute between it and the streamed block before it (:mod:`gradseam.offload.weights` issues block ``k``'s copy
+when streamed block ``k - prefetch`` starts), so what streaming costs depends on where the streamed blocks are in
+the whole model and how large each is, which a model cut to two shallow depths does not show. On an H100 (Flux dev
+at 4,096 tokens, 2026-12-05) the lines through depths 2 and 4 predicted ``unsloth-compile, budget 0.05 + stream
+35`` at 934 ms where ``unsloth-compile + stream 35`` ran 684 ms on the whole model, and ``compile + stream 44`` at
+696 ms where it ran 873: ``auto`` under 12 GiB chose the second and ran 1.74x the uncapped step, against the hand
+plan's 1.40x. The model below gives the first 654 ms and the second 753 ms from the resident rows' steps.
+
+The model (:func:`pass_ms`): blocks run in order, each taking its share of the pass's time; one copy stream moves
+the streamed blocks' weights in that order at the link's rate; a streamed block's copy is issued when the streamed
+block ``prefetch`` places before it starts (the first ones when the pass starts), and the block starts once its
+copy is done. The backward is the same pass run back to front (the last streamed block is copied as the forward
+ends; each block is copied once for its recompute and its backward). What it leaves out (kernel launch gaps, the
+activations' own copies, the allocator) is what the check on the whole model (:mod:`gradseam.tools.plan_check`)
+measures.
+
+The rate (:func:`measure_gib_s`) is measured on this machine as streaming uses the link: one block's tensors, each
+its own copy from pinned host memory on a side stream, timed with CUDA events.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+# The forward's share of a step where a row's own forward time is unknown (a table measured before rows kept it):
+# on an H100, Flux dev 4k's resident unsloth-compile ran its forward in 170.4 of 489.4 ms (0.35); a step without
+# recompute does a third of its work forward, one with a whole-block recompute a quarter.
+FORWARD_SHARE = 1 / 3
+REPEATS = 5  # timed copies of one block when measuring the link (their median)
+
+
+def pass_ms(compute_ms: Sequence[float], sizes_gib: Sequence[float], streamed: Iterable[int], link_gib_s: float,
+            prefetch: int = 1) -> float:
+    """One pass's time in the model above: the blocks take ``compute_ms`` each in this order and weigh ``sizes_gib``;
+    those at ``streamed`` (indices in this order) have their weights copied in at ``link_gib_s``."""
+    if link_gib_s <= 0:
+        raise ValueError(f"the host link's rate must be positive, got {link_gib_s} GiB/s")
+    order = sorted(set(streamed))
+    done: dict[int, float] = {}  # k (the k-th streamed block) -> when its copy ends
+    link_free = 0.0
+
+    def issue(k: int, at: float) -> None:
+        nonlocal link_free
+        if k < len(order) and k not in done:
+            link_free = max(at, link_free) + sizes_gib[order[k]] / link_gib_s * 1000.0
+            done[k] = link_free
+
+    issue(0, 0.0)  # the first streamed block is copied as the pass starts
+    position = {block: k for k, block in enumerate(order)}
+    clock = 0.0
+    for block, ms in enumerate(compute_ms):
+        k = position.get(block)
+        if k is not None:
+            issue(k, clock)
+            clock = max(clock, done[k])
+            for ahead in range(1, prefetch + 1):
+                issue(k + ahead, clock)
+        clock += ms
+    return clock
+
+
+def waits_ms(sizes_gib: Sequence[float], streamed: Iterable[int], forward_ms: float, backward_ms: float,
+             link_gib_s: float, prefetch: int = 1) -> tuple[float, float]:
+    """What streaming the blocks at ``streamed`` (indices in forward order) adds to the forward and to the backward,
+    each pass's time spread evenly over the blocks (on the H100 the even split matched Flux's measured forward better
+    than one by block size: 222 ms modelled, 226.0 measured, for ``stream 25``)."""
+    count = len(sizes_gib)
+    if not count:
+        return 0.0, 0.0
+    chosen = sorted(set(streamed))
+    forward = pass_ms([forward_ms / count] * count, sizes_gib, chosen, link_gib_s, prefetch) - forward_ms
+    backward = pass_ms([backward_ms / count] * count, list(reversed(sizes_gib)),
+                       [count - 1 - i for i in chosen], link_gib_s, prefetch) - backward_ms
+    return max(forward, 0.0), max(backward, 0.0)
+
+
+def block_tensor_bytes(blocks: Sequence[Any]) -> list[int]:
+    """The sizes of the tensors streaming moves for the largest of ``blocks``: what :func:`measure_gib_s` copies."""
+    from ..offload.weights import streamable
+
+    sizes = [[t.nbytes for *_, t in streamable(block)] for block in blocks]
+    return max(sizes, key=sum, default=[])
+
+
+def measure_gib_s(tensor_bytes: Sequence[int], device: Any, repeats: int = REPEATS) -> float:
+    """The host-to-device rate in GiB/s of one block's tensors (``tensor_bytes``), each copied from pinned host memory
+    on a side stream as :mod:`gradseam.offload.weights` copies them: the median of ``repeats`` timed copies after a
+    warm-up. Needs CUDA; holds the block's size on the GPU and in pinned host memory while it runs."""
+    import torch
+
+    sizes = [int(n) for n in tensor_bytes if n > 0]
+    total = sum(sizes)
+    if not total:
+        raise ValueError("no tensor to copy: the link is measured with a block's frozen weights")
+    host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty(total, dtype=torch.uint8, device=device)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    stream = torch.cuda.Stream(device)
+    times = []
+    try:
+        with torch.cuda.stream(stream):
+            for run in range(repeats + 1):
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record(stream)
+                for start, size in zip(starts, sizes):
+                    target[start:start + size].copy_(host[start:start + size], non_blocking=True)
+                end.record(stream)
+                end.synchronize()
+                if run:  # the first run warms the copy engine and the stream up
+                    times.append(begin.elapsed_time(end))
+    finally:
+        del host, target
+    return total / 2**30 / (statistics.median(times) / 1000.0)
+
+
+def measure_model_gib_s(model: Any, family: Any, device: Any = None) -> float | None:
+    """The link's rate (:func:`measure_gib_s`) with the largest of ``model``'s blocks, on ``device`` (default: the
+    GPU its first parameter on one is on; a model whose blocks stream keeps them in host memory); None off CUDA or
+    where no block has frozen weights (then no candidate streams)."""
+    import torch
+
+    from .workloads import blocks
+
+    if device is None:
+        device = next((p.device for p in model.parameters() if p.device.type == "cuda"), None)
+    sizes = block_tensor_bytes(blocks(model, family))
+    if device is None or torch.device(device).type != "cuda" or not torch.cuda.is_available() or not sum(sizes):
+        return None
+    return measure_gib_s(sizes, device)
