@@ -196,3 +196,12 @@ def test_gpu_the_link_is_measured_as_streaming_uses_it():
     many = measure_gib_s([2**20] * 256, "cuda")
     assert 2.0 < few < 1000.0, few
     assert many < few * 1.1, (many, few)
+
+
+def test_advise_says_the_link_rate_its_streamed_rows_were_modelled_from():
+    from gradseam.tools.estimates import Advice
+
+    resident = _trial(RESIDENT_STEP, RESIDENT_FORWARD)
+    streamed = Trial("unsloth-compile + stream 25", {**resident.config, STREAM_KEY: 25}, peak_gib=2.0, step_ms=540.0)
+    assert "host link 49.5 GiB/s" in Advice(16.0, 22.3, [resident, streamed], link_gib_s=LINK).report()
+    assert "host link" not in Advice(16.0, 22.3, [resident], link_gib_s=LINK).report()  # nothing streamed

@@ -190,6 +190,9 @@ class Advice:
         lines = [f"GPU memory {self.gpu_gib:.2f} GiB, static memory (weights + inputs) {self.static_gib:.2f} GiB"]
         if self.depth_note:
             lines.append(f"planned for {self.depth_note}")
+        if self.link_gib_s and any(t.config.get(STREAM_KEY) for t in self.trials):
+            lines.append(f"host link {self.link_gib_s:.1f} GiB/s: each streamed row's step is its resident row's plus "
+                         "the copies' waits at that rate (gradseam.tools.host_link)")
         for t in self.trials:
             peak = f"{t.peak_gib:7.2f} GiB" if t.peak_gib is not None else "        -  "
             ms = f"{t.step_ms:9.1f} ms" if t.step_ms is not None else "        -   "
