@@ -283,23 +283,24 @@ def at_most_resident_and_in_flight(streamed: Estimate, resident: Trial, in_fligh
 def with_link_waits(streamed: Estimate, resident: Trial, block_gib: Sequence[float], config: Mapping[str, Any],
                     link_gib_s: float) -> Estimate:
     """``streamed``'s step as its ``resident`` rung's at the full depth plus what the copy stream's model
-    (:func:`gradseam.tools.host_link.waits_ms`) says the streamed blocks' copies add at the link's rate, the waits
-    spread evenly over the units; the memory and pinned figures stay as measured. Why not the line through the two
+    (:func:`gradseam.tools.host_link.added_ms`) says the streamed blocks' copies add at the link's rate, spread
+    evenly over the units; the memory and pinned figures stay as measured. Why not the line through the two
     depths: see :mod:`gradseam.tools.host_link` (on an H100 it missed Flux's streamed rows by -20% to +36%)."""
     from ..config import DEFAULT_STREAM_PREFETCH
-    from .host_link import FORWARD_SHARE, waits_ms
+    from .host_link import FORWARD_SHARE, added_ms
 
     if resident.step_ms is None or resident.unit_costs is None or streamed.unit_costs is None or not block_gib:
         return streamed
     forward = resident.forward_ms if resident.forward_ms is not None else resident.step_ms * FORWARD_SHARE
     prefetch = int(config.get("gradient_checkpointing_stream_prefetch", DEFAULT_STREAM_PREFETCH) or 0)
     chosen = streamed_indices(block_gib, config.get(STREAM_KEY))
-    ahead, behind = waits_ms(block_gib, chosen, forward, resident.step_ms - forward, link_gib_s, prefetch)
+    ahead, behind = added_ms(block_gib, chosen, forward, resident.step_ms - forward, link_gib_s, prefetch)
     units = streamed.unit_costs.units
     costs = replace(streamed.unit_costs, step_ms=resident.unit_costs.step_ms + (ahead + behind) / units,
                     step_fixed_ms=resident.unit_costs.step_fixed_ms)
     source = (f"{streamed.source}; step: {resident.label}'s {resident.step_ms:.1f} ms + the copies' waits modelled at "
-              f"{link_gib_s:.1f} GiB/s ({ahead:.1f} ms forward, {behind:.1f} ms backward)")
+              f"{link_gib_s:.1f} GiB/s ({ahead:.1f} ms forward, {behind:.1f} ms backward, each streamed block's own "
+              "costs in)")
     return replace(streamed, step_ms=resident.step_ms + ahead + behind, unit_costs=costs, source=source,
                    forward_ms=forward + ahead)
 

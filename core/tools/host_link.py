@@ -7,7 +7,7 @@ the whole model and how large each is, which a model cut to two shallow depths d
 at 4,096 tokens, 2026-12-05) the lines through depths 2 and 4 predicted ``unsloth-compile, budget 0.05 + stream
 35`` at 934 ms where ``unsloth-compile + stream 35`` ran 684 ms on the whole model, and ``compile + stream 44`` at
 696 ms where it ran 873: ``auto`` under 12 GiB chose the second and ran 1.74x the uncapped step, against the hand
-plan's 1.40x. The model below gives the first 654 ms and the second 753 ms from the resident rows' steps.
+plan's 1.40x. The model below gives the first 707 ms and the second 820 ms from the resident rows' steps.
 
 The model (:func:`pass_ms`): blocks run in order, each taking its share of the pass's time; one copy stream moves
 the streamed blocks' weights in that order at the link's rate; a streamed block's copy is issued when the streamed
@@ -32,6 +32,13 @@ from typing import Any
 # recompute does a third of its work forward, one with a whole-block recompute a quarter.
 FORWARD_SHARE = 1 / 3
 REPEATS = 5  # timed copies of one block when measuring the link (their median)
+# What each streamed block adds to a step beyond the modelled waits (its copies' launches one tensor at a time, the
+# hooks, the events, the allocations): the least-squares constant over five rows an H100 ran on the whole model
+# (Flux dev 4k; unsloth-compile with 25 and 35 blocks evenly placed, compile with 31 and 44, unsloth-compile with 30
+# placed by size), from -0.1 to 2.7 ms a block; with it each row is within 9% of its measurement, without it from
+# -14% to +0.5%. A sixth row (28 placed by size, its peak 15.3 GiB under a 16 GiB cap) left 5.4 ms a block: a plan
+# that close to its cap is what the check on the whole model catches.
+STREAMED_BLOCK_MS = 1.5
 
 
 def pass_ms(compute_ms: Sequence[float], sizes_gib: Sequence[float], streamed: Iterable[int], link_gib_s: float,
@@ -77,6 +84,16 @@ def waits_ms(sizes_gib: Sequence[float], streamed: Iterable[int], forward_ms: fl
     backward = pass_ms([backward_ms / count] * count, list(reversed(sizes_gib)),
                        [count - 1 - i for i in chosen], link_gib_s, prefetch) - backward_ms
     return max(forward, 0.0), max(backward, 0.0)
+
+
+def added_ms(sizes_gib: Sequence[float], streamed: Iterable[int], forward_ms: float, backward_ms: float,
+             link_gib_s: float, prefetch: int = 1) -> tuple[float, float]:
+    """What streaming the blocks at ``streamed`` adds to the forward and to the backward: the modelled waits
+    (:func:`waits_ms`) and :data:`STREAMED_BLOCK_MS` for each streamed block, half in each pass."""
+    chosen = sorted(set(streamed))
+    ahead, behind = waits_ms(sizes_gib, chosen, forward_ms, backward_ms, link_gib_s, prefetch)
+    each = STREAMED_BLOCK_MS * len(chosen) / 2
+    return ahead + each, behind + each
 
 
 def block_tensor_bytes(blocks: Sequence[Any]) -> list[int]:
