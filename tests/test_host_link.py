@@ -215,3 +215,32 @@ def test_advise_says_the_link_rate_its_streamed_rows_were_modelled_from():
     streamed = Trial("unsloth-compile + stream 25", {**resident.config, STREAM_KEY: 25}, peak_gib=2.0, step_ms=540.0)
     assert "host link 49.5 GiB/s" in Advice(16.0, 22.3, [resident, streamed], link_gib_s=LINK).report()
     assert "host link" not in Advice(16.0, 22.3, [resident], link_gib_s=LINK).report()  # nothing streamed
+
+
+def test_off_cuda_there_is_no_link_to_measure_and_the_streamed_steps_stay_the_lines():
+    """A model on the CPU: no rate (advise and auto then keep each streamed row's two-depth line); a block's tensors
+    to copy are the largest block's frozen ones."""
+    from gradseam.patcher import family_for
+    from gradseam.tools.host_link import block_tensor_bytes, measure_model_gib_s
+
+    model = torch.nn.Module()
+    model.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(8, 8)])
+    model.blocks[1].bias.requires_grad_(False)
+    model.blocks[1].weight.requires_grad_(False)
+    assert sorted(block_tensor_bytes(list(model.blocks))) == [32, 256]  # the 8x8 block's frozen weight and bias
+    from cases import WAN
+
+    wan = WAN.fresh()
+    assert measure_model_gib_s(wan, family_for(wan)) is None
+    line = Estimate(2.0, 700.0, 3.7, 0.18, "predicted", UnitCosts(19, 36.0, 16.0, 0.18, 1.3, 0.2, 0.1))
+    from gradseam.tools.advise import _try_streamed
+    from gradseam.tools.estimates import Advice
+
+    resident = _trial(RESIDENT_STEP, RESIDENT_FORWARD)
+    trial = Trial("unsloth-compile + stream all", {**resident.config, STREAM_KEY: "all"})
+    advice = Advice(80.0, 1.0, block_gib=FLUX_GIB, link_gib_s=None)
+    _try_streamed(trial, advice, lambda config: line, sum(FLUX_GIB), resident)
+    assert trial.step_ms == 700.0  # no rate: the line (at least the resident step), as before
+    advice.link_gib_s = LINK
+    _try_streamed(trial, advice, lambda config: line, sum(FLUX_GIB), resident)
+    assert trial.step_ms != 700.0 and "GiB/s" in trial.source
