@@ -783,25 +783,3 @@ def test_a_set_aside_stream_lends_the_blocks_a_measuring_patch_keeps_resident_an
             outer.active = True
             outer.remove()
     assert_same_step(want, got, what="lent and borrowed blocks vs unpatched")
-
-
-def test_a_blocks_host_copies_come_to_the_gpu_as_one_copy_per_host_allocation():
-    """On a GPU a load copies each host allocation a block's copies are views of (one per dtype) in one copy and
-    views each tensor in it (weights._spans), instead of one copy per tensor. The same views of a copy of each span
-    are every tensor's values, bit for bit, with one span per dtype: here a block whose table is float64 beside
-    float32 weights."""
-    pytest.importorskip("peft")
-    case = LORA[WAN.name]
-    model = case.fresh()
-    model.blocks[0].scale_shift_table.data = model.blocks[0].scale_shift_table.data.double()
-    with cpu_test_mode(), gradseam.patch(model, {**ON, STREAM: "all"}) as handle:
-        block = handle.weights.blocks[0]
-        spans = weights_module._spans(block.tensors)
-        assert len(spans) == len({e.host.dtype for e in block.tensors}) == 2
-        assert sum(len(span.members) for span in spans) == len(block.tensors) > 10
-        for span in spans:
-            flat = span.host.clone()  # what the GPU's one copy of the span holds
-            for entry, offset in span.members:
-                view = flat[offset:offset + entry.host.nbytes].view(entry.host.dtype).view(entry.host.shape)
-                assert view.dtype == entry.host.dtype and torch.equal(view, entry.host), entry.name
-                assert view.data_ptr() % weights_module.ALIGN == flat.data_ptr() % weights_module.ALIGN

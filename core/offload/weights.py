@@ -118,32 +118,6 @@ class _Buffer:
 
 
 @dataclass
-class _Span:
-    """The bytes of one host allocation that a block's streamed tensors occupy, copied to the GPU in one copy into
-    one allocation, each tensor then a view of it (see :meth:`WeightStream.load` for why)."""
-
-    host: torch.Tensor  # uint8, the span in host memory
-    members: list[tuple[_Tensor, int]]  # each tensor and its byte offset in the span
-
-
-def _spans(tensors: Sequence[_Tensor]) -> list[_Span]:
-    """``tensors`` grouped by the host allocation their copies are views of (one per block and dtype as this module
-    makes them; one each for a copy of the model, whose views deepcopy may have given storages of their own), each
-    group's bytes from its first tensor's start to its last one's end."""
-    groups: dict[int, list[_Tensor]] = {}
-    for entry in tensors:
-        groups.setdefault(entry.host.untyped_storage().data_ptr(), []).append(entry)
-    spans = []
-    for entries in groups.values():
-        starts = [e.host.storage_offset() * e.host.element_size() for e in entries]
-        first = min(starts)
-        last = max(start + e.host.nbytes for start, e in zip(starts, entries))
-        whole = torch.empty(0, dtype=torch.uint8).set_(entries[0].host.untyped_storage())
-        spans.append(_Span(whole[first:last], [(e, start - first) for start, e in zip(starts, entries)]))
-    return spans
-
-
-@dataclass
 class _Block:
     module: nn.Module
     label: str
@@ -152,7 +126,6 @@ class _Block:
     loaded: bool = False
     copied: Any = None  # the copy stream's event for a load the compute stream has not waited for yet
     borrowed: bool = False  # its host copies are a set-aside stream's, lent while "auto" measures (lender)
-    spans: list[_Span] | None = None  # its host copies by the host memory they are in (:func:`_spans`), once loaded
 
     @property
     def nbytes(self) -> int:
@@ -308,7 +281,7 @@ class WeightStream:
         tensors = [_Tensor(path, t, hosts[i], t.device) for i, (path, t) in enumerate(found)]
         for entry in tensors:
             entry.tensor.data = entry.host  # the device storage goes when nothing else holds it
-        block.tensors, block.buffers, block.spans = tensors, buffers, None
+        block.tensors, block.buffers = tensors, buffers
 
     def _take_over(self, block: _Block, ids: set[int]) -> bool:
         """Take ``block``'s host copies from the stream this one replaces (``inherit``) when it streamed the same
@@ -317,8 +290,8 @@ class WeightStream:
         old = _parked(self.inherit, block, ids)
         if old is None:
             return False
-        block.tensors, block.buffers, block.spans = old.tensors, old.buffers, None
-        old.tensors, old.buffers, old.spans = [], [], None
+        block.tensors, block.buffers = old.tensors, old.buffers
+        old.tensors, old.buffers = [], []
         return True
 
     def _borrow(self, block: _Block, ids: set[int]) -> bool:
@@ -327,7 +300,7 @@ class WeightStream:
         old = _parked(self.lender, block, ids)
         if old is None:
             return False
-        block.tensors, block.buffers, block.borrowed, block.spans = list(old.tensors), [], True, None
+        block.tensors, block.buffers, block.borrowed = list(old.tensors), [], True
         return True
 
     @contextmanager
@@ -417,31 +390,21 @@ class WeightStream:
             for entry in block.tensors:  # on the compute stream; the host waits for each copy
                 entry.tensor.data = entry.host.to(target)
         else:
-            # One allocation and one copy per host allocation (per dtype), each tensor a view of it, not one of each
-            # per tensor: a Flux double block has ~30 tensors, and on an H100 each streamed block cost ~1.5 ms a step
-            # beyond what its copies' bytes took on the link (gradseam.tools.host_link), the launches of the copies
-            # and allocations among it. The views keep the host copies' offsets (aligned to ALIGN bytes), so each
-            # tensor is as aligned as its own allocation was. A view kept for the backward (a -ffn backend saving a
-            # weight) holds its whole span on the GPU until then, as the block's other weights are there anyway.
-            if block.spans is None:
-                block.spans = _spans(block.tensors)
             compute = torch.cuda.current_stream(target)
             # allocated from the compute stream's pool: released, the memory goes back to compute-stream work
-            flats = [torch.empty(span.host.numel(), dtype=torch.uint8, device=target) for span in block.spans]
+            copies = [torch.empty_like(entry.host, device=target) for entry in block.tensors]
             if self._copy_stream is None:
                 self._copy_stream = torch.cuda.Stream(target)
                 if not expandable_segments():
                     _warn_once(FRAGMENTATION)
             self._copy_stream.wait_stream(compute)  # kernels still queued may use memory the allocator just reused
             with torch.cuda.stream(self._copy_stream):
-                for flat, span in zip(flats, block.spans):
-                    flat.copy_(span.host, non_blocking=True)
+                for copy, entry in zip(copies, block.tensors):
+                    copy.copy_(entry.host, non_blocking=True)
                 block.copied = torch.cuda.Event()
                 block.copied.record(self._copy_stream)
-            for flat, span in zip(flats, block.spans):
-                for entry, offset in span.members:
-                    host = entry.host
-                    entry.tensor.data = flat[offset:offset + host.nbytes].view(host.dtype).view(host.shape)
+            for copy, entry in zip(copies, block.tensors):
+                entry.tensor.data = copy
             if not ahead:
                 self._wait(block)
         block.loaded = True
@@ -630,7 +593,7 @@ class WeightStream:
             if block.borrowed:  # the lender's: parked again, in its host copies
                 for entry in block.tensors:
                     entry.tensor.data = entry.host
-                block.tensors, block.spans = [], None
+                block.tensors = []
                 continue
             for entry, copy in zip(block.tensors, restored):
                 entry.tensor.data = copy
