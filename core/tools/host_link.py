@@ -32,12 +32,13 @@ from typing import Any
 # recompute does a third of its work forward, one with a whole-block recompute a quarter.
 FORWARD_SHARE = 1 / 3
 REPEATS = 5  # timed copies of one block when measuring the link (their median)
-# What each streamed block adds to a step beyond the modelled waits (its copies' launches one tensor at a time, the
-# hooks, the events, the allocations): the least-squares constant over five rows an H100 ran on the whole model
+# What each streamed block adds to a step beyond the modelled waits (its hooks, events and allocations; not yet
+# profiled): the least-squares constant over five rows an H100 ran on the whole model
 # (Flux dev 4k; unsloth-compile with 25 and 35 blocks evenly placed, compile with 31 and 44, unsloth-compile with 30
 # placed by size), from -0.1 to 2.7 ms a block; with it each row is within 9% of its measurement, without it from
 # -14% to +0.5%. A sixth row (28 placed by size, its peak 15.3 GiB under a 16 GiB cap) left 5.4 ms a block: a plan
-# that close to its cap is what the check on the whole model catches.
+# that close to its cap is what the check on the whole model catches. Not the per-tensor copies: loading a block in one
+# copy per host allocation left the by-size stream 30 unchanged (595.9 ms, 591.8 before; docs/benchmarks.md).
 STREAMED_BLOCK_MS = 1.5
 
 
