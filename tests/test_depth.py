@@ -279,3 +279,35 @@ def test_applied_patches_compiles_and_restores_as_its_config_says():
     with pytest.raises(gradseam.UnsupportedStrategyError, match="did not name its blocks"), \
             applied(model, budget_config(0.1), None):
         pass
+
+
+def test_a_list_that_starts_with_unlike_blocks_is_fitted_past_them():
+    """Nucleus-Image's first three blocks are dense, the rest route to experts: depths 2 and 4 would hold two dense
+    blocks, then three and one expert block, and read that block's working set as growth (on an H100, 0.22 GiB a
+    block under torch). The plan sees the three, and its default depths start past them; a list whose only unlike
+    block is its last (SD3's) or whose blocks are all alike keeps 2 and 4."""
+    from test_family_nucleus_moe import nucleus_model
+    from torch import nn
+
+    from gradseam.patcher import family_for
+    from gradseam.tools.checks import parse_depths
+    from gradseam.tools.depth import leading_unlike
+
+    model = nucleus_model(num_layers=8, dense_moe_strategy="leave_first_three_blocks_dense",
+                          capacity_factors=[0.0, 0.0, 0.0, 4.0, 4.0, 2.0, 2.0, 2.0])
+    plan = plan_for(model, family_for(model))
+    assert plan.leading == {"transformer_blocks": 3}
+    assert plan.default_depths() == (4, 6) == parse_depths(None, plan.full, plan.default_depths())
+    assert "the first 3 of transformer_blocks (8 blocks) are built unlike the rest" in plan.leading_note()
+    assert parse_depths("2,4", plan.full, plan.default_depths()) == (2, 4)  # asked for: as asked
+    assert DepthPlan({"blocks": 8}, {"blocks": 6}).default_depths() is None  # too shallow to go past them
+    from gradseam.tools.advise import depth_measure
+
+    _, note = depth_measure(model, {}, device="cpu")  # what advise and auto say they planned from
+    assert "measurements at depths 4 and 6 (the first 3 of transformer_blocks" in note and "past them" in note
+
+    alike = [nn.Linear(2, 2) for _ in range(4)]
+    last_unlike = [*alike[:3], nn.Sequential(nn.Linear(2, 2))]
+    assert leading_unlike(alike) == 0 == leading_unlike(last_unlike)
+    assert leading_unlike([nn.Sequential(nn.Linear(2, 2)), *alike[:3]]) == 1
+    assert DepthPlan({"blocks": 40}, {"blocks": 0}).default_depths() is None

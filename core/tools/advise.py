@@ -441,9 +441,11 @@ def depth_measure(
     if depths is None and plan.full < 2:
         note = f"the model as given ({plan.describe(plan.full)}), measured directly"
     else:
-        depths = depths or parse_depths(None, plan.full)
+        depths = depths or parse_depths(None, plan.full, plan.default_depths())
         note = (f"depth {target} ({plan.describe(min(target, plan.full))}; {plan.unit_note()}), predicted from "
                 f"measurements at depths {depths[0]} and {depths[1]}")
+        if plan.leading_note() and depths == plan.default_depths():
+            note += f" ({plan.leading_note()}: the fit starts past them)"
         unseen = plan.unseen_note(depths)
         if unseen:
             note += f" (note: {unseen})"

@@ -533,7 +533,7 @@ def real(
     workload = build(family, preset, device=device, dtype=dtype, depth=None if full else "fit", depths=depths,
                      base=base, lora=lora)
     plan = workload.plan
-    fit_depths = workload.fit_depths or (depths if isinstance(depths, tuple) else parse_depths(depths, plan.full))
+    fit_depths = workload.fit_depths or (depths if isinstance(depths, tuple) else parse_depths(depths, plan.full, plan.default_depths()))
     target = full_depth or plan.full
     run = RealRun(plan, fit_depths, target, host_available_gib=available_gib(),
                   weights_gib=weight_bytes(workload.model) / GiB + workload.dropped_gib)

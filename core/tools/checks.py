@@ -44,8 +44,12 @@ class OptionError(ValueError):
         self.option = option
 
 
-def parse_depths(text: str | None, full: int) -> tuple[int, int]:
-    """``"2,4"`` -> (2, 4); None -> two small depths of the model (2 and 4 units, or what it has)."""
+def parse_depths(text: str | None, full: int, default: tuple[int, int] | None = None) -> tuple[int, int]:
+    """``"2,4"`` -> (2, 4); None -> ``default`` where given (the depth plan's own,
+    :meth:`gradseam.tools.depth.DepthPlan.default_depths`), else two small depths of the model (2 and 4 units, or
+    what it has)."""
+    if text is None and default is not None:
+        return default
     if text is None:
         if full >= 4:
             return (2, 4)

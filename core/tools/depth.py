@@ -17,9 +17,10 @@ says which.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -37,6 +38,9 @@ class DepthPlan:
     """How the block lists of one model shrink with depth."""
 
     totals: Mapping[str, int]  # block-list path -> the real model's block count
+    # block-list path -> how many of its first blocks are built unlike most of the list (Nucleus-Image's three dense
+    # blocks before 29 mixture-of-experts ones): a fit whose shallow depth holds only those sees none of the rest
+    leading: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def unit(self) -> dict[str, int]:
@@ -88,6 +92,28 @@ class DepthPlan:
         missing = sum(self.totals[path] - kept[path] for path in self.unseen(depths))
         return missing / max(sum(self.totals.values()), 1)
 
+    def default_depths(self) -> tuple[int, int] | None:
+        """The two depths to fit from when none are given, where the usual 2 and 4 would not do: past each list's
+        :attr:`leading` blocks, the shallow depth holding one block like the rest and the deep one two units more.
+        None: the usual depths (no list starts with unlike blocks, or the model is too shallow to go past them).
+
+        Why: on an H100 Nucleus-Image's depths 2 and 4 kept two dense blocks and then three dense and one
+        mixture-of-experts block, whose recompute works on 4x the sequence: the fit read that block's working set as
+        growth (0.22 GiB a block under ``torch``, ~7.1 GiB predicted at 32 blocks) where a block's own is what its
+        checkpoint keeps."""
+        if not any(self.leading.values()):
+            return None
+        for low in range(2, self.full - 1):
+            counts = self.counts(low)
+            if all(counts[path] > n for path, n in self.leading.items() if n and path in counts):
+                return None if low == 2 else (low, low + 2)
+        return None
+
+    def leading_note(self) -> str:
+        """Which lists start with blocks unlike the rest, for the depth note; empty when none do."""
+        parts = [f"the first {n} of {path} ({self.totals[path]} blocks)" for path, n in self.leading.items() if n]
+        return f"{', '.join(parts)} are built unlike the rest" if parts else ""
+
     def depth_growing_every_list(self, low: int) -> int | None:
         """The smallest depth above ``low`` at which every list that can still grow has more blocks
         than at ``low``; None if there is none short of the full depth."""
@@ -122,12 +148,22 @@ class DepthPlan:
 
 def plan_for(model: nn.Module, family: Family) -> DepthPlan:
     """The depth plan of ``model`` as built (call it before any truncation)."""
-    totals = {}
+    totals, leading = {}, {}
     for block_list in family.block_lists:
         blocks = resolve(model, block_list.path)
         if blocks is not None and len(blocks):
             totals[block_list.path] = len(blocks)
-    return DepthPlan(totals)
+            leading[block_list.path] = leading_unlike(list(blocks))
+    return DepthPlan(totals, leading)
+
+
+def leading_unlike(blocks: list[nn.Module]) -> int:
+    """How many of ``blocks``' first ones are built unlike the list's most common kind (their submodules' names and
+    classes): a dense feed-forward where the rest route to experts. Only the leading ones matter to a fit from
+    shallow depths; one unlike block at the end (SD3's last, which drops its text output) is in neither."""
+    shapes = [tuple((name, type(module).__qualname__) for name, module in block.named_modules()) for block in blocks]
+    common = Counter(shapes).most_common(1)[0][0]
+    return next((i for i, shape in enumerate(shapes) if shape == common), len(shapes))
 
 
 def cut(model: nn.Module, counts: Mapping[str, int]) -> list[tuple[str, Any, str, nn.ModuleList]]:

@@ -131,7 +131,7 @@ def build(
     plan = plan_for(model, fam)
     fit_depths = None
     if depth == "fit" or depths is not None:
-        fit_depths = depths if isinstance(depths, tuple) else parse_depths(depths, plan.full)
+        fit_depths = depths if isinstance(depths, tuple) else parse_depths(depths, plan.full, plan.default_depths())
         if depth == "fit":
             depth = fit_depths[1]
     if isinstance(depth, str):
