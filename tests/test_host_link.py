@@ -215,6 +215,7 @@ def test_advise_says_the_link_rate_its_streamed_rows_were_modelled_from():
     streamed = Trial("unsloth-compile + stream 25", {**resident.config, STREAM_KEY: 25}, peak_gib=2.0, step_ms=540.0)
     assert "host link 49.5 GiB/s" in Advice(16.0, 22.3, [resident, streamed], link_gib_s=LINK).report()
     assert "host link" not in Advice(16.0, 22.3, [resident], link_gib_s=LINK).report()  # nothing streamed
+    assert Advice(16.0, 22.3, [resident, streamed], link_gib_s=LINK).to_dict()["link_gib_s"] == LINK  # advise --json
 
 
 def test_off_cuda_there_is_no_link_to_measure_and_the_streamed_steps_stay_the_lines():

@@ -137,6 +137,7 @@ class Advice:
             chosen=self.chosen.label if self.chosen else None,
             depth=self.depth_note,
             pinnable_gib=round(self.pinnable_gib, 1) if self.pinnable_gib is not None else None,
+            link_gib_s=round(self.link_gib_s, 2) if self.link_gib_s else None,  # streamed rows' steps modelled from it
             trials=[asdict(t) for t in self.trials],
             per_block=self.per_block.to_dict() if self.per_block is not None else None,
             per_block_note=self.per_block_note or None,
