@@ -125,7 +125,8 @@ def test_the_depth_fit_carries_the_forwards_own_time(monkeypatch):
         return SimpleNamespace(peak_gib=0.1 * depth, step_ms=30.0 * depth + 5.0, pinned_gib=0.0, forward_ms=forward)
 
     monkeypatch.setattr(advise, "measure_once", fake)
-    plan = SimpleNamespace(full=19, describe=lambda d: f"depth {d}", unit_note=lambda: "", unseen_note=lambda d: "")
+    plan = SimpleNamespace(full=19, describe=lambda d: f"depth {d}", unit_note=lambda: "", unseen_note=lambda d: "",
+                           leading_note=lambda: "", default_depths=lambda: None)
     measure, _ = advise.depth_measure(object(), {}, family=object(), depths=(2, 4), plan=plan, device="cpu")
     assert measure({"timed": True}).forward_ms == pytest.approx(192.0)
     assert measure({}).forward_ms is None
