@@ -461,8 +461,11 @@ def test_a_compiler_failure_is_an_error_naming_the_block_and_the_eager_backends(
     monkeypatch.setattr(CompiledBlocks, "compiled", failing)
     model = WAN.build()
     expected = r"'unsloth-compile' could not compile WanTransformerBlock: torch\.compile failed \(RuntimeError: Found"
-    with cpu_test_mode(), gradseam.patch(model, OFFLOADED), pytest.raises(UnsupportedStrategyError, match=expected):
+    with cpu_test_mode(), gradseam.patch(model, OFFLOADED), pytest.raises(UnsupportedStrategyError, match=expected) as got:
         run_step(model, WAN)
+    # the way out that compiles the same block says when it helps
+    assert "'compile' (the same block compiled without the offload" in str(got.value)
+    assert "fails alike where it is the block's own code" in str(got.value)
 
 
 # An output the loss leaves unused (gradseam.run.unused): MageFlow's last block returns a text stream

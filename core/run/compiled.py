@@ -386,7 +386,9 @@ class CompiledBlocks:
             f"backend {self.backend!r} could not compile {type(block).__name__}: torch.compile failed "
             f"({type(inner).__name__}: {first}). Train this model with an eager backend: 'unsloth' with "
             "gradient_checkpointing_offload_attention (the least memory) or 'torch'"
-            + (f", or {staying[0]!r} (what the blocks keep stays on the GPU)." if staying else ".")
+            + (f", or {staying[0]!r} (the same block compiled without the offload, what it keeps staying on the GPU), "
+               "which helps where the offload is what the compiler refused (HiDream's was) and fails alike where "
+               "it is the block's own code (Nucleus-Image's expert layer)." if staying else ".")
         )
 
 
