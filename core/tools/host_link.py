@@ -7,11 +7,11 @@ the whole model and how large each is, which a model cut to two shallow depths d
 at 4,096 tokens, 2026-12-05) the lines through depths 2 and 4 predicted ``unsloth-compile, budget 0.05 + stream
 35`` at 934 ms where ``unsloth-compile + stream 35`` ran 684 ms on the whole model, and ``compile + stream 44`` at
 696 ms where it ran 873: ``auto`` under 12 GiB chose the second and ran 1.74x the uncapped step, against the hand
-plan's 1.40x. The model below gives the first 707 ms and the second 820 ms from the resident rows' steps.
+plan's 1.40x. The model below gives the first 707 ms and the second 819 ms from the resident rows' steps.
 
 The model (:func:`pass_ms`): blocks run in order, each taking its share of the pass's time; one copy stream moves
 the streamed blocks' weights in that order at the link's rate; a streamed block's copy is issued when the streamed
-block ``prefetch`` places before it starts (the first ones when the pass starts), and the block starts once its
+block ``prefetch`` places before it starts (the first one when the pass starts), and the block starts once its
 copy is done. The backward is the same pass run back to front (the last streamed block is copied as the forward
 ends; each block is copied once for its recompute and its backward). What it leaves out (kernel launch gaps, the
 activations' own copies, the allocator) is what the check on the whole model (:mod:`gradseam.tools.plan_check`)
