@@ -616,15 +616,14 @@ def advise(
     if measure is None:
         measure, note, static_gib, supports_interval = _gpu_measure(model, example_inputs, loss_fn, static_gib,
                                                                     depths, depth, plan)
+        from ..patcher import family_for
+        from .host_link import measure_model_gib_s
+
+        family = family_for(model)
         if block_gib is None:
-            from ..patcher import family_for
-
-            block_gib = frozen_block_gib(model, family_for(model), plan)
+            block_gib = frozen_block_gib(model, family, plan)
         if link_gib_s is None and block_gib and sum(block_gib):
-            from ..patcher import family_for
-            from .host_link import measure_model_gib_s
-
-            link_gib_s = measure_model_gib_s(model, family_for(model))
+            link_gib_s = measure_model_gib_s(model, family)
         if pinnable_gib is None:
             from .host import pinnable_gib as host_pinnable
 

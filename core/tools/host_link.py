@@ -23,6 +23,7 @@ its own copy from pinned host memory on a side stream, timed with CUDA events.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -117,22 +118,19 @@ def measure_gib_s(tensor_bytes: Sequence[int], device: Any, repeats: int = REPEA
         raise ValueError("no tensor to copy: the link is measured with a block's frozen weights")
     host = torch.empty(total, dtype=torch.uint8, pin_memory=True)
     target = torch.empty(total, dtype=torch.uint8, device=device)
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    starts = [0, *itertools.accumulate(sizes)][:-1]
     stream = torch.cuda.Stream(device)
     times = []
-    try:
-        with torch.cuda.stream(stream):
-            for run in range(repeats + 1):
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                begin.record(stream)
-                for start, size in zip(starts, sizes):
-                    target[start:start + size].copy_(host[start:start + size], non_blocking=True)
-                end.record(stream)
-                end.synchronize()
-                if run:  # the first run warms the copy engine and the stream up
-                    times.append(begin.elapsed_time(end))
-    finally:
-        del host, target
+    with torch.cuda.stream(stream):
+        for run in range(repeats + 1):
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record(stream)
+            for start, size in zip(starts, sizes):
+                target[start:start + size].copy_(host[start:start + size], non_blocking=True)
+            end.record(stream)
+            end.synchronize()
+            if run:  # the first run warms the copy engine and the stream up
+                times.append(begin.elapsed_time(end))
     return total / 2**30 / (statistics.median(times) / 1000.0)
 
 
