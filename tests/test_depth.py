@@ -290,16 +290,15 @@ def test_a_list_that_starts_with_unlike_blocks_is_fitted_past_them():
     from torch import nn
 
     from gradseam.patcher import family_for
-    from gradseam.tools.checks import parse_depths
     from gradseam.tools.depth import leading_unlike
 
     model = nucleus_model(num_layers=8, dense_moe_strategy="leave_first_three_blocks_dense",
                           capacity_factors=[0.0, 0.0, 0.0, 4.0, 4.0, 2.0, 2.0, 2.0])
     plan = plan_for(model, family_for(model))
     assert plan.leading == {"transformer_blocks": 3}
-    assert plan.default_depths() == (4, 6) == parse_depths(None, plan.full, plan.default_depths())
+    assert plan.default_depths() == (4, 6) == plan.fit_depths(None)
     assert "the first 3 of transformer_blocks (8 blocks) are built unlike the rest" in plan.leading_note()
-    assert parse_depths("2,4", plan.full, plan.default_depths()) == (2, 4)  # asked for: as asked
+    assert plan.fit_depths("2,4") == (2, 4) == plan.fit_depths((2, 4))  # asked for: as asked
     assert DepthPlan({"blocks": 8}, {"blocks": 6}).default_depths() is None  # too shallow to go past them
     from gradseam.tools.advise import depth_measure
 

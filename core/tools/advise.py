@@ -432,7 +432,6 @@ def depth_measure(
     few units of depth to fit from is measured as it is.
     """
     from ..patcher import family_for
-    from .checks import parse_depths
     from .depth import fit, highest, peak_lines, plan_for
 
     family = family or family_for(model)
@@ -441,7 +440,7 @@ def depth_measure(
     if depths is None and plan.full < 2:
         note = f"the model as given ({plan.describe(plan.full)}), measured directly"
     else:
-        depths = depths or parse_depths(None, plan.full, plan.default_depths())
+        depths = depths or plan.fit_depths(None)
         note = (f"depth {target} ({plan.describe(min(target, plan.full))}; {plan.unit_note()}), predicted from "
                 f"measurements at depths {depths[0]} and {depths[1]}")
         if plan.leading_note() and depths == plan.default_depths():

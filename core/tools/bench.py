@@ -51,7 +51,6 @@ from .bench_rows import (
     streams_weights,
     synthetic_rows,
 )
-from .checks import parse_depths
 from .compiled import applied, compiles, gradseam_keys
 from .depth import at_depth
 from .results import RealRun, Result
@@ -533,7 +532,7 @@ def real(
     workload = build(family, preset, device=device, dtype=dtype, depth=None if full else "fit", depths=depths,
                      base=base, lora=lora)
     plan = workload.plan
-    fit_depths = workload.fit_depths or (depths if isinstance(depths, tuple) else parse_depths(depths, plan.full, plan.default_depths()))
+    fit_depths = workload.fit_depths or plan.fit_depths(depths)
     target = full_depth or plan.full
     run = RealRun(plan, fit_depths, target, host_available_gib=available_gib(),
                   weights_gib=weight_bytes(workload.model) / GiB + workload.dropped_gib)

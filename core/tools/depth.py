@@ -27,6 +27,7 @@ from torch import nn
 
 from ..family import Family
 from ..modules import resolve
+from .checks import parse_depths
 
 # A fit that leaves out the growth of fewer blocks than this share of the model is not worth a
 # warning: HunyuanVideo's second token-refiner block (1 of 62) moves its figures by well under 1%.
@@ -91,6 +92,12 @@ class DepthPlan:
         kept = self.counts(depths[1])
         missing = sum(self.totals[path] - kept[path] for path in self.unseen(depths))
         return missing / max(sum(self.totals.values()), 1)
+
+    def fit_depths(self, depths: str | tuple[int, int] | None) -> tuple[int, int]:
+        """The two depths to fit from: ``depths`` as given (``"2,4"`` or a pair), else :meth:`default_depths`, else
+        the usual two (:func:`gradseam.tools.checks.parse_depths`). One place for the choice advise, bench and the
+        workload builder all make."""
+        return depths if isinstance(depths, tuple) else parse_depths(depths, self.full, self.default_depths())
 
     def default_depths(self) -> tuple[int, int] | None:
         """The two depths to fit from when none are given, where the usual 2 and 4 would not do: past each list's

@@ -24,7 +24,7 @@ from ..errors import GradseamError
 from ..family import Family, Preset
 from ..modules import resolve
 from .bases import add_lora, quantize, weight_bytes
-from .checks import find_family, find_preset, model_class, parse_depths
+from .checks import find_family, find_preset, model_class
 from .depth import DepthPlan, cut, plan_for
 
 
@@ -131,7 +131,7 @@ def build(
     plan = plan_for(model, fam)
     fit_depths = None
     if depth == "fit" or depths is not None:
-        fit_depths = depths if isinstance(depths, tuple) else parse_depths(depths, plan.full, plan.default_depths())
+        fit_depths = plan.fit_depths(depths)
         if depth == "fit":
             depth = fit_depths[1]
     if isinstance(depth, str):
