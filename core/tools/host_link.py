@@ -33,13 +33,16 @@ from typing import Any
 # recompute does a third of its work forward, one with a whole-block recompute a quarter.
 FORWARD_SHARE = 1 / 3
 REPEATS = 5  # timed copies of one block when measuring the link (their median)
-# What each streamed block adds to a step beyond the modelled waits (its hooks, events and allocations; not yet
-# profiled): the least-squares constant over five rows an H100 ran on the whole model
-# (Flux dev 4k; unsloth-compile with 25 and 35 blocks evenly placed, compile with 31 and 44, unsloth-compile with 30
-# placed by size), from -0.1 to 2.7 ms a block; with it each row is within 9% of its measurement, without it from
-# -14% to +0.5%. A sixth row (28 placed by size, its peak 15.3 GiB under a 16 GiB cap) left 5.4 ms a block: a plan
-# that close to its cap is what the check on the whole model catches. Not the per-tensor copies: loading a block in one
-# copy per host allocation left the by-size stream 30 unchanged (595.9 ms, 591.8 before; docs/benchmarks.md).
+# What each streamed block adds to a step beyond the modelled waits: the least-squares constant over five rows an H100
+# ran on the whole model (Flux dev 4k; unsloth-compile with 25 and 35 blocks evenly placed, compile with 31 and 44,
+# unsloth-compile with 30 placed by size), from -0.1 to 2.7 ms a block; with it each row is within 9% of its
+# measurement, without it from -14% to +0.5%. A sixth row (28 placed by size, its peak 15.3 GiB under a 16 GiB cap)
+# left 5.4 ms a block: a plan that close to its cap is what the check on the whole model catches. Where it goes, from a
+# profile of the by-size stream 30 (docs/scripts/stream_profile.py; docs/benchmarks.md): in forward Flux's double
+# blocks are bound by the CPU (the next block's first kernel is launched 4-5 ms after the last one's, of which ~2.6 ms
+# packing the saved tensors for offload), and a block whose load is launched there takes 0.7-3 ms more of it; the model
+# gives every block the same compute and no CPU. Not the number of copies: loading a block in one copy per host
+# allocation left the by-size stream 30 unchanged (595.9 ms, 591.8 before).
 STREAMED_BLOCK_MS = 1.5
 
 
