@@ -354,3 +354,30 @@ def test_upstream_tests_script_patches_every_model_a_test_builds(tmp_path):
     ((test, change),) = result["changed"].items()
     assert test.endswith("::test_model_is_not_patched")
     assert change["torch"]["was"] == "passed" and "patched at construction" in change["torch"]["error"]
+
+
+def test_stream_profile_summary_reads_idle_compute_and_copies_per_direction():
+    """docs/scripts/stream_profile.py's summary of a trace, behind the benchmarks page's profile table: the compute
+    stream is the one with the most kernel time, its idle gaps counted in the pass of the kernel after them, each copy
+    direction's busy time merged, and the time both directions ran at once."""
+    spec = importlib.util.spec_from_file_location("stream_profile", DOCS / "scripts" / "stream_profile.py")
+    profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile)
+
+    def kernel(ts: float, dur: float, stream: int, name: str = "k") -> dict:
+        return {"cat": "kernel", "ts": ts, "dur": dur, "name": name, "args": {"stream": stream}}
+
+    def copy(ts: float, dur: float, direction: str, nbytes: int) -> dict:
+        return {"cat": "gpu_memcpy", "ts": ts, "dur": dur, "name": f"Memcpy {direction} (Pinned)", "args": {"bytes": nbytes}}
+
+    events = [kernel(0, 100, 7), kernel(400, 100, 7, "after a forward wait"), kernel(1000, 100, 7),
+              kernel(1300, 100, 7, "after a backward wait"), kernel(0, 50, 9),  # another stream: less kernel time
+              copy(100, 300, "HtoD", 2 << 30), copy(200, 100, "HtoD", 0), copy(300, 200, "DtoH", 1 << 30)]
+    summary = profile.summarize(events, backward_at=1000)
+    assert summary["compute_kernel_ms"] == 0.4 and summary["gpu_span_ms"] == 1.4
+    assert summary["compute_idle_forward_ms"] == 0.3  # 100-400
+    assert summary["compute_idle_backward_ms"] == 0.7  # 500-1000 (the turnaround: before the backward's first kernel), 1100-1300
+    assert (summary["h2d_ms"], summary["h2d_gib"], summary["d2h_ms"], summary["d2h_gib"]) == (0.3, 2.0, 0.2, 1.0)
+    assert summary["both_directions_ms"] == 0.1  # 300-400
+    assert [g["before"] for g in summary["longest_gaps"]] == ["k", "after a forward wait", "after a backward wait"]
+    assert summary["gaps_over_100us"] == 3

@@ -70,7 +70,8 @@ def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
 
 def summarize(events: list[dict[str, Any]], backward_at: float) -> dict[str, Any]:
     """The profiled step from a Chrome trace's events: the compute stream is the one that ran the most kernel time;
-    ``backward_at`` (trace microseconds) splits forward from backward."""
+    ``backward_at`` (trace microseconds, the backward's first kernel) splits forward from backward, and each idle gap
+    counts in the pass of the kernel after it (the turnaround's, before the backward's first kernel, in backward)."""
     kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
     copies = [e for e in events if e.get("cat") == "gpu_memcpy" and "dur" in e]
     by_stream: dict[Any, float] = {}
