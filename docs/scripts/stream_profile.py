@@ -1,7 +1,7 @@
 """Where a streamed step's time goes on the GPU: the compute stream's idle gaps, the host link's copies, the allocator.
 
-The copy-stream model (:mod:`gradseam.tools.host_link`) explains a streamed Flux step on an H100 only with 1.5 ms a
-streamed block added that it cannot name. This script runs one config (a row of bench, or a per-block plan's JSON)
+The copy-stream model (:mod:`gradseam.tools.host_link`) explained a streamed Flux step on an H100 only with 1.5 ms a
+streamed block added that it could not name; this script's profile named it (docs/benchmarks.md). This script runs one config (a row of bench, or a per-block plan's JSON)
 on a real-size model under a memory cap and reports, for the timed steps: the step time, what the caching
 allocator had to do (retries after a failed allocation, which free cached memory and synchronize the device;
 ``cudaMalloc``/``cudaFree`` calls), and from one profiled step (``torch.profiler``): how long the compute stream
@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +26,7 @@ import torch
 import gradseam
 from gradseam.tools import named_strategies
 from gradseam.tools.bench import capped
-from gradseam.tools.measure import default_loss, grad_leaves
+from gradseam.tools.measure import forward_backward, measure
 from gradseam.tools.workloads import build
 
 ALLOCATOR = ("num_alloc_retries", "num_sync_all_streams", "num_device_alloc", "num_device_free", "num_ooms")
@@ -121,15 +119,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("stream_profile.py profiles CUDA streams: it needs a CUDA device.")
     work = build(args.family, args.preset, lora=args.lora)
-    inputs = work.inputs(args.tokens)
-    leaves = grad_leaves(inputs)
-
-    def step() -> None:
-        for t in leaves:
-            t.grad = None
-        loss = default_loss(work.model(**inputs))
-        loss.backward()
-
+    # bench's own step and timing protocol (the median of the timed steps, each pass's peak and time)
+    step = forward_backward(work.model, work.inputs(args.tokens))
     config = _config(args)
     handle = gradseam.patch(work.model, config) if config else None
     result: dict[str, Any] = {"family": work.family.name, "tokens": args.tokens, "gpu_memory_gib": args.gpu_memory,
@@ -137,21 +128,17 @@ def main() -> None:
                               "torch": torch.__version__, "gradseam": gradseam.__version__}
     try:
         with capped(args.gpu_memory):
-            for _ in range(2):
+            for _ in range(2):  # warm-ups (the first compiles), outside the allocator's count below
                 step()
-            torch.cuda.synchronize()
             before = torch.cuda.memory_stats()
-            torch.cuda.reset_peak_memory_stats()
-            times = []
-            for _ in range(args.steps):
-                start = time.perf_counter()
-                step()
-                torch.cuda.synchronize()
-                times.append((time.perf_counter() - start) * 1e3)
+            got = measure(step, steps=args.steps, warmup=0, engine=getattr(handle, "engine", None))
             after = torch.cuda.memory_stats()
-            result["step_ms"] = statistics.median(times)
-            result["step_times_ms"] = [round(t, 1) for t in times]
-            result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            result["step_ms"] = got.step_ms
+            result["step_times_ms"] = [round(t, 1) for t in got.step_times_ms]
+            result["forward_ms"], result["backward_ms"] = got.forward_ms, got.backward_ms
+            result["activation_peak_gib"] = got.peak_gib
+            result["gpu_peak_gib"] = got.peak_gib + got.base_gib  # what the cap counts: weights, inputs and all
+            result["pinned_gib"] = got.pinned_gib
             result["allocator_per_step"] = {k: (after.get(k, 0) - before.get(k, 0)) / args.steps for k in ALLOCATOR}
             activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
             with torch.profiler.profile(activities=activities) as prof:
