@@ -39,7 +39,7 @@ REPEATS = 5  # timed copies of one block when measuring the link (their median)
 # measurement, without it from -14% to +0.5%. A sixth row (28 placed by size, its peak 15.3 GiB under a 16 GiB cap)
 # left 5.4 ms a block: a plan that close to its cap is what the check on the whole model catches. Where it goes, from a
 # profile of the by-size stream 30 (docs/scripts/stream_profile.py; docs/benchmarks.md): in forward Flux's double
-# blocks are bound by the CPU (the next block's first kernel is launched 4-5 ms after the last one's, of which ~2.6 ms
+# blocks are bound by the CPU (the next block's first kernel is launched 4.3-5 ms after the last one's, ~2.6 ms of it
 # packing the saved tensors for offload), and a block whose load is launched there takes 0.7-3 ms more of it; the model
 # gives every block the same compute and no CPU. Not the number of copies: loading a block in one copy per host
 # allocation left the by-size stream 30 unchanged (595.9 ms, 591.8 before).
