@@ -564,3 +564,33 @@ def test_a_streamed_rung_and_a_config_off_the_ladder_are_labelled():
     assert label_of({**torch_rung, STREAM: 12}) == "torch + stream 12"
     assert label_of(torch_rung) == "torch"
     assert label_of({"gradient_checkpointing": True, "made_up": 1}) == "{'gradient_checkpointing': True, 'made_up': 1}"
+
+
+def test_sequence_length_stops_before_the_last_lists_first_block_runs():
+    """bench's probe of the token count needs only each list's first block's input: the forward stops there, so a
+    model whose blocks cannot run eagerly at the preset's size (Kandinsky 6 SR's flex attention asked for 236 GiB
+    on an H100) is still measured. Flux: the double list runs whole, the single list's first block never does."""
+    from gradseam.tools.checks import find_family
+    from gradseam.tools.workloads import build, resolve, sequence_length
+
+    family = _tiny(find_family("flux"), *TINY["flux"])
+    workload = build(family, "tiny", layers=2, device="cpu", dtype=torch.float32)
+    inputs = workload.inputs()
+    ran: list[str] = []
+    hooks = [block.register_forward_hook(lambda m, a, o, name=f"{lst.path}.{i}": ran.append(name))
+             for lst in family.block_lists for i, block in enumerate(resolve(workload.model, lst.path))]
+    lengths: list[int] = []
+    for lst in family.block_lists:  # what each list's first block sees, read from a whole forward
+        first = resolve(workload.model, lst.path)[0]
+        hooks.append(first.register_forward_pre_hook(
+            lambda m, a, k: lengths.append(max(k["hidden_states"].shape[:-1])), with_kwargs=True))
+    with torch.no_grad():
+        workload.model(**inputs)
+    whole, lengths_seen = list(ran), list(lengths)
+    ran.clear()
+    lengths.clear()
+    assert sequence_length(workload.model, workload.family, inputs) == max(lengths_seen)
+    assert ran == [name for name in whole if name.startswith("transformer_blocks.")]  # no single block ran
+    assert len(whole) > len(ran)
+    for h in hooks:
+        h.remove()

@@ -177,27 +177,43 @@ def keep_float32(model: nn.Module) -> nn.Module:
     return model
 
 
+class _AllSeen(Exception):
+    """Raised by :func:`sequence_length`'s hooks once every list's first block has been seen: the rest of the
+    forward is not needed."""
+
+
 def sequence_length(model: nn.Module, family: Family, inputs: Mapping[str, Any]) -> int:
-    """The longest sequence a first block of any declared list sees (one forward without grad).
+    """The longest sequence a first block of any declared list sees (a forward without grad, stopped there).
 
     The longest axis but the last (the hidden size) of the block's first tensor argument: batch-first
     ``(batch, sequence, hidden)`` and sequence-first ``(sequence, batch, hidden)`` layouts (ERNIE-Image)
-    alike, since a batch is never longer than its sequence."""
+    alike, since a batch is never longer than its sequence.
+
+    The forward stops before the last list's first block runs: running the blocks added nothing to the
+    answer, and at a preset's full size some cannot run eagerly at all (Kandinsky 6 SR's flex attention,
+    called outside ``torch.compile``, materialises its whole score matrix: 236 GiB asked for on an H100)."""
     seen: list[int] = []
     hooks = []
+    waiting: set[int] = set()
 
     def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
         first = next((t for t in [*args, *kwargs.values()] if isinstance(t, torch.Tensor) and t.dim() >= 3), None)
         if first is not None:
             seen.append(max(first.shape[:-1]))
+        waiting.discard(id(module))
+        if not waiting:
+            raise _AllSeen
 
     for block_list in family.block_lists:
         blocks = resolve(model, block_list.path)
         if blocks is not None and len(blocks):
             hooks.append(blocks[0].register_forward_pre_hook(record, with_kwargs=True))
+            waiting.add(id(blocks[0]))
     try:
         with torch.no_grad():
             model(**inputs)
+    except _AllSeen:
+        pass
     finally:
         for h in hooks:
             h.remove()
