@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from gradseam.testing import Case, randn
@@ -17,20 +15,6 @@ def flux_model():
         patch_size=1, in_channels=4, num_layers=2, num_single_layers=5, attention_head_dim=8,
         num_attention_heads=2, joint_attention_dim=16, pooled_projection_dim=8, axes_dims_rope=[2, 2, 4],
     )
-
-
-def flux_reading(width: dict) -> Callable[[], torch.nn.Module]:
-    """A Flux build whose single-block count is read from ``width["layers"]`` at each call: a build that reads
-    state a test may change, which the kit's caches must never answer from an earlier build."""
-
-    def build() -> torch.nn.Module:
-        from diffusers import FluxTransformer2DModel
-
-        return FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=width["layers"],
-                                      attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
-                                      pooled_projection_dim=8, axes_dims_rope=[2, 2, 4])
-
-    return build
 
 
 def flux_inputs(g: torch.Generator, image: int = 16, text: int = 8) -> dict:

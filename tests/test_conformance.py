@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from cases import FLUX, WAN, WAN_TI2V, flux_inputs, flux_model, flux_reading
+from cases import FLUX, WAN, WAN_TI2V, flux_inputs, flux_model
 from cases_image import CHROMA, CHROMA_MASKED, KREA2, KREA2_MASKED, ZIMAGE, ZIMAGE_BATCH, ZIMAGE_OMNI
 from cases_video import LTX2, LTX2_MASKED, LTX2_STG, LTX23, MAGEFLOW, MAGEFLOW_BATCH
 
@@ -189,7 +189,14 @@ def test_a_build_reading_changed_state_is_keyed_by_what_it_built(no_references: 
     """Same case object, same callables: a build whose result depends on state a test changed (a width read
     from a dict, say) must not be answered from the model it built before."""
     width = {"layers": 1}
-    build = flux_reading(width)
+
+    def build() -> torch.nn.Module:
+        from diffusers import FluxTransformer2DModel
+
+        return FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=width["layers"],
+                                      attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
+                                      pooled_projection_dim=8, axes_dims_rope=[2, 2, 4])
+
     case = Case("flux-width", build, flux_inputs)
     hits = references.info()["hits"]
     one = references.reference(case, case.fresh())

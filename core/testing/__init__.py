@@ -22,8 +22,6 @@ The package is the kit's public surface (everything in ``__all__``); its modules
 * :mod:`~gradseam.testing.kernels`: where attention kernels run, against the family's declaration;
 * :mod:`~gradseam.testing.outside`: calls into a block from outside its forward, against the declaration;
 * :mod:`~gradseam.testing.references`: the unpatched reference step of a case, computed once and reused;
-* :mod:`~gradseam.testing.builds`: a case's model, built once and copied after;
-* :mod:`~gradseam.testing.digests`: a built model and a case's inputs as digests, the keys of both caches;
 * :mod:`~gradseam.testing.checks`: the checks (``check_strategy``, ``check_no_grad``, ...);
 * :mod:`~gradseam.testing.matrices`: the configuration matrices, full and reduced, and their test ids;
 * :mod:`~gradseam.testing.facts`: the one place the kit reads the backend catalog and the strategy;

@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from ..tools.measure import count_saved_bytes
-from . import builds
 
 Inputs = dict[str, Any]
 
@@ -51,9 +50,9 @@ class Case:
     seed: int = 0
 
     def fresh(self) -> nn.Module:
-        """The model as every check builds it: ``build()`` right after ``torch.manual_seed(seed)`` (after two
-        builds that agree, a copy of the first: :mod:`gradseam.testing.builds`)."""
-        return builds.fresh(self.build, self.seed)
+        """The model as every check builds it: ``build()`` right after ``torch.manual_seed(seed)``."""
+        torch.manual_seed(self.seed)
+        return self.build()
 
     def twins(self) -> tuple[nn.Module, nn.Module]:
         """Two models with the same weights: one to patch, one to run unpatched beside it."""
