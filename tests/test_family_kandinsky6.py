@@ -409,6 +409,32 @@ def test_sr_attention_offloaded_in_whole_blocks_is_refused(flex_backward_on_cpu:
     assert_same_step(_unpatched(SR), run_step(model, SR), what="after the refusal")
 
 
+@pytest.mark.parametrize("inside_dynamo", [True, False], ids=["dynamo-assertion", "attention-assertion"])
+def test_sr_a_failure_inside_dynamo_under_the_gate_is_refused_the_same_way(
+    monkeypatch: pytest.MonkeyPatch, inside_dynamo: bool
+) -> None:
+    """Torch 2.11 on an H100 (bench, Kandinsky 6 SR, unsloth + attention offload) failed an assertion inside
+    dynamo ("Guard failed on the same frame it was created") where torch 2.13 raises a dynamo exception: the
+    same refusal. An assertion the attention's own code raises is not dynamo's and passes through unchanged."""
+    import os
+
+    from torch.nn.attention import flex_attention as flex
+
+    message = "Guard failed on the same frame it was created. This is a bug - please create an issue."
+    where = os.path.join(os.path.dirname(torch._dynamo.__file__), "guards.py") if inside_dynamo else __file__
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        exec(compile(f"raise AssertionError({message!r})", where, "exec"), {})
+
+    monkeypatch.setattr(flex, "flex_attention", failing)
+    model = SR.fresh()
+    expected = (UnsupportedStrategyError, r"calls torch.compile inside its forward.*AssertionError: Guard failed") \
+        if inside_dynamo else (AssertionError, r"^Guard failed on the same frame")
+    with cpu_test_mode(), gradseam.patch(model, {**ON, **OFFLOAD_ATTENTION}), pytest.raises(
+            expected[0], match=expected[1]):
+        run_step(model, SR)
+
+
 def test_sr_diffusers_own_checkpointing_flag(flex_backward_on_cpu: None) -> None:
     check_builtin_flag(SR, CHUNKED)
 

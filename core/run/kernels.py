@@ -37,6 +37,7 @@ same kernels marked must-save: kept on the GPU, not offloaded.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -380,9 +381,14 @@ class TapeSite:
         try:
             with tape.gate():
                 return call(*args, **kwargs)
-        except torch._dynamo.exc.TorchDynamoException as exc:
+        except Exception as exc:
             # flex attention compiles its own call even in eager mode, and dynamo cannot trace the gate's
-            # function mode: said as what to change instead of dynamo's internal error
+            # function mode: said as what to change instead of dynamo's internal error. Torch 2.13 raises one
+            # of dynamo's exceptions; torch 2.11 (H100, Kandinsky 6 SR) failed an assertion inside dynamo
+            # instead ("Guard failed on the same frame it was created"), so what dynamo raised is recognised
+            # by where it was raised. Anything else (the attention's own errors) passes through as it is.
+            if not _from_dynamo(exc):
+                raise
             from ..errors import UnsupportedStrategyError
 
             raise UnsupportedStrategyError(
@@ -393,6 +399,17 @@ class TapeSite:
                 "gradient_checkpointing_blocks); its blocks are then recomputed whole, exactly. Dynamo said: "
                 f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             ) from exc
+
+
+def _from_dynamo(exc: BaseException) -> bool:
+    """Whether dynamo raised ``exc``: one of its exception types, or raised from inside ``torch._dynamo``."""
+    if isinstance(exc, torch._dynamo.exc.TorchDynamoException):
+        return True
+    tb = exc.__traceback__
+    innermost = None
+    while tb is not None:
+        innermost, tb = tb, tb.tb_next
+    return innermost is not None and f"{os.sep}torch{os.sep}_dynamo{os.sep}" in innermost.tb_frame.f_code.co_filename
 
 
 def _named(call: Callable[..., Any]) -> str:
