@@ -242,7 +242,13 @@ def in_flight_gib(block_gib: Sequence[float], config: Mapping[str, Any]) -> floa
     from ..config import DEFAULT_STREAM_PREFETCH
 
     streamed = spread_blocks_gib(block_gib, config.get(STREAM_KEY))
-    window = 1 + int(config.get("gradient_checkpointing_stream_prefetch", DEFAULT_STREAM_PREFETCH) or 0)
+    return most_at_once(streamed, int(config.get("gradient_checkpointing_stream_prefetch", DEFAULT_STREAM_PREFETCH) or 0))
+
+
+def most_at_once(streamed: Sequence[float], prefetch: int) -> float:
+    """The most of the ``streamed`` blocks' weights (GiB, in forward order) on the GPU at once: the block that runs
+    and the ``prefetch`` copied ahead of it, at the worst place."""
+    window = 1 + prefetch
     return max((sum(streamed[i:i + window]) for i in range(len(streamed))), default=0.0)
 
 

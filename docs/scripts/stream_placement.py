@@ -38,10 +38,10 @@ def forward_ms(streamed: Sequence[int], sizes: Sequence[float], block_ms: float,
 
 def freed_gib(streamed: Sequence[int], sizes: Sequence[float], prefetch: int = 1) -> float:
     """The streamed weights less the most of them on the GPU at once (the running block and those copied ahead)."""
+    from gradseam.tools.advise import most_at_once
+
     chosen = [sizes[i] for i in sorted(streamed)]
-    window = prefetch + 1
-    in_flight = max((sum(chosen[i:i + window]) for i in range(len(chosen))), default=0.0)
-    return sum(chosen) - in_flight
+    return sum(chosen) - most_at_once(chosen, prefetch)
 
 
 def even(count: int, total: int) -> list[int]:
