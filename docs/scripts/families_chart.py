@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +68,10 @@ def draw(families: list[str], out: Path) -> None:
     runs = [load(f) for f in families]
     fig, (peak_ax, step_ax) = plt.subplots(1, 2, figsize=(12, 0.55 * len(runs) * len(ROWS) / 2 + 1.5),
                                            sharey=True)
+    # the left edge: a power of ten below every measured peak (0.1 GiB unless a row holds less: the audio DiTs' do),
+    # where failed rows are drawn
+    peaks = [r["peak_gib"] for _, rows in runs for r in rows if r.get("status") == "ok" and r.get("peak_gib")]
+    edge = 10.0 ** math.floor(math.log10(min([0.1, *peaks])))
     ticks, names = [], []
     for i, (label, rows) in enumerate(runs):
         base = i * (len(ROWS) + 1)
@@ -78,9 +83,9 @@ def draw(families: list[str], out: Path) -> None:
                 continue
             y = base + j
             if row.get("status") != "ok":
-                peak_ax.plot([0.1], [y], "x", color=COLOURS[name])
+                peak_ax.plot([edge], [y], "x", color=COLOURS[name])
                 status = str(row.get("status"))  # "OOM", or "error: Kind: message": the kind is enough
-                peak_ax.annotate(status.split(":")[1].strip() if ":" in status else status, (0.1, y), xytext=(6, -3), textcoords="offset points",
+                peak_ax.annotate(status.split(":")[1].strip() if ":" in status else status, (edge, y), xytext=(6, -3), textcoords="offset points",
                                  fontsize=7, color=COLOURS[name])
                 continue
             predicted = row.get("peak_source") == "predicted"
@@ -89,7 +94,7 @@ def draw(families: list[str], out: Path) -> None:
             if row.get("vs_none") is not None:  # none: no step figure (bench_report's step_not_predicted, or no none)
                 step_ax.plot([row["vs_none"]], [y], "o", **style)
     peak_ax.set_xscale("log")
-    peak_ax.set_xlim(left=0.1)
+    peak_ax.set_xlim(left=edge)
     peak_ax.set_xlabel("activation peak at full depth, GiB (log)")
     step_ax.axvline(1.0, color="#7f7f7f", lw=0.8, ls="--")
     step_ax.set_xlabel("step time / no checkpointing")
