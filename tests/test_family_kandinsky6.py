@@ -416,15 +416,13 @@ def test_sr_a_failure_inside_dynamo_under_the_gate_is_refused_the_same_way(
     """Torch 2.11 on an H100 (bench, Kandinsky 6 SR, unsloth + attention offload) failed an assertion inside
     dynamo ("Guard failed on the same frame it was created") where torch 2.13 raises a dynamo exception: the
     same refusal. An assertion the attention's own code raises is not dynamo's and passes through unchanged."""
-    import os
-
     from torch.nn.attention import flex_attention as flex
 
     message = "Guard failed on the same frame it was created. This is a bug - please create an issue."
-    where = os.path.join(os.path.dirname(torch._dynamo.__file__), "guards.py") if inside_dynamo else __file__
+    module = "torch._dynamo.guards" if inside_dynamo else __name__  # the module whose code raises
 
     def failing(*args: Any, **kwargs: Any) -> Any:
-        exec(compile(f"raise AssertionError({message!r})", where, "exec"), {})
+        exec(f"raise AssertionError({message!r})", {"__name__": module})
 
     monkeypatch.setattr(flex, "flex_attention", failing)
     model = SR.fresh()

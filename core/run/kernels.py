@@ -37,7 +37,6 @@ same kernels marked must-save: kept on the GPU, not offloaded.
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -402,14 +401,13 @@ class TapeSite:
 
 
 def _from_dynamo(exc: BaseException) -> bool:
-    """Whether dynamo raised ``exc``: one of its exception types, or raised from inside ``torch._dynamo``."""
+    """Whether dynamo raised ``exc``: one of its exception types, or raised by code of a ``torch._dynamo`` module."""
     if isinstance(exc, torch._dynamo.exc.TorchDynamoException):
         return True
     tb = exc.__traceback__
-    innermost = None
-    while tb is not None:
-        innermost, tb = tb, tb.tb_next
-    return innermost is not None and f"{os.sep}torch{os.sep}_dynamo{os.sep}" in innermost.tb_frame.f_code.co_filename
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and str(tb.tb_frame.f_globals.get("__name__", "")).startswith("torch._dynamo")
 
 
 def _named(call: Callable[..., Any]) -> str:
