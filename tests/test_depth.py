@@ -310,3 +310,24 @@ def test_a_list_that_starts_with_unlike_blocks_is_fitted_past_them():
     assert leading_unlike(alike) == 0 == leading_unlike(last_unlike)
     assert leading_unlike([nn.Sequential(nn.Linear(2, 2)), *alike[:3]]) == 1
     assert DepthPlan({"blocks": 40}, {"blocks": 0}).default_depths() is None
+
+
+def test_a_row_refused_at_a_shallow_depth_is_not_tried_deeper(monkeypatch):
+    """The deeper model holds every block the shallower one ran, so gradseam's refusal stands there. Tried again,
+    AnyFlow-FAR's attention-offload row read OOM at depth 4 on an H100 (dynamo, having given up on the attention's own
+    compiled frame, ran flex attention eagerly) where it had been refused at depth 2."""
+    real = b.measuring.measure
+    calls: list[int] = []
+
+    def measure(step, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:  # depth 1: none, then torch
+            raise gradseam.UnsupportedStrategyError("simulated: this model's attention cannot run under torch")
+        return real(step, **kwargs)
+
+    monkeypatch.setattr(b.measuring, "measure", measure)
+    run = b.real(_tiny_flux(), "tiny", depths="1,2", rows=["none", "torch"], steps=1, device="cpu")
+    by = {(r.strategy, r.depth): r.status for r in run.results}
+    assert len(calls) == 3 and by[("none", 1)] == by[("none", 2)] == "ok"  # torch at depth 2 never ran
+    assert by[("torch", 1)] == "unsupported: simulated: this model's attention cannot run under torch"
+    assert by[("torch", 2)] == by[("torch", 1)] + " (refused at depth 1; not tried again deeper)"

@@ -441,3 +441,22 @@ def test_bench_workloads_truncate_and_patch_exactly() -> None:
     check_bench_workload("sana-wm-refiner", R_TINY,
                          {"height": 64, "width": 64, "block_frames": 2, "block_start": 4, "history_frames": 2,
                           "text_tokens": 6}, sequence=2 * PER_FRAME)
+
+
+def test_bench_builds_the_refiners_kv_cache_for_the_blocks_each_fit_depth_runs() -> None:
+    """The refiner's preset passes a KV cache with one layer cache per block, and diffusers refuses a cache for another
+    number of blocks. Bench builds the model once at its deepest depth and cuts it: inputs built once, for the deeper
+    model, failed every row at the shallower depth on an H100 ("holds 4 layer caches but the model has 2 transformer
+    blocks"). Each depth now gets inputs built for the model as cut."""
+    import dataclasses
+
+    from gradseam.tools import bench
+    from gradseam.tools.checks import find_family
+
+    family = find_family("sana-wm-refiner")
+    preset = dataclasses.replace(next(iter(family.presets.values())), config=R_TINY, inputs={
+        "height": 64, "width": 64, "block_frames": 2, "block_start": 4, "history_frames": 2, "text_tokens": 6})
+    run = bench.real(dataclasses.replace(family, presets={"tiny": preset}), "tiny", depths="1,2", rows=["none"],
+                     steps=1, device="cpu")
+    assert [(r.depth, r.status) for r in run.results] == [(1, "ok"), (2, "ok")]
+    assert 0 < run.results[0].peak_gib < run.results[1].peak_gib

@@ -554,7 +554,14 @@ def real(
                                         streamed={name for name, config in at_full if streams_weights(config)})
             elif full and depth != plan.full:
                 rule_out = capped_at_fit_depth(chosen, gpu_memory_gib)
+            rule_out = refused_before(run.results, label, rule_out)
             with at_depth(workload.model, plan, depth):
+                # Built again for the model as cut: an input that holds something per block (the SANA-WM
+                # refiner's KV cache, one layer cache per block) must match the blocks this depth runs, and
+                # diffusers refuses a cache built for the deeper model ("holds 4 layer caches but the model
+                # has 2 transformer blocks", on an H100). The last depth's inputs are let go first.
+                del inputs
+                inputs = workload.inputs(count)
 
                 def step_factory(inputs: dict[str, Any] = inputs) -> Callable[[], Any]:
                     return measuring.forward_backward(workload.model, inputs, count_saved=cpu)
@@ -566,6 +573,22 @@ def real(
                 )
         del inputs
     return run
+
+
+def refused_before(results: list[Result], workload: str,
+                   rule_out: Callable[[str], str | None] | None) -> Callable[[str], str | None]:
+    """``rule_out``, and a row gradseam refused at a shallower depth is not tried again: the deeper model holds every
+    block the shallower one ran, so the refusal stands. Tried again, it did not say so: AnyFlow-FAR's
+    ``unsloth`` + attention offload was refused at depth 2 (dynamo failed inside the attention's own
+    ``torch.compile``), and at depth 4 dynamo, having given up on that frame, ran flex attention eagerly and the row
+    read OOM (134.83 GiB asked for, on an H100)."""
+    def rule(name: str) -> str | None:
+        for r in results:
+            if r.workload == workload and r.strategy == name and r.status.startswith("unsupported"):
+                return f"{r.status} (refused at depth {r.depth}; not tried again deeper)"
+        return rule_out(name) if rule_out is not None else None
+
+    return rule
 
 
 def capped_at_fit_depth(rows: list[tuple[str, dict[str, Any] | None]],
