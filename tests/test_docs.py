@@ -323,6 +323,19 @@ def test_families_table_gives_the_figures_the_benchmarks_page_shows_and_the_char
     assert "gpu" not in data, "this run names its card now: the test's H200 comes from the default, check it"
 
 
+def test_a_failed_rows_message_stays_on_its_line_of_the_families_table():
+    """Sana-WM's compiled row failed at depth 4 with inductor's message, which spans several lines (H100, torch 2.11):
+    written as it came, it broke the page's table in two. Each row is one line of the table."""
+    spec = importlib.util.spec_from_file_location("families_chart", DOCS / "scripts" / "families_chart.py")
+    chart = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chart)
+    status = next(r["status"] for r in chart.load("sana-wm")[1] if r["strategy"] == "unsloth-compile")
+    assert "\n" in status  # the committed run's message, as bench wrote it
+    lines = chart.table(["sana-wm"]).splitlines()
+    assert len(lines) == 2 + 4 and all(line.startswith("|") and line.endswith("|") for line in lines)
+    assert "error: InductorError: RuntimeError: Tensor must have a last dimension with stride 1 While executing" in lines[-1]
+
+
 def test_upstream_tests_script_patches_every_model_a_test_builds(tmp_path):
     """docs/scripts/upstream_tests.py on a two-test stand-in for diffusers' suite: unpatched both pass;
     under a config the test that sees a patched model fails and is reported as the one change, with

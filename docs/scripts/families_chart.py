@@ -130,7 +130,8 @@ def table(families: list[str]) -> str:
             head = f"| {first} | {LABELS[name]} |" if first else f"| | | {LABELS[name]} |"
             first = ""
             if row.get("status") != "ok" or row.get("peak_gib") is None:
-                lines.append(f"{head} {row.get('status')} | | | | |")
+                # one table line: a compiler's message spans several (Sana-WM's inductor error)
+                lines.append(f"{head} {' '.join(str(row.get('status')).split())} | | | | |")
                 continue
 
             def figure(value: float | None, source: str | None, fmt: str) -> str:
