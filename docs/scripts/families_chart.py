@@ -104,7 +104,7 @@ def draw(families: list[str], out: Path) -> None:
         ax.grid(axis="x", alpha=0.3)
     handles = [plt.Line2D([], [], marker="o", ls="", color=c, label=n) for n, c in COLOURS.items()]
     handles.append(plt.Line2D([], [], marker="o", ls="", color="k", markerfacecolor="none",
-                              label="hollow: predicted from depths 2 and 4"))
+                              label="hollow: predicted from the two fit depths"))
     cards = ", ".join(dict.fromkeys(card(f) for f in families))
     fig.suptitle(f"gradseam bench, {cards}, bf16 frozen weights: every row at the family's full depth", fontsize=10)
     fig.legend(handles=handles, loc="upper center", ncol=3, fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.975))
@@ -130,8 +130,9 @@ def table(families: list[str]) -> str:
             head = f"| {first} | {LABELS[name]} |" if first else f"| | | {LABELS[name]} |"
             first = ""
             if row.get("status") != "ok" or row.get("peak_gib") is None:
-                # one table line: a compiler's message spans several (Sana-WM's inductor error)
-                lines.append(f"{head} {' '.join(str(row.get('status')).split())} | | | | |")
+                # its first line: a compiler's message goes on with the graph node and a traceback (Sana-WM's inductor
+                # error), which would break the table and read as a link to mkdocs
+                lines.append(f"{head} {str(row.get('status')).strip().splitlines()[0]} | | | | |")
                 continue
 
             def figure(value: float | None, source: str | None, fmt: str) -> str:
