@@ -1,11 +1,17 @@
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from pathlib import Path
 
-import pytest
-import torch
+# No test reaches the network, whatever the machine allows: at import, bitsandbytes asks the Hugging Face hub
+# for a CPU kernel (kernels-community/quantization-bitsandbytes) in every process that imports diffusers'
+# models with peft installed, each xdist worker and each launched subprocess (they inherit this).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 
