@@ -6,6 +6,7 @@ import errno
 import os
 import sys
 import warnings
+from typing import Any
 
 PLUGIN_GUIDE = "the plugin guide (docs/plugins.md in the gradseam repository)"
 
@@ -78,7 +79,7 @@ class GradseamWarning(UserWarning):
     """A setting was accepted but cannot take effect as written; the message says what runs instead."""
 
 
-warned: set[str] = set()  # messages already given in this process (tests clear it)
+warned: set[Any] = set()  # messages (or their keys) already given in this process (tests clear it)
 
 # Packages whose frames sit between a user's line and gradseam: a warning raised in a forward
 # reaches gradseam through torch's ``Module.__call__`` and diffusers' ``forward``, and a load
@@ -134,11 +135,13 @@ def warn_plugin(message: str) -> None:
     warn_outside(message, PluginWarning)
 
 
-def warn_once(message: str) -> None:
+def warn_once(message: str, key: Any = None) -> None:
     """Warn once per message and process, at the user's line (see :func:`warn_outside`).
 
-    Once: the same cause on every step would drown a training log.
+    Once: the same cause on every step would drown a training log. ``key`` stands for the message where its text
+    varies with what stays the same cause (an out-of-memory error names the memory free at each attempt).
     """
-    if message not in warned:
-        warned.add(message)
+    seen = message if key is None else key
+    if seen not in warned:
+        warned.add(seen)
         warn_outside(message, GradseamWarning)

@@ -769,3 +769,37 @@ def test_attention_without_a_broadcast_mask_stays_in_the_compiled_graph():
         run_step(model, WAN)
         assert not handle.summary().notes
     assert not counters["graph_break"], f"Wan's compiled blocks broke their graphs: {dict(counters['graph_break'])}"
+
+
+def test_a_reach_probe_that_cannot_run_eagerly_warns_once_per_block_class_and_the_steps_run(monkeypatch):
+    """On an H100, AnyFlow-FAR's blocks ran compiled, but the eager forward that learns which parameters each output
+    reaches ran flex attention eagerly and ran out of memory at every block: the same warning came four times, each
+    naming another amount of free memory. The steps run as ``torch.compile`` alone would (zeros where eager gives
+    None), and the cause is said once for the block class."""
+    import warnings
+
+    from gradseam import errors
+    from gradseam.run import unused
+    from gradseam.tools.synthetic import SyntheticStack, ensure_registered
+
+    ensure_registered()
+    tried: list[int] = []
+
+    def out_of_memory(*args, **kwargs):
+        tried.append(1)
+        raise RuntimeError(f"CUDA out of memory. Tried to allocate 134.83 GiB; {70 - len(tried)} GiB free")
+
+    monkeypatch.setattr(unused, "probe", out_of_memory)
+    monkeypatch.setattr(errors, "warned", set())
+    torch.manual_seed(0)
+    model = SyntheticStack(2, 16)
+    x = torch.randn(2, 8, 16)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with gradseam.patch(model, COMPILE):
+            for _ in range(2):
+                model(x).square().mean().backward()
+    said = [str(w.message) for w in seen if "eagerly to learn which parameters" in str(w.message)]
+    assert len(tried) >= 2 and len(said) == 1, (len(tried), said)
+    assert "could not run a compiled SyntheticBlock eagerly" in said[0] and "69 GiB free" in said[0]  # the first
+    assert all(p.grad is not None for p in model.parameters())

@@ -226,9 +226,12 @@ class UnusedOutputs:
         try:
             found = probe(function, first, args, kwargs, hooks_of=block)
         except Exception as exc:  # the same forward just ran compiled; say so, change nothing
+            # once per block class and cause: AnyFlow-FAR's probe ran flex attention eagerly and ran out of memory at
+            # every block (H100), each message naming another amount of free memory
             warn_once(f"gradseam: could not run a compiled {type(block).__name__} eagerly to learn which "
                       f"parameters each of its outputs reaches ({type(exc).__name__}: {exc}); an output the "
-                      "loss does not use gives its parameters zero gradients there, not None as in eager.")
+                      "loss does not use gives its parameters zero gradients there, not None as in eager.",
+                      key=("reach probe", type(block), type(exc)))
             return None
         return _Reach(found, list(block.parameters())) if len(found) == count else None
 
