@@ -195,6 +195,10 @@ def depth_info(run: RealRun, measured_full: bool) -> dict[str, Any]:
             "warning": run.plan.unseen_note(run.fit_depths)}
 
 
+# what a JSON's title ends with while its sweep is still writing it: an interrupted or timed-out sweep keeps its rows
+PARTIAL = " (partial: interrupted runs keep this)"
+
+
 def payload(
     rows: list[dict[str, Any]], title: str, *, device: str = "cuda", family: str | None = None,
     preset: str | None = None, steps: int = 5, depth: dict[str, Any] | None = None,

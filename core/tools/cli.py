@@ -392,7 +392,7 @@ class _Sweep:
             self.times[id(result)] = self.log[-1].step_times_ms
         self.log.clear()
         partial = report.payload(report.with_ratios(self.done, self.steps_of(self.done)),
-                                 f"{self.title} (partial: interrupted runs keep this)", **self.meta)
+                                 self.title + report.PARTIAL, **self.meta)
         self.json_path.write_text(json.dumps(partial, indent=1))
         self.progress.advance(self.task)
         where = f" at depth {result.depth}" if result.depth is not None else ""
@@ -536,7 +536,7 @@ def _bench_isolated(family: str, preset: str, json_path: Path, png_path: Path, *
             # the rows so far, as one file (an interrupted or timed-out sweep keeps them, as a sweep's JSON does)
             measured, deep = isolated.tables(gathered)
             json_path.write_text(json.dumps(report.payload(
-                measured, f"{title} (partial: interrupted runs keep this)", depth=gathered.depth, full_depth=deep,
+                measured, title + report.PARTIAL, depth=gathered.depth, full_depth=deep,
                 **{**meta, **gathered.meta}), indent=1))
             progress.advance(task)
             if position < len(labels):

@@ -38,7 +38,7 @@ def complete(family_name: str, data: dict[str, Any], note: str) -> dict[str, Any
     plan = plan_for(model, family)
     run = RealRun(plan, depths, plan.full, results)
     rows = [{**row, "status": CUT} if row.get("status") == "not measured" else row for row in report.full_depth_rows(run)]
-    return {**data, "title": data["title"].replace(" (partial: interrupted runs keep this)", ""),
+    return {**data, "title": data["title"].removesuffix(report.PARTIAL),
             "depth": report.depth_info(run, measured_full=False), "full_depth": rows,
             "completed_after_the_run": note}
 

@@ -132,7 +132,7 @@ def table(families: list[str]) -> str:
             if row.get("status") != "ok" or row.get("peak_gib") is None:
                 # its first line: a compiler's message goes on with the graph node and a traceback (Sana-WM's inductor
                 # error), which would break the table and read as a link to mkdocs
-                lines.append(f"{head} {str(row.get('status')).strip().splitlines()[0]} | | | | |")
+                lines.append(f"{head} {(str(row.get('status')).strip().splitlines() or [''])[0]} | | | | |")
                 continue
 
             def figure(value: float | None, source: str | None, fmt: str) -> str:
