@@ -293,6 +293,51 @@ def test_in_place_modification_is_still_detected_on_gpu():
         y.backward()
 
 
+def test_a_groups_copies_wait_once_and_share_one_event_on_gpu(monkeypatch):
+    """Twelve saved tensors in one group: one stream wait and one event for the batch (each cost CPU time per
+    tensor before), every byte back exact after the sources are let go."""
+    from gradseam.offload import OffloadEngine, host_store
+
+    engine = OffloadEngine(host_store(4), min_bytes=0)
+    waits = []
+    real_wait = torch.cuda.Stream.wait_stream
+    monkeypatch.setattr(torch.cuda.Stream, "wait_stream", lambda self, other: (waits.append(1), real_wait(self, other))[1])
+    xs = [torch.randn(1 << 16, device="cuda", requires_grad=True) for _ in range(12)]
+    with engine.group() as group:
+        y = sum((x * (i + 1)).sin().sum() for i, x in enumerate(xs))
+    stored = [ref() for ref in group.stored]
+    assert len(stored) == 12 and len(waits) == 1 and len({id(s.copied) for s in stored}) == 1
+    with engine.group():  # a newer group: the first one's sources go, backward reloads them from host memory
+        (xs[0] * 5).exp().sum()
+    assert all(s.src is None for s in stored)
+    y.backward()
+    for i, x in enumerate(xs):
+        torch.testing.assert_close(x.grad, (i + 1) * (x * (i + 1)).cos(), rtol=0, atol=0)
+    assert engine.stats()["loads"] == 12
+
+
+def test_the_cpu_runs_at_most_two_offload_groups_ahead_of_the_gpu():
+    """Groups whose GPU work is long (~0.1 s each): when the loop of eight ends, the GPU has finished the work
+    queued up to the close of the group GROUPS_AHEAD before the last (the CPU waited for it) and not the last group's."""
+    from gradseam.offload import OffloadEngine, host_store
+    from gradseam.offload.engine import GROUPS_AHEAD
+
+    engine = OffloadEngine(host_store(4), min_bytes=0)
+    x = torch.randn(1 << 16, device="cuda")
+    held, marks = [], []
+    torch.cuda.synchronize()
+    for _ in range(8):
+        mark = torch.cuda.Event()
+        mark.record()  # before this group's GPU work
+        marks.append(mark)
+        with engine.group(hooks=False) as group:
+            torch.cuda._sleep(200_000_000)
+            held.append(engine.pack(group, x * 2, set()))
+    assert GROUPS_AHEAD == 2 and marks[-GROUPS_AHEAD - 1].query() and not marks[-1].query()
+    torch.cuda.synchronize()
+    assert all(torch.equal(engine.unpack(p), x * 2) for p in held)
+
+
 def test_backward_right_after_forward_reuses_sources_and_stays_exact():
     """The last groups' copies may still be running when backward starts: their sources are used as is."""
     model, step = _synthetic(blocks=6, tokens=1024, dtype=torch.float32)

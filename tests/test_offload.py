@@ -276,6 +276,45 @@ def test_a_save_after_an_in_place_edit_is_a_copy_of_its_own():
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
 
 
+def test_a_groups_copies_are_issued_together_when_it_closes():
+    """One batch per group (a stream wait and an event per group on a GPU, not per tensor): nothing is
+    copied while the group is open, everything once it closes, and backward gets the packed bytes."""
+    engine = _engine()
+    x = torch.randn(16, 16, requires_grad=True)
+    w = torch.randn(16, 16, requires_grad=True)
+    with engine.group() as group:
+        h = (x @ w).sin()
+        y = (h * h.cos()).sum()
+        pending = list(group.pending)
+        assert len(pending) == engine.copies >= 3 and all(stored.copied is None for stored in pending)
+    assert not group.pending and all(stored.copied is not None for stored in pending)
+    assert all(torch.equal(s.host[: s.nbytes], s.src) for s in pending)  # the newest group keeps its sources
+    y.backward()
+    got = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    h = (x @ w).sin()
+    (h * h.cos()).sum().backward()
+    assert torch.equal(got[0], x.grad) and torch.equal(got[1], w.grad)
+
+
+def test_a_backward_inside_the_open_group_gets_the_packed_bytes_and_later_ones_too():
+    """A backward that runs before its group closes (a closure that differentiates inside the region) issues
+    the group's copies first, so a second backward after the close, from the host copies, agrees."""
+    engine = _engine()
+    x = torch.randn(16, 16, requires_grad=True)
+    with engine.group() as group:
+        y = (x * 2).sin().square().sum()
+        (first,) = torch.autograd.grad(y, x, retain_graph=True)
+        z = x.cos().sum()  # packed after the flush: copied at the close
+    with engine.group():  # a newer group closes: the first lets go of its sources
+        keep = (x * 3).exp().sum()
+    assert all(ref().src is None for ref in group.stored if ref() is not None)  # backward reads the host copies
+    (second,) = torch.autograd.grad(y, x)
+    z.backward()
+    keep.backward()
+    assert torch.equal(first, second) and torch.equal(x.grad, -x.sin() + 3 * (x * 3).exp())
+
+
 def test_in_place_modification_of_a_saved_tensor_still_raises():
     engine = _engine()
     x = torch.randn(8, requires_grad=True)
