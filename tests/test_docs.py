@@ -397,6 +397,23 @@ def test_stream_profile_summary_reads_idle_compute_and_copies_per_direction():
     assert summary["gaps_over_100us"] == 3
 
 
+def test_pack_cost_packs_every_tensor_of_a_step_one_group_a_batch():
+    """docs/scripts/pack_cost.py's step, behind the benchmarks page's pack-cost table (run there on CUDA), on the
+    engine's CPU test mode: one group a batch, every tensor packed and copied, the bytes intact."""
+    import torch
+
+    from gradseam.offload import OffloadEngine, host_store
+
+    spec = importlib.util.spec_from_file_location("pack_cost", DOCS / "scripts" / "pack_cost.py")
+    pack_cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pack_cost)
+    engine = OffloadEngine(host_store(4, test_mode=True), min_bytes=0, device_test_mode=True)
+    batches = [[torch.randn(64) for _ in range(3)] for _ in range(4)]
+    seconds, held = pack_cost.one_step(engine, batches)
+    assert seconds > 0 and len(held) == 12 and engine.copies == 12
+    assert all(torch.equal(engine.unpack(p), t) for p, t in zip(held, [t for b in batches for t in b]))
+
+
 def test_completing_a_cut_run_gives_the_full_depth_rows_the_committed_json_holds():
     """docs/scripts/complete_cut_run.py rebuilt Allegro's and Mochi's full-depth rows after their runs were cut on an
     H100: from their rows alone it gives back exactly what their JSON holds, so the page's figures are bench's own."""
