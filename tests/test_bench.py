@@ -26,7 +26,7 @@ MEASURED = ["none", "ref: torch.utils.checkpoint", "ref: torch.utils.checkpoint 
 ROW_KEYS = {"workload", "tokens", "strategy", "peak_gib", "step_ms", "status", "pinned_allocations_after_warmup",
             "pinned_gib", "depth", "blocks", "vs_none", "vs_torch", "step_times_ms", "forward_peak_gib",
             "backward_peak_gib", "forward_ms", "backward_ms", "first_step_ms", "gpu_peak_gib",
-            "pinned_weights_gib", "failure", "plan"}
+            "pinned_weights_gib", "alloc_retries", "failure", "plan"}
 
 
 @pytest.fixture(scope="module")
@@ -315,6 +315,23 @@ def test_every_row_keeps_its_first_step_and_a_slow_one_is_named(results):
     assert report.first_steps_note(rows) == ("First steps (compiling, once per shape and row; not in the step "
                                              "times above): compile at depth 2 53.1 s; unsloth-compile 35.7 s.")
     assert report.first_steps_note(rows[:1]) is None  # a warm-up under 5x its step: not worth a line
+
+
+def test_rows_whose_steps_made_the_allocator_retry_are_named_under_the_table():
+    rows = [{"strategy": "unsloth-compile", "status": "ok", "step_ms": 479.3, "alloc_retries": 0, "depth": 19,
+             "step_times_ms": [479.0] * 5},
+            {"strategy": "unsloth-compile + stream 30 @ 16GiB", "status": "ok", "step_ms": 639.3, "alloc_retries": 2,
+             "depth": 19, "step_times_ms": [606.6, 639.3, 1078.2, 1167.0, 628.6]},
+            {"strategy": "torch", "status": "OOM", "step_ms": None, "alloc_retries": None}]
+    note = report.retries_note(rows)
+    assert note is not None and note.endswith(": unsloth-compile + stream 30 @ 16GiB at depth 19 2 in 5 steps.")
+    assert "synchronizes the device" in note and "expandable_segments:True" in note
+    assert report.retries_note(rows[:1] + rows[2:]) is None  # no retries (or none read): no line
+    table = report.to_markdown([{**r, "workload": "flux", "tokens": 4096, "peak_gib": 1.0, "vs_none": None,
+                           "vs_torch": None, "pinned_gib": None} for r in rows[:2]])
+    assert table.endswith(note)
+    got = b.measuring.measure(lambda: 1024, steps=1, device="cpu")
+    assert got.alloc_retries is None  # read on the GPU only
 
 
 # -- the rows, derived from the catalog (gradseam.tools.named_strategies) ---------------------------

@@ -65,7 +65,7 @@ def test_a_streamed_row_reports_its_weights_host_memory_apart(monkeypatch):
 
     monkeypatch.setattr(b, "capped", lambda gib: __import__("contextlib").nullcontext())
     monkeypatch.setattr(b.measuring, "measure",
-                        lambda step, **kw: b.measuring.Measurement(1.0, 10.0, 0.5, None, base_gib=2.0))
+                        lambda step, **kw: b.measuring.Measurement(1.0, 10.0, 0.5, None, base_gib=2.0, alloc_retries=3))
     model = __import__("cases").WAN.fresh().requires_grad_(False)
     label = "torch + stream all @ 12GiB"
     sweep = b._Sweep("w", 1, model, lambda: (lambda: 0), 1, "blocks", "cuda", None, None, None)
@@ -74,6 +74,7 @@ def test_a_streamed_row_reports_its_weights_host_memory_apart(monkeypatch):
         result = b._measure_row(sweep, label, dict(real_rows([label]))[label])
     assert result.status == "ok" and result.gpu_peak_gib == 3.0
     assert result.pinned_weights_gib == 0.0 and result.pinned_gib == 0.5  # test mode: pageable host copies
+    assert result.alloc_retries == 3  # the allocator's retries over the timed steps, kept in the row
 
 
 def test_the_naive_reference_row_streams_with_bench_setting_the_stream_naive(monkeypatch):

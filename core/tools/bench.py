@@ -312,7 +312,8 @@ def _result(sweep: _Sweep, name: str, got: measuring.Measurement, streamed_pinne
                   forward_peak_gib=_gib(got.forward_peak_gib), backward_peak_gib=_gib(got.backward_peak_gib),
                   forward_ms=_ms(got.forward_ms), backward_ms=_ms(got.backward_ms),
                   first_step_ms=round(first_step_ms, 1) if first_step_ms is not None else None,
-                  gpu_peak_gib=None if cpu else round(got.base_gib + got.peak_gib, 3), plan=plan, config=config)
+                  gpu_peak_gib=None if cpu else round(got.base_gib + got.peak_gib, 3), plan=plan, config=config,
+                  alloc_retries=got.alloc_retries)
 
 
 def _measure_auto(sweep: _Sweep, name: str, config: dict[str, Any], cap: float | None) -> Result:

@@ -46,6 +46,7 @@ The JSON written by ``gradseam bench`` (see :func:`payload`)::
          "first_step_ms": float | null,  # compiled rows: the first warm-up step, where they compile; auto: the step that plans
          "gpu_peak_gib": float | null,  # GPU rows: the whole GPU's peak, weights included (streamed rows: loads)
          "pinned_weights_gib": float | null,  # rows that stream weights: their pinned host copies, also in pinned_gib
+         "alloc_retries": int | null,  # GPU rows: the allocator's retries over the timed steps (each synchronizes)
          "failure": str | null,  # OOM rows: GPU or pinned host, forward or backward, the allocator's words
          "plan": {"source": str, "config": {...}, "report": str,  # auto rows (failed ones too): the plan, its keys, what
                   "predicted": {"gpu_gib": float, "host_gib": float, "step_ms": float} | null,  # it predicted, and
@@ -314,9 +315,9 @@ def to_markdown(rows: list[dict[str, Any]], *, cpu: bool = False) -> str:
         lines.append(
             f"| {workload} |{depth} {r['strategy']} | {peak:.2f} |{gpu} {pinned} | {step} | {vs_none} | {vs_torch} |"
         )
-    note = first_steps_note(rows)
-    if note:
-        lines += ["", note]
+    for note in (first_steps_note(rows), retries_note(rows)):
+        if note:
+            lines += ["", note]
     return "\n".join(lines)
 
 
@@ -337,6 +338,23 @@ def first_steps_note(rows: list[dict[str, Any]]) -> str | None:
         where = f" at depth {r['depth']}" if r.get("depth") is not None else ""
         parts.append(f"{r['strategy']}{where} {r['first_step_ms'] / 1000:.1f} s")
     return "First steps (compiling, once per shape and row; not in the step times above): " + "; ".join(parts) + "."
+
+
+def retries_note(rows: list[dict[str, Any]]) -> str | None:
+    """One line naming the rows whose timed steps made the caching allocator retry: each retry freed its cache and
+    synchronized the device to find room, so those rows' steps ran slower and less evenly than their room allows
+    (seen under a 16 GiB cap on an H100: two steps of five at ~1.8x the others)."""
+    retried = [r for r in rows if r.get("status") == "ok" and r.get("alloc_retries")]
+    if not retried:
+        return None
+    parts = []
+    for r in retried:
+        where = f" at depth {r['depth']}" if r.get("depth") is not None else ""
+        steps = len(r.get("step_times_ms") or ())
+        parts.append(f"{r['strategy']}{where} {r['alloc_retries']}" + (f" in {steps} steps" if steps else ""))
+    return ("Allocator retries in the timed steps (each frees the allocator's cache and synchronizes the device to "
+            "find room; those steps run slower and unevenly: give the row more room, e.g. a higher cap or more "
+            "blocks streamed, with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): " + "; ".join(parts) + ".")
 
 
 def auto_plans_note(rows: list[dict[str, Any]]) -> str | None:

@@ -30,6 +30,7 @@ class Result:
     first_step_ms: float | None = None  # compiled rows: the first (warm-up) step, where they compile; auto: it plans
     gpu_peak_gib: float | None = None  # GPU rows: the whole GPU peak (weights on it, inputs, activations, loads)
     pinned_weights_gib: float | None = None  # rows that stream weights: their pinned host copies (in pinned_gib too)
+    alloc_retries: int | None = None  # GPU rows: the allocator's retries over the timed steps (measure.alloc_retries)
     failure: str | None = None  # OOM rows: where and what the allocator said (measure.oom_detail)
     # auto rows: the plan, {"source": "measured" | "cached" | "default", "config": the explicit keys it runs,
     # "report": the planner's lines (what it measured, the plan, what it beat)}
