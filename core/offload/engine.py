@@ -15,12 +15,13 @@ How the copies stay off the critical path (each point is a decision, not an acci
   only been enqueued. A group's copies are issued together when it closes: the copy stream waits
   once for the compute stream up to that point (every producer is enqueued by then), copies each
   span, and records one event for the batch, while the compute stream runs on. Issuing them per
-  tensor cost a stream wait, a stream switch and an event each, ~0.15 ms of CPU per saved tensor
-  on an H100 host: a compiled block saves a dozen or more tensors in one burst after ~3 ms of GPU
-  work (Flux at 4k tokens), so the CPU, not the GPU, paced the offload rows. Waiting for the close
-  delays no copy that matters: the sources stay referenced until the next group closes anyway
-  (below), and bytes edited in place after their pack are refused in backward (the version check
-  below) before or after this change alike. ``record_stream`` on the copy stream tells the
+  tensor cost a stream wait, a stream switch and an event each: 94-105 us of CPU per saved
+  tensor on an H100's host, against 30-32 us batched (``docs/scripts/pack_cost.py``). A compiled
+  block saves a dozen or more tensors in one burst after ~3 ms of GPU work (Flux at 4k tokens),
+  so the CPU, not the GPU, paced the offload rows. Waiting for the close delays no copy that
+  matters: the sources stay referenced until the next group closes anyway (below), and bytes
+  edited in place after their pack are refused in backward (the version check below), as they
+  were when each copy was issued at its pack. ``record_stream`` on the copy stream tells the
   caching allocator not to reuse a source before the copy has read it.
 * **The CPU stays at most two groups ahead of the GPU.** Sources let go of while their copies are
   still queued wait in the allocator, busy; a CPU far ahead (packing is cheap now) piles them up,
