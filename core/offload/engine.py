@@ -369,18 +369,18 @@ class OffloadEngine:
         self.copies += 1
         return stored
 
-    def _flush(self, group: _Group) -> None:
-        """Issue the copies of everything ``group`` packed since the last flush, one batch per device."""
-        batch, group.pending = group.pending, []
-        devices = {stored.device for stored in batch}
-        if len(devices) > 1:  # a model spread over devices: each device's copies go on its own stream
-            for device in devices:
-                group.pending = [stored for stored in batch if stored.device == device]
-                self._flush(group)
-            return
-        if not batch:
-            return
-        device = batch[0].device
+    def _flush(self, group: _Group) -> list[torch.device]:
+        """Issue the copies of everything ``group`` packed since the last flush, one batch per device (a model
+        spread over devices copies on each device's own stream); the devices copied on."""
+        by_device: dict[torch.device, list[_Stored]] = {}
+        for stored in group.pending:
+            by_device.setdefault(stored.device, []).append(stored)
+        group.pending = []
+        for device, batch in by_device.items():
+            self._issue(device, batch)
+        return list(by_device)
+
+    def _issue(self, device: torch.device, batch: list[_Stored]) -> None:
         if device.type != "cuda":
             for stored in batch:
                 assert stored.host is not None and stored.src is not None
@@ -401,10 +401,9 @@ class OffloadEngine:
             stored.src.record_stream(d2h)  # type: ignore[union-attr]
 
     def _close(self, group: _Group) -> None:
-        device = group.pending[0].device if group.pending else None
-        self._flush(group)
-        if device is not None and device.type == "cuda":
-            self._bound_lead(device)
+        for device in self._flush(group):
+            if device.type == "cuda":
+                self._bound_lead(device)
         group.closed = True
         group.by_storage.clear()  # same-address dedup is only valid while the group's sources live
         # Keep the sources of the last KEEP_RECENT groups: backward starts with them, usually before
@@ -425,7 +424,7 @@ class OffloadEngine:
         ahead, the more such memory is waiting, and under a memory cap the allocator then frees its
         cache and synchronizes the device to find room (an allocator retry): on an H200 with Flux dev
         4k's ``unsloth-compile + stream 30`` under 16 GiB, 0.4 retries a step once packing stopped
-        pacing the CPU, and on an H100 two steps of five took ~1.1 s instead of ~0.6. Two groups
+        pacing the CPU; on an H100 (retries not counted there) two steps of five took ~1.1 s against ~0.6. Two groups
         ahead keep the GPU fed (a block's launches take less CPU time than its kernels take GPU time)
         and that row steady (544.7 ms, against 559.6 unbounded and 557.3 at one group ahead, which
         also slowed the uncapped row by 6%; docs/benchmarks.md). A group that copied nothing holds
@@ -488,8 +487,7 @@ class OffloadEngine:
     def _copy_in(self, stored: _Stored) -> None:
         host = stored.host
         assert host is not None, "offloaded tensor unpacked after its group was released"
-        if stored.copied is None:  # brought back before its group closed (a backward inside the region)
-            self._flush(stored.group)
+        assert stored.copied is not None, "a pending copy is brought back from its source (see _unpack)"
         self.loads += 1
         if stored.device.type != "cuda":
             stored.gpu = host[: stored.nbytes].clone()

@@ -462,7 +462,7 @@ def alloc_retries() -> int:
     """The caching allocator's retries so far in this process (``num_alloc_retries``; the peak resets leave it).
 
     Why bench reads it: on an H100 two of five steps of Flux dev 4k under a 16 GiB cap took ~1.1 s against ~0.6,
-    and neither the median nor the peak said why; a profile of the same row counted allocator retries."""
+    and neither the median nor the peak said why; a profile of the same row on an H200 counted 0.4 retries a step."""
     return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
 
 
