@@ -47,7 +47,9 @@ def _quick_gc():
     gc.collect()
     gc.freeze()
     yield
-    gc.unfreeze()
+    gc.unfreeze()  # and freeze again what the whole process holds, as conftest.py does after collection
+    gc.collect()
+    gc.freeze()
 
 
 def build(case: Case) -> nn.Module:
