@@ -841,13 +841,38 @@ def test_a_table_from_before_checked_plans_counted_streamed_weights_keeps_its_ro
     cost_cache.save(key, table)
     path = _saved_file(_cache)
     data = json.loads(path.read_text())
-    assert data["format"] == cost_cache.FORMAT == 3
+    assert data["format"] == cost_cache.FORMAT == 4
     assert cost_cache.load(key).checked, "a current file lost its checked plans"
     path.write_text(json.dumps({**data, "format": 1}))
     old = cost_cache.load(key)
     assert old is not None and old.checked == {} and old.results == table.results and old.complete
-    path.write_text(json.dumps({**data, "format": 4}))
+    path.write_text(json.dumps({**data, "format": 5}))
     assert cost_cache.load(key) is None
+
+
+def test_a_gpu_table_timed_by_the_engine_before_batched_copies_measures_its_offloading_rows_and_plans_again(
+        _cache, monkeypatch):
+    """Format 4: the offload engine issues a group's copies together and bounds how far the CPU runs ahead, so a row
+    that moves activations to host memory steps at another speed than a file before 4 says. Such a GPU file keeps the
+    rows that move nothing, measures the rest again (the table is incomplete until it has) and runs its checked
+    plans again; a CPU file keeps everything (its figures are saved bytes, which the engine does not change)."""
+    model, inputs = WAN.fresh(), _inputs()
+    request = Request(model, inputs, None, None, family_for(model))
+    _write_table(model, inputs)
+    cpu_key = cost_cache.key_of(request, auto_planner.CANDIDATES)
+    table = cost_cache.load(cpu_key)
+    table.checked[cost_cache.config_id({"gradient_checkpointing": True})] = Estimate(2.0, 100.0, 1.0)
+    data = {**table.to_json(cpu_key), "format": 3}
+    assert set(cost_cache.Table.from_json(data).results) == set(table.results), "a CPU file lost rows"
+    assert cost_cache.Table.from_json(data).checked == table.checked
+    on_gpu = {**data, "key": {**cpu_key, "device": "NVIDIA H100 80GB HBM3"}}
+    old = cost_cache.Table.from_json(on_gpu)
+    offloading = {label for label, config in auto_planner.CANDIDATES if cost_cache.moves_activations(config)}
+    assert {"unsloth", "unsloth-compile", "attention offload"} <= offloading and "torch" not in offloading
+    assert set(old.results) == set(table.results) - offloading, sorted(old.results)
+    assert {label for label, _ in old.missing()} == offloading and not old.complete
+    assert old.checked == {}, "a plan timed by the old engine was trusted"
+    assert set(cost_cache.Table.from_json({**on_gpu, "format": 4}).results) == set(table.results)
 
 
 def test_a_table_from_before_counts_were_placed_by_size_measures_its_counted_streamed_rows_again(_cache):

@@ -33,9 +33,13 @@ from .estimates import Estimate, UnitCosts
 # plans dropped, to run again). 3: a streamed count N places its blocks by size (gradseam.planning.spread), so on a
 # model whose blocks differ in size "stream N" streams other blocks than it did; a file before 3 keeps every row and
 # checked plan but those streaming a count, which are measured again where a budget asks for them. Any other format
-# is measured again.
-FORMAT = 3
-READABLE = {1, 2, 3}
+# is measured again. 4: the offload engine issues a group's copies together when it closes and keeps the CPU two
+# groups ahead of the GPU (gradseam.offload.engine, twenty-eighth session): a row that moves activations to host
+# memory steps at another speed than it did (Flux dev 4k on an H100: its forward 211.1 -> 173.6 ms uncapped). A GPU
+# file before 4 keeps the rows that move nothing and measures the others again, and runs its checked plans again; a
+# CPU file's rows stay (their figure is saved bytes, which the engine does not change).
+FORMAT = 4
+READABLE = {1, 2, 3, 4}
 
 
 @dataclass
@@ -97,17 +101,19 @@ class Table:
         bytes, and a tiny model's step time is noise)."""
         cpu = (data.get("key") or {}).get("device") == "cpu"
         placed_by_size = data.get("format", FORMAT) >= 3
+        engine_current = cpu or data.get("format", FORMAT) >= 4
         candidates, results = [], {}
         for item in data["candidates"]:
             if not placed_by_size and streams_a_count(item["config"]):
                 continue  # measured with other blocks streamed: measured again where a budget asks for it
             candidates.append((item["label"], dict(item["config"])))
             result = _result(item["result"])
-            if cpu or not falls(result):
+            stale = not engine_current and moves_activations(item["config"])  # timed by the engine before 4
+            if (cpu or not falls(result)) and not stale:
                 results[item["label"]] = result
         candidates += [(item["label"], dict(item["config"])) for item in data.get("to_measure", ())]
         checked = {}
-        if data.get("format") in (2, 3):
+        if data.get("format") in (2, 3, 4) and engine_current:
             checked = {item["id"]: _result(item["result"]) for item in data.get("checked", ())
                        if placed_by_size or not _id_streams_a_count(item["id"])}
         complete = bool(data.get("complete", True)) and len(results) == len(candidates)
@@ -124,6 +130,18 @@ def streams_a_count(config: Mapping[str, Any]) -> bool:
 
     values = [config.get(STREAM_KEY)] + [dict(entry).get(STREAM_KEY) for entry in config.get(BLOCKS_KEY) or ()]
     return any(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)
+
+
+def moves_activations(config: Mapping[str, Any]) -> bool:
+    """Whether ``config`` moves activations to host memory (an ``unsloth`` backend or attention offload), so that its
+    step time is the offload engine's: the candidates are uniform rows, read at the top level."""
+    from ..config import CheckpointConfig
+    from ..spec import strategy_of
+
+    try:
+        return bool(strategy_of(CheckpointConfig.coerce(dict(config))).destinations)
+    except ValueError:  # CheckpointConfig's error for a key or value it does not know
+        return True  # not a config this version reads: measure it again rather than trust its figures
 
 
 def _id_streams_a_count(name: str) -> bool:
