@@ -179,6 +179,39 @@ def test_a_step_that_did_not_grow_between_the_fit_depths_is_not_predicted_and_th
     assert "step_not_predicted" not in torch_row
 
 
+def test_a_row_streaming_a_count_of_blocks_is_not_predicted_from_cut_models_and_the_table_says_how_to_measure_it():
+    """``+ stream N`` streams N blocks at every depth, all of a cut model's where it has fewer: at depths 1 and 2 of an
+    8-block model, ``stream 4`` streams 1 block of 1 and 2 of 2 (every one), so a line through them is ``stream
+    all``'s, not the full model's with 4 of 8 streamed. No figure is predicted, the status says why and how to measure
+    it; measured at the full depth, that figure stands; ``stream all`` and a failure at a fit depth read as before."""
+    from gradseam.tools.depth import DepthPlan
+    from gradseam.tools.results import RealRun, Result
+
+    def row(strategy: str, depth: int, ms: float, status: str = "ok") -> Result:
+        return Result("flux (16 seq)", 16, strategy, 0.5 * depth if status == "ok" else None, ms, status=status,
+                      depth=depth, blocks=f"{depth} blocks")
+
+    counted, every = "torch + stream 4 @ 1GiB", "torch + stream all @ 1GiB"
+    results = [row("none", 1, 100.0), row("none", 2, 180.0), row(counted, 1, 150.0), row(counted, 2, 260.0),
+               row(every, 1, 150.0), row(every, 2, 260.0), row("torch + stream 2", 1, 150.0),
+               row("torch + stream 2", 2, 0.0, status="OOM (GPU, in the forward)")]
+    run = RealRun(DepthPlan({"blocks": 8}), (1, 2), 8, results)
+    full = {r["strategy"]: r for r in report.full_depth_rows(run)}
+    assert set(full[counted]) == set(full["none"]), "the row lost or gained a column"
+    assert full[counted]["peak_gib"] is None and full[counted]["step_ms"] is None and full[counted]["vs_none"] is None
+    assert full[counted]["status"] == (
+        "not predicted: 'stream 4' streams 4 blocks at every depth, all of a cut model's where it has fewer, so its "
+        "figures at depths 1 (1 blocks) and 2 (2 blocks) do not scale to the full depth; measure it there (--full "
+        f"--full-row '{counted}')")
+    assert full[every]["peak_gib"] == pytest.approx(4.0) and full[every]["status"] == "ok"
+    assert full["torch + stream 2"]["status"] == "OOM (GPU, in the forward)"
+    text = report.full_depth_markdown(list(full.values()), report.depth_info(run, measured_full=False))
+    assert "not predicted: 'stream 4' streams 4 blocks at every depth" in text
+    measured = RealRun(run.plan, (1, 2), 8, [*results, row(counted, 8, 900.0)])
+    at_full = next(r for r in report.full_depth_rows(measured) if r["strategy"] == counted)
+    assert at_full["step_ms"] == 900.0 and at_full["step_source"] == "measured" and at_full["status"] == "ok"
+
+
 def test_rows_that_would_not_fit_the_host_are_ruled_out_not_tried(flux_run, monkeypatch):
     results = [dataclasses.replace(r, pinned_gib=10.0 * r.depth) if r.strategy == "torch" else r
                for r in flux_run.results if r.depth != 4]

@@ -64,7 +64,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from .bench_rows import CAP_SUFFIX, CPU_STATUS_WHY, STREAM_SUFFIX, streams_weights
+from .bench_rows import CAP_SUFFIX, CPU_STATUS_WHY, STREAM_SUFFIX, streamed_count, streams_weights
 from .depth import predict, predict_peak
 from .measure import GiB, MiB, noise_marks, noise_note, spread
 
@@ -142,6 +142,10 @@ def full_depth_rows(run: RealRun) -> list[dict[str, Any]]:
         if at_full is None and target in fit_depths:
             at_full = next((r for r in mine if r.depth == target), None)
         row: dict[str, Any] = {"workload": workload, "strategy": strategy, "status": "ok"}
+        count = streamed_count(strategy)
+        if at_full is None and count is not None and all(r.status == "ok" for r in mine):
+            out.append(_count_not_predicted(row, count, run))
+            continue
         for key, out_key in (("peak_gib", "peak"), ("pinned_gib", "pinned"), ("step_ms", "step")):
             if key == "peak_gib":
                 peak_guess = predict_peak(run.results, workload, strategy, fit_depths, target)
@@ -176,6 +180,21 @@ def full_depth_rows(run: RealRun) -> list[dict[str, Any]]:
             row["status"] = failed.status if failed is not None else "not measured"
         out.append(row)
     return full_depth_ratios(out)
+
+
+def _count_not_predicted(row: dict[str, Any], count: int, run: RealRun) -> dict[str, Any]:
+    """A row that streams a count of blocks, not measured at the full depth: no figure predicted. Its N blocks are N
+    at every depth (all of a cut model's where it has fewer), so the line through the fit depths is not the full
+    model's with N streamed: at Flux dev's depths 1 and 2 (3 and 6 blocks) ``stream 30`` streams every block, and
+    a prediction from them would be ``stream all``'s, several GiB under what 30 of 57 streamed leaves resident."""
+    depths = " and ".join(f"{d} ({run.plan.describe(d)})" for d in run.fit_depths)
+    status = (f"not predicted: 'stream {count}' streams {count} blocks at every depth, all of a cut model's where it "
+              f"has fewer, so its figures at depths {depths} do not scale to the full depth; measure it there "
+              f"(--full --full-row '{row['strategy']}')")
+    empty = dict.fromkeys(("peak_fit", "peak_gib", "peak_source", "predicted_peak_gib", "prediction_error",
+                           "growth_gib_per_unit", "fixed_gib", "pinned_gib", "pinned_source", "step_ms",
+                           "step_source", "gpu_peak_gib"))
+    return {**row, **empty, "status": status}
 
 
 def full_depth_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

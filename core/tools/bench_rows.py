@@ -109,9 +109,20 @@ GPU_CAP_KEY = "bench_gpu_memory_gib"  # a row's own GPU cap: read by bench, neve
 NAIVE_KEY = "bench_stream_naive"  # the naive streaming reference: read by bench, never passed to gradseam.patch
 
 
+def streamed_count(label: str) -> int | None:
+    """N for a row label that streams a count of blocks (``"unsloth-compile + stream 40 @ 32GiB"``: 40), else None
+    (``+ stream all``, no stream). A count is the same number of blocks at every depth: a cut model with fewer
+    blocks streams them all, so its figures do not scale to the full model with N of its blocks streamed."""
+    match = _VARIANT.fullmatch(label)
+    if match is None or match["count"] in (None, "all"):
+        return None
+    return int(match["count"])
+
+
 def row_variant(label: str, known: dict[str, dict[str, Any] | None]) -> tuple[str, dict[str, Any]] | None:
     """``"unsloth-compile + stream all"``: gradseam's row ``unsloth-compile`` with the frozen weights of every
-    block streamed from host memory (``+ stream 20``: the first 20 blocks; ``+ stream all prefetch 0``: each
+    block streamed from host memory (``+ stream 20``: 20 blocks, placed by size as
+    ``gradient_checkpointing_stream_weights: 20`` places them, :func:`gradseam.planning.spread`; ``+ stream all prefetch 0``: each
     block's copy waited for; ``+ stream all naive``: the naive reference, each block copied in on the compute
     stream as it runs and copied back out after, :class:`gradseam.offload.weights.WeightStream`'s ``naive``);
     ``" @ 24GiB"`` after any gradseam row runs its steps on 24 GiB of the GPU. None for any other label."""
