@@ -42,14 +42,16 @@ matrix = pytest.mark.parametrize(("case", "name"), MATRIX, ids=IDS)
 def _quick_gc():
     """Full collections (several per test) would each walk every object torch and diffusers made
     at import; freeze those so a collection only walks what the tests create."""
+    frozen_before = gc.get_freeze_count()  # conftest.py froze what collection built (on a machine without CUDA)
     build(FLUX)
     build(WAN)
     gc.collect()
     gc.freeze()
     yield
-    gc.unfreeze()  # and freeze again what the whole process holds, as conftest.py does after collection
-    gc.collect()
-    gc.freeze()
+    gc.unfreeze()
+    if frozen_before:  # leave the process frozen as it was (what it holds now, as conftest.py would)
+        gc.collect()
+        gc.freeze()
 
 
 def build(case: Case) -> nn.Module:
