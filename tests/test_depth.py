@@ -210,6 +210,17 @@ def test_a_row_streaming_a_count_of_blocks_is_not_predicted_from_cut_models_and_
     measured = RealRun(run.plan, (1, 2), 8, [*results, row(counted, 8, 900.0)])
     at_full = next(r for r in report.full_depth_rows(measured) if r["strategy"] == counted)
     assert at_full["step_ms"] == 900.0 and at_full["step_source"] == "measured" and at_full["status"] == "ok"
+    # a --config-row's keys streaming a count in a per-block entry, and one streaming every block
+    entry = {"gradient_checkpointing": True, "gradient_checkpointing_blocks": [
+        {"blocks": "blocks[0:4]", "gradient_checkpointing_stream_weights": 2}]}
+    every_entry = {"gradient_checkpointing": True, "gradient_checkpointing_stream_weights": "all"}
+    mine = [dataclasses.replace(row(label, d, 100.0 * d), config=config)
+            for label, config in (("mine", entry), ("mine, all", every_entry)) for d in (1, 2)]
+    configs = {r["strategy"]: r for r in report.full_depth_rows(RealRun(run.plan, (1, 2), 8, [*results, *mine]))}
+    assert configs["mine"]["status"].startswith(
+        "not predicted: its config streams a count of blocks (gradient_checkpointing_stream_weights: a number) at "
+        "every depth") and configs["mine"]["peak_gib"] is None
+    assert configs["mine, all"]["status"] == "ok" and configs["mine, all"]["peak_gib"] == pytest.approx(4.0)
 
 
 def test_rows_that_would_not_fit_the_host_are_ruled_out_not_tried(flux_run, monkeypatch):
