@@ -142,10 +142,6 @@ def full_depth_rows(run: RealRun) -> list[dict[str, Any]]:
         if at_full is None and target in fit_depths:
             at_full = next((r for r in mine if r.depth == target), None)
         row: dict[str, Any] = {"workload": workload, "strategy": strategy, "status": "ok"}
-        counted = _streams_a_count(strategy, mine)
-        if at_full is None and counted is not None and all(r.status == "ok" for r in mine):
-            out.append(_count_not_predicted(row, counted, run))
-            continue
         for key, out_key in (("peak_gib", "peak"), ("pinned_gib", "pinned"), ("step_ms", "step")):
             if key == "peak_gib":
                 peak_guess = predict_peak(run.results, workload, strategy, fit_depths, target)
@@ -178,6 +174,9 @@ def full_depth_rows(run: RealRun) -> list[dict[str, Any]]:
             failed = at_full if at_full is not None and at_full.status != "ok" else next(
                 (r for r in mine if r.status != "ok"), None)
             row["status"] = failed.status if failed is not None else "not measured"
+        counted = _streams_a_count(strategy, mine)
+        if at_full is None and counted is not None and all(r.status == "ok" for r in mine):
+            row = _count_not_predicted(row, counted, run)
         out.append(row)
     return full_depth_ratios(out)
 
@@ -185,8 +184,8 @@ def full_depth_rows(run: RealRun) -> list[dict[str, Any]]:
 def _streams_a_count(strategy: str, mine: Sequence[Result]) -> str | None:
     """What streams a count of blocks in this row, said for its status: its label's ``+ stream N``, or a
     ``--config-row``'s keys (at the top level or in a per-block entry); None where nothing does."""
+    from .bench_rows import STREAM_KEY
     from .cost_cache import streams_a_count
-    from .estimates import STREAM_KEY
 
     count = streamed_count(strategy)
     if count is not None:
@@ -198,18 +197,15 @@ def _streams_a_count(strategy: str, mine: Sequence[Result]) -> str | None:
 
 
 def _count_not_predicted(row: dict[str, Any], what: str, run: RealRun) -> dict[str, Any]:
-    """A row that streams a count of blocks, not measured at the full depth: no figure predicted. Its N blocks are N
-    at every depth (all of a cut model's where it has fewer), so the line through the fit depths is not the full
-    model's with N streamed: at Flux dev's depths 1 and 2 (3 and 6 blocks) ``stream 30`` streams every block, and
-    a prediction from them would be ``stream all``'s, several GiB under what 30 of 57 streamed leaves resident."""
+    """``row`` (a row streaming a count of blocks, not measured at the full depth) with every figure left out. Its N
+    blocks are N at every depth (all of a cut model's where it has fewer), so the line through the fit depths is not
+    the full model's with N streamed: at Flux dev's depths 1 and 2 (3 and 6 blocks) ``stream 30`` streams every
+    block, and a prediction from them would be ``stream all``'s."""
     depths = " and ".join(f"{d} ({run.plan.describe(d)})" for d in run.fit_depths)
     status = (f"not predicted: {what} at every depth, all of a cut model's where it has fewer, so its figures at "
               f"depths {depths} do not scale to the full depth; measure it there (--full --full-row "
               f"'{row['strategy']}')")
-    empty = dict.fromkeys(("peak_fit", "peak_gib", "peak_source", "predicted_peak_gib", "prediction_error",
-                           "growth_gib_per_unit", "fixed_gib", "pinned_gib", "pinned_source", "step_ms",
-                           "step_source", "gpu_peak_gib"))
-    return {**row, **empty, "status": status}
+    return {**dict.fromkeys(row), "workload": row["workload"], "strategy": row["strategy"], "status": status}
 
 
 def full_depth_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
