@@ -657,6 +657,68 @@ def test_a_candidate_out_of_memory_while_measuring_is_cached_with_where_it_ran_o
     assert "run_step; innermost tests/test_auto.py:" in got and "_allocate_too_much" in got, got
 
 
+def test_a_candidate_out_of_memory_on_a_gpu_is_cached_with_the_memory_it_was_measured_within(monkeypatch):
+    """On a GPU the failure also says how much memory the process could use (its per-process fraction of the card),
+    which is what the out-of-memory error is relative to: a larger limit measures the row again (below)."""
+    monkeypatch.setattr(auto_planner, "gpu_limit_gib", lambda device: 32.0)
+    model = WAN.fresh()
+    model.blocks[0].register_forward_pre_hook(_allocate_too_much)
+
+    def measure_on(request: Request):
+        return (lambda config: model(**_inputs())), "depth 5", 0.0
+
+    rows = auto_planner._Rows(Request(model, _inputs(), 40.0, 8.0, family_for(model)), measure_on)
+    got = rows.one("torch", {"gradient_checkpointing": True})
+    assert got.startswith("OOM while measuring within 32.00 GiB: CUDA out of memory. Tried to allocate 50.00 MiB"), got
+    assert cost_cache.measured_within_gib(got) == 32.0
+
+
+def test_a_row_out_of_memory_under_a_smaller_limit_is_measured_again_where_the_process_may_use_more(
+        _cache, monkeypatch, capsys):
+    """One table serves every budget, but an out-of-memory row says only that the row did not fit the memory it was
+    measured within: measured under a 32 GiB cap (bench's ``auto @ 32GiB`` on an H100), HunyuanVideo 1.5's eager
+    candidates all ran out, and read back on the whole card they would have been ruled out of every plan. A run that
+    may use more measures those rows again, and only those; one that may use the same or less reads them as cached."""
+    model, inputs = WAN.fresh(), _inputs()
+    request = Request(model, inputs, 40.0, 16.0, family_for(model))
+    key = cost_cache.key_of(request, auto_planner.CANDIDATES)
+    _write_table(model, inputs)
+    table = cost_cache.load(key)
+    capped = "OOM while measuring within 32.00 GiB: CUDA out of memory. Tried to allocate 4.90 GiB (at x.py:1 f)"
+    table.results["unsloth"] = capped
+    table.results["torch + attention kept"] = capped.replace("32.00", "79.18")
+    table.results["torch"] = "OOM while measuring: CUDA out of memory (a file from before the limit was written)"
+    streamed = {**dict(auto_planner.CANDIDATES)["unsloth"], "gradient_checkpointing_stream_weights": "all"}
+    table.add("unsloth + stream all", streamed, capped)
+    cost_cache.save(key, table)
+    measured: list[dict] = []
+
+    def measure_on(request):
+        def measure(config):
+            measured.append(dict(config))
+            return _estimate("unsloth")
+        return measure, "depth 5, from a table", STATIC
+
+    def plan_within(limit: float):
+        monkeypatch.setattr(auto_planner, "gpu_limit_gib", lambda device: limit)
+        return auto_planner.plan(request, measure_on=measure_on)
+
+    with pytest.raises(NoFitError):  # the limit it was measured within: read as cached, so nothing fits
+        plan_within(32.0)
+    assert measured == [] and cost_cache.load(key).results["unsloth"] == capped
+    plan_within(79.18)
+    assert measured == [dict(auto_planner.CANDIDATES)["unsloth"]], "measured again: only the row the cap ruled out"
+    err = capsys.readouterr().err
+    assert "cached rows that ran out of memory within less GPU memory than this process may use (79.18 GiB) are " \
+           "measured again (a streamed one where a budget asks for it): unsloth, unsloth + stream all" in err, err
+    again = cost_cache.load(key)
+    assert again.complete and again.results["unsloth"] == _estimate("unsloth")
+    assert again.results["torch + attention kept"] == capped.replace("32.00", "79.18")
+    assert again.results["torch"].startswith("OOM while measuring: "), "a row without its limit was dropped"
+    # the streamed row a budget had asked for left the table: measured again only where a budget asks for it
+    assert again.lookup(streamed) is None
+
+
 def _allocate_too_much(module, args):
     raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 50.00 MiB")
 

@@ -312,3 +312,32 @@ def test_gpu_auto_measuring_a_model_streamed_from_patch_time_holds_a_few_blocks_
         f"measuring at depth {depth} brought {added / 2**20:.1f} MiB onto the GPU, {added / per_block:.1f} blocks' "
         f"weights ({per_block / 2**20:.1f} MiB each); alive at the peak: {where}")
     assert result.status == "ok", result.status
+
+
+def test_gpu_a_row_out_of_memory_under_a_cap_records_the_memory_it_was_measured_within():
+    """What an out-of-memory row of the cost table is relative to: the card's memory within this process's fraction,
+    read where torch applies it (a larger limit measures the row again: tests/test_auto.py)."""
+    from gradseam.auto import Request
+    from gradseam.patcher import family_for
+    from gradseam.tools import auto_planner, cost_cache
+
+    gpu = _on_cuda(WAN)
+    model = gpu.fresh()
+    device = next(model.parameters()).device
+    total = torch.cuda.get_device_properties(device).total_memory
+    limit = 0.25 * total / 2**30
+
+    def measure_on(request):
+        return (lambda config: torch.empty(int(0.3 * total), dtype=torch.uint8, device=device)), "depth 5", 0.0
+
+    rows = auto_planner._Rows(Request(model, gpu.inputs(torch.Generator().manual_seed(0)), None, None,
+                                      family_for(model)), measure_on)
+    torch.cuda.set_per_process_memory_fraction(0.25, device)
+    try:
+        assert auto_planner.gpu_limit_gib(device) == pytest.approx(limit)
+        got = rows.one("torch", {"gradient_checkpointing": True})
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    assert got.startswith(f"OOM while measuring within {limit:.2f} GiB: CUDA out of memory"), got
+    assert cost_cache.measured_within_gib(got) == pytest.approx(limit, abs=0.01)
+    assert auto_planner.gpu_limit_gib(device) == pytest.approx(total / 2**30)

@@ -4,7 +4,8 @@ The key is everything that changes a measurement and nothing that does not: the 
 its block lists (classes and counts), the inputs' shapes and dtypes (and plain values, such as a
 ``return_dict`` flag), the parameters' dtypes and how many of them train (a LoRA's rank changes the
 backward), the device's name, and torch's and gradseam's versions. The budgets are not in it: one
-table serves every budget. A file is ``<directory>/costs/<hash of the key>.json`` and holds its key, so
+table serves every budget. So a row that ran out of memory while measured records the GPU memory it was measured
+within (a cap such as ``torch.cuda.set_per_process_memory_fraction``), and a run that may use more measures it again. A file is ``<directory>/costs/<hash of the key>.json`` and holds its key, so
 a reader can see what it is for, and a file whose key does not match (a hash collision, a hand edit) is
 ignored rather than trusted.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -78,6 +80,23 @@ class Table:
         needs them): saved with the rest, so the next run with the same key reads it."""
         self.candidates = [*self.candidates, (label, dict(config))]
         self.results[label] = result
+
+    def forget_outgrown(self, limit_gib: float) -> list[str]:
+        """Drop the rows that ran out of memory while measured within less GPU memory than ``limit_gib`` (see
+        :func:`measured_within_gib`): the table serves every budget, and such a row may fit a larger one. A row of
+        the ladder is then missing (measured by the next run that can measure); a streamed row added for a budget
+        leaves the table (measured again where a budget asks for it). Returns the labels dropped."""
+        dropped = [label for label, result in self.results.items()
+                   if (within := measured_within_gib(result)) is not None and within < limit_gib - LIMIT_SLACK_GIB]
+        if dropped:
+            from .estimates import STREAM_KEY
+
+            for label in dropped:
+                del self.results[label]
+            self.candidates = [(label, config) for label, config in self.candidates
+                               if label not in dropped or not config.get(STREAM_KEY)]
+            self.complete = not self.missing()
+        return dropped
 
     def to_json(self, key: Mapping[str, Any]) -> dict[str, Any]:
         return {
@@ -152,6 +171,19 @@ def _id_streams_a_count(name: str) -> bool:
         return streams_a_count(json.loads(text))
     except ValueError:
         return True  # not a config this reader can read: run it again
+
+
+# a limit read again within this of the one a row was measured within is the same limit (it is written to 0.01 GiB)
+LIMIT_SLACK_GIB = 0.01
+_WITHIN = re.compile(r"OOM while measuring within (\d+(?:\.\d+)?) GiB")
+
+
+def measured_within_gib(result: Estimate | str) -> float | None:
+    """The GPU memory a row that ran out of memory while measuring was measured within (in GiB, as
+    :mod:`gradseam.tools.auto_planner` writes it), or None: a row that fitted, failed otherwise, or was written before
+    the limit was recorded (such a row is kept as it was)."""
+    found = _WITHIN.match(result) if isinstance(result, str) else None
+    return float(found.group(1)) if found else None
 
 
 def falls(result: Estimate | str) -> bool:
