@@ -187,6 +187,7 @@ BLOCK_KEYS = (
     "gradient_checkpointing_stream_weights",
 )
 BLOCKS_KEY = "gradient_checkpointing_blocks"
+STREAM_KEY = "gradient_checkpointing_stream_weights"  # the key of weight streaming, read by planning and the tools
 SELECTOR = "blocks"  # an entry's block selector: "list", "list[i]" or "list[a:b]" (b exclusive, as in Python)
 BlockOverride = tuple[tuple[str, Any], ...]  # ("blocks", selector) first, then the entry's keys as stored
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .backends import Destination, Kept, Offload, Scope
-from .config import BLOCKS_KEY, DEFAULT_STREAM_PREFETCH, SELECTOR, BlockOverride, CheckpointConfig
+from .config import BLOCKS_KEY, DEFAULT_STREAM_PREFETCH, SELECTOR, STREAM_KEY, BlockOverride, CheckpointConfig
 from .errors import UnsupportedModelError, UnsupportedStrategyError, warn_once
 from .family import BlockClass, BlockList, Family
 from .kinds import ATTENTION_OFFLOAD, check_config
@@ -195,8 +195,6 @@ def _warn_longer_than_lists(model: nn.Module, config: CheckpointConfig, strategy
             "interval of at most the list's length to choose the chunk size."
         )
 
-
-STREAM_KEY = "gradient_checkpointing_stream_weights"
 
 
 def _streamed(model: nn.Module, config: CheckpointConfig, lists: list[tuple[BlockList, list[nn.Module]]],

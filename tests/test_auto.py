@@ -941,7 +941,7 @@ def test_a_table_from_before_counts_were_placed_by_size_measures_its_counted_str
     """Format 2 measured "+ stream N" with the N blocks placed evenly; placed by size they are other blocks on a model
     whose blocks differ (Flux): such rows and checked plans are dropped (measured again where a budget asks), and
     everything else is kept, "+ stream all" and the per-block entries streaming "all" among it."""
-    from gradseam.tools.estimates import STREAM_KEY
+    from gradseam.config import STREAM_KEY
 
     model, inputs = WAN.fresh(), _inputs()
     key = cost_cache.key_of(Request(model, inputs, None, None, family_for(model)), auto_planner.CANDIDATES)

@@ -13,8 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from gradseam.config import STREAM_KEY
 from gradseam.tools import auto_planner, cost_cache, plan_check
-from gradseam.tools.advise import STREAM_KEY, Estimate, Trial, spread_weights_gib, with_link_waits
+from gradseam.tools.advise import Estimate, Trial, spread_weights_gib, with_link_waits
 from gradseam.tools.estimates import UnitCosts
 from gradseam.tools.host_link import FORWARD_SHARE, added_ms, pass_ms, waits_ms
 

@@ -176,7 +176,8 @@ def test_a_plan_streaming_some_blocks_is_predicted_without_their_weights_as_its_
     to fit without them, and its predicted GPU peak (what the plan check and bench set beside the measured one)
     leaves them out too. Flux dev 4k's ``compile + stream 31`` under 16 GiB on an H100 read 26.85 GiB predicted and
     15.09 measured: the 11.8 GiB it streamed, counted in."""
-    from gradseam.tools.advise import STREAM_KEY, run_ladder, spread_weights_gib
+    from gradseam.config import STREAM_KEY
+    from gradseam.tools.advise import run_ladder, spread_weights_gib
 
     block_gib = [0.63] * 19 + [0.26] * 38  # Flux dev's double and single blocks, bf16
     torch_rung = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch"}
@@ -203,7 +204,8 @@ def test_a_uniform_streamed_plan_out_of_memory_is_planned_again_with_more_blocks
     weights in flight, so writing its costs up alone gave the same plan back and ``auto`` stopped with "no plan held
     the budgets". Planned again under a budget lowered by the margin, the streamed rung asks for more blocks streamed
     (measured then, as on the GPU), and that plan holds."""
-    from gradseam.tools.advise import STREAM_KEY, spread_weights_gib
+    from gradseam.config import STREAM_KEY
+    from gradseam.tools.advise import spread_weights_gib
 
     blocks = [sum(p.numel() for p in b.parameters()) * 2 / 2**30
               for b in [*flux.transformer_blocks, *flux.single_transformer_blocks]]

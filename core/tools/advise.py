@@ -37,14 +37,14 @@ from dataclasses import replace
 from typing import Any
 
 from ..backends import Scope
-from ..config import CheckpointConfig
+from ..config import STREAM_KEY, CheckpointConfig
 from ..errors import GradseamError, UnsupportedStrategyError
 from ..kinds import KINDS
 from ..spec import strategy_of
 from .bench_rows import COMPILED_ROWS
 from .checks import parse_size
 from .compiled import BUDGETS, budget_config, budget_name, compiles
-from .estimates import STREAM_KEY, Advice, Estimate, Measure, NoFitError, Trial, UnitCosts
+from .estimates import Advice, Estimate, Measure, NoFitError, Trial, UnitCosts
 from .named_strategies import compared, rows_of
 
 GiB = 1 << 30

@@ -57,12 +57,12 @@ from dataclasses import replace
 from typing import Any
 
 from ..auto import Planned, Request
-from ..config import BLOCK_KEYS, CheckpointConfig
+from ..config import BLOCK_KEYS, STREAM_KEY, CheckpointConfig
 from ..errors import GradseamError, UnsupportedStrategyError, warn_once
 from . import cost_cache, plan_check
 from .advise import LADDER, label_of, run_ladder
 from .compiled import compiles, gradseam_keys
-from .estimates import STREAM_KEY, Advice, Estimate, Measure, NoFitError
+from .estimates import Advice, Estimate, Measure, NoFitError
 
 GiB = 1 << 30
 DEFAULT: dict[str, Any] = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch"}

@@ -184,7 +184,7 @@ def full_depth_rows(run: RealRun) -> list[dict[str, Any]]:
 def _streams_a_count(strategy: str, mine: Sequence[Result]) -> str | None:
     """What streams a count of blocks in this row, said for its status: its label's ``+ stream N``, or a
     ``--config-row``'s keys (at the top level or in a per-block entry); None where nothing does."""
-    from .bench_rows import STREAM_KEY
+    from ..config import STREAM_KEY
     from .cost_cache import streams_a_count
 
     count = streamed_count(strategy)

@@ -12,6 +12,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ..config import STREAM_KEY
 from ..errors import GradseamError
 from .compiled import BUDGETS, COMPILED, budget_config, budget_label, compiled_rows, gradseam_keys
 from .named_strategies import BY_LABEL, compared, kept_kernel_variants, rows_of
@@ -193,7 +194,6 @@ def _built_in_rows(rows: list[str] | None) -> list[tuple[str, dict[str, Any] | N
 # -- a user's own config as a row: bench --config-row 'LABEL=FILE.json' ---------------------------------
 
 CONFIG_ROW_KEY = "bench_config_row"  # marks a --config-row row: read by bench, never passed to gradseam.patch
-STREAM_KEY = "gradient_checkpointing_stream_weights"
 _CONFIG_FILE = ("FILE holds a JSON object of gradseam config keys as a trainer config writes them, e.g. "
                 '{"gradient_checkpointing": true, "gradient_checkpointing_backend": "torch"}, or the "plan" object an '
                 "auto row writes into bench's JSON (its \"config\" is used)")

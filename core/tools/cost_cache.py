@@ -89,7 +89,7 @@ class Table:
         dropped = [label for label, result in self.results.items()
                    if (within := measured_within_gib(result)) is not None and within < limit_gib - LIMIT_SLACK_GIB]
         if dropped:
-            from .estimates import STREAM_KEY
+            from ..config import STREAM_KEY
 
             for label in dropped:
                 del self.results[label]
@@ -144,8 +144,7 @@ class Table:
 def streams_a_count(config: Mapping[str, Any]) -> bool:
     """Whether ``config`` streams a number of blocks (which ones: :func:`gradseam.planning.spread`), at the top level
     or in an entry of ``gradient_checkpointing_blocks``; ``"all"`` streams the same blocks whatever the placement."""
-    from ..config import BLOCKS_KEY
-    from .estimates import STREAM_KEY
+    from ..config import BLOCKS_KEY, STREAM_KEY
 
     values = [config.get(STREAM_KEY)] + [dict(entry).get(STREAM_KEY) for entry in config.get(BLOCKS_KEY) or ()]
     return any(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in values)

@@ -15,10 +15,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..config import STREAM_KEY
 from ..errors import GradseamError
 from .compiled import gradseam_keys
-
-STREAM_KEY = "gradient_checkpointing_stream_weights"
 
 
 @dataclass(frozen=True)

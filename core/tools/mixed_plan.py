@@ -36,10 +36,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..config import BLOCK_KEYS, CheckpointConfig
+from ..config import BLOCK_KEYS, STREAM_KEY, CheckpointConfig
 from ..plan_search import Budget, Group, Option, Plan, search
 from .compiled import gradseam_keys
-from .estimates import STREAM_KEY, Advice, Trial, UnitCosts
+from .estimates import Advice, Trial, UnitCosts
 
 BLOCKS_KEY = "gradient_checkpointing_blocks"
 GROUP = "units"  # the one group the search plans: every unit of depth is alike

@@ -38,11 +38,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from ..config import STREAM_KEY
 from ..errors import GradseamError
 from . import cost_cache
 from .advise import spread_weights_gib
 from .compiled import gradseam_keys
-from .estimates import STREAM_KEY, Advice, Estimate, Measure
+from .estimates import Advice, Estimate, Measure
 
 ROUNDS = 3  # plans run on the whole model at most, before the fastest that held is taken
 SLOWER = 0.05  # a plan measured this much slower than predicted is planned again from what it measured
