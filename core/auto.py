@@ -70,7 +70,8 @@ class Planned:
     # (pinned host memory, streamed weights included), "step_ms"; None for the default (nothing measured)
     predicted: dict[str, float] | None = None
     # the same figures as the plan measured them, run once on the whole model before its first step (None: not run,
-    # as on the CPU or under torch.distributed with the plan not in the cost cache)
+    # as on the CPU or under torch.distributed with the plan not in the cost cache), and on a GPU "alloc_retries",
+    # the caching allocator's retries in that step
     measured: dict[str, float] | None = None
 
 

@@ -779,6 +779,25 @@ def test_the_plan_is_run_on_the_whole_model_before_the_first_step_which_trains_e
         use_planner(previous)
 
 
+def test_the_plans_whole_model_run_gives_its_allocator_retries_with_its_measured_figures(_cache):
+    """``handle.auto.planned.measured`` holds what the plan's run took, its allocator retries too (GPU runs count them;
+    a fake run here answers as HunyuanVideo 1.5's plan did under a 32 GiB cap on an H100)."""
+    model, inputs = WAN.fresh(), _inputs()
+    request = Request(model, inputs, 40.0, 16.0, family_for(model))
+    runs: list[dict] = []
+
+    def check_on(request):
+        def run(config):
+            runs.append(dict(config))
+            return Estimate(1.5, 20.0, 0.5, None, "measured at depth 5", alloc_retries=113)
+        return run
+
+    with cpu_test_mode():
+        planned = auto_planner.plan(request, measure_on=_cpu_measure_on, check_on=check_on)
+    assert len(runs) == 1 and planned.measured["alloc_retries"] == 113, planned.measured
+    assert "113 allocator retries in its step" in planned.report
+
+
 def test_after_an_out_of_memory_run_what_its_step_held_is_released_once_the_error_is_gone(monkeypatch):
     """The measuring call releases memory while the error's traceback still holds the failed step's tensors (the
     Wan 14B fault's ~20 GiB of activations); the rows release again once the error is dropped, for a candidate and

@@ -541,7 +541,7 @@ def full_depth_check(model: Any, inputs: Mapping[str, Any], loss_fn: Callable[[A
     def check(config: Mapping[str, Any]) -> Estimate:
         got = measure_once(model, inputs, config, plan.full, loss_fn, family=family, plan=plan, device=device)
         return Estimate(got.peak_gib, got.step_ms, got.pinned_gib, None, f"measured at depth {plan.full}",
-                        forward_ms=getattr(got, "forward_ms", None))
+                        forward_ms=getattr(got, "forward_ms", None), alloc_retries=getattr(got, "alloc_retries", None))
 
     return check
 

@@ -187,6 +187,8 @@ def _plan(request: Request, measure_on: MeasureOn | None, check_on: CheckOn | No
     if settled.measured is not None:
         measured = {"gpu_gib": advice.static_gib + settled.measured.peak_gib,
                     "host_gib": settled.measured.pinned_gib, "step_ms": settled.measured.step_ms}
+        if settled.measured.alloc_retries is not None:
+            measured["alloc_retries"] = settled.measured.alloc_retries
     return Planned(CheckpointConfig.from_dict(config), source, report, plan_check.predicted(advice), measured)
 
 

@@ -49,6 +49,9 @@ class Estimate:
     # the forward's own time at this depth (GPU rows; None: not timed on its own, or a table from before), what the
     # model of streamed weights' copies splits a step by (:mod:`gradseam.tools.host_link`)
     forward_ms: float | None = None
+    # a whole-model run's allocator retries in its timed step (GPU; None: not counted): each frees the caching
+    # allocator's cache and synchronizes the device, which the step's time then includes (gradseam.tools.plan_check)
+    alloc_retries: int | None = None
 
 
 # measure(candidate) -> Estimate, or (activation peak GiB, step ms); raises torch.OutOfMemoryError
