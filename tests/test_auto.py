@@ -717,6 +717,13 @@ def test_a_row_out_of_memory_under_a_smaller_limit_is_measured_again_where_the_p
     assert again.results["torch"].startswith("OOM while measuring: "), "a row without its limit was dropped"
     # the streamed row a budget had asked for left the table: measured again only where a budget asks for it
     assert again.lookup(streamed) is None
+    # a table whose only outgrown row is a streamed one is complete, and says so before planning
+    again.add("unsloth + stream all", streamed, capped)
+    cost_cache.save(key, again)
+    plan_within(79.18)
+    assert measured == [dict(auto_planner.CANDIDATES)["unsloth"]], "a ladder row was measured again"
+    assert "are measured again (a streamed one where a budget asks for it): unsloth + stream all" \
+        in capsys.readouterr().err
 
 
 def _allocate_too_much(module, args):

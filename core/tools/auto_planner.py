@@ -123,6 +123,8 @@ def _plan(request: Request, measure_on: MeasureOn | None, check_on: CheckOn | No
             why = (f"cached rows that ran out of memory within less GPU memory than this process may use "
                    f"({limit:.2f} GiB) are measured again (a streamed one where a budget asks for it): "
                    f"{', '.join(outgrown)}")
+            if table.complete:  # only streamed rows: no ladder row to measure now, so measure() will not say it
+                print(f"gradseam auto: {type(request.model).__name__}: {why}", file=sys.stderr, flush=True)
     if table is None or not table.complete:
         if measure_on is None and not cuda:
             return _default(request, cost_cache.directory(cache_dir))

@@ -4,10 +4,11 @@ The key is everything that changes a measurement and nothing that does not: the 
 its block lists (classes and counts), the inputs' shapes and dtypes (and plain values, such as a
 ``return_dict`` flag), the parameters' dtypes and how many of them train (a LoRA's rank changes the
 backward), the device's name, and torch's and gradseam's versions. The budgets are not in it: one
-table serves every budget. So a row that ran out of memory while measured records the GPU memory it was measured
-within (a cap such as ``torch.cuda.set_per_process_memory_fraction``), and a run that may use more measures it again. A file is ``<directory>/costs/<hash of the key>.json`` and holds its key, so
-a reader can see what it is for, and a file whose key does not match (a hash collision, a hand edit) is
-ignored rather than trusted.
+table serves every budget. So a row that ran out of memory while measured records the GPU memory it was
+measured within (a cap such as ``torch.cuda.set_per_process_memory_fraction``), and a run that may use more
+measures it again. A file is ``<directory>/costs/<hash of the key>.json`` and holds its key, so a reader
+can see what it is for, and a file whose key does not match (a hash collision, a hand edit) is ignored
+rather than trusted.
 
 A table is saved after every candidate measured, marked incomplete until the last: measuring a large model
 takes minutes (Wan 14B at 480p: every candidate at two depths of 32k-token blocks), and a run stopped meanwhile
