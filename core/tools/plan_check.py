@@ -65,7 +65,10 @@ class Settled:
     def report(self) -> str:
         if not self.lines:
             return ""
-        return "; checked on the whole model before the first step: " + "; ".join(self.lines)
+        said = "; checked on the whole model before the first step: " + "; ".join(self.lines)
+        if any(RETRIED in line for line in self.lines):
+            said += f" (the allocator's retries: {RETRIES_WHY})"  # once, however many plans retried
+        return said
 
 
 def config_of(advice: Advice) -> dict[str, Any]:
@@ -214,12 +217,13 @@ RETRIES_WHY = ("each frees the allocator's cache and synchronizes the device; on
                "more blocks' weights, may step faster")
 
 
+RETRIED = "allocator retries in its step"
+
+
 def _retried(outcome: Estimate) -> str:
     """The plan's allocator retries in its timed step, where it had any: the budgets held, but the step paid for
     finding room, which the costs measured under the same budget paid too, so the planner cannot see it."""
-    if not outcome.alloc_retries:
-        return ""
-    return f", {outcome.alloc_retries} allocator retries in its step ({RETRIES_WHY})"
+    return f", {outcome.alloc_retries} {RETRIED}" if outcome.alloc_retries else ""
 
 
 def settle(advice: Advice, table: cost_cache.Table, check: Measure | None, rechoose: Rechoose, *,
