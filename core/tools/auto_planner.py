@@ -113,18 +113,15 @@ def _plan(request: Request, measure_on: MeasureOn | None, check_on: CheckOn | No
         else None
     if table is not None and not table.complete and rows is None:
         table = None  # a run stopped while measuring: only a run that can measure finishes it
-    why = None
     if table is not None and rows is not None and (limit := gpu_limit_gib(_device(request.model))) is not None:
         # a row that ran out of memory says so only of the GPU memory it was measured within: a table measured
         # under a 32 GiB cap (bench's "auto @ 32GiB") marked every eager candidate of HunyuanVideo 1.5 at 480p out
         # of memory, and without this a later run on the whole 80 GiB card read them as not fitting any budget
         outgrown = table.forget_outgrown(limit)
         if outgrown:
-            why = (f"cached rows that ran out of memory within less GPU memory than this process may use "
-                   f"({limit:.2f} GiB) are measured again (a streamed one where a budget asks for it): "
-                   f"{', '.join(outgrown)}")
-            if table.complete:  # only streamed rows: no ladder row to measure now, so measure() will not say it
-                print(f"gradseam auto: {type(request.model).__name__}: {why}", file=sys.stderr, flush=True)
+            print(f"gradseam auto: {type(request.model).__name__}: cached rows that ran out of memory within less GPU "
+                  f"memory than this process may use ({limit:.2f} GiB) are measured again (a streamed one where a "
+                  f"budget asks for it): {', '.join(outgrown)}", file=sys.stderr, flush=True)
     if table is None or not table.complete:
         if measure_on is None and not cuda:
             return _default(request, cost_cache.directory(cache_dir))
@@ -136,8 +133,7 @@ def _plan(request: Request, measure_on: MeasureOn | None, check_on: CheckOn | No
                 "gradient hooks. Run one step in a single process first (the costs are cached in "
                 f"{cost_cache.directory(cache_dir)} and every rank reads them), or name a backend.")
         assert rows is not None
-        table = measure(rows, candidates, table, save=lambda partial: cost_cache.save(key, partial, cache_dir),
-                        why=why)
+        table = measure(rows, candidates, table, save=lambda partial: cost_cache.save(key, partial, cache_dir))
         source = "measured"
     weights = streamable_gib(request)
     static = torch.cuda.memory_allocated(_device(request.model)) / GiB if cuda else table.static_gib
@@ -307,9 +303,8 @@ class _Rows:
         # candidates compile at both depths; a streamed one copies every block's weights in twice a step)
         # what it ran out of memory within is part of the result: a larger limit measures it again
         limit = gpu_limit_gib(_device(self.request.model))
-        within = f" within {limit:.2f} GiB" if limit is not None else ""
-        outcome, seconds = self._timed(run, config, lambda what, exc: f"OOM while measuring{within}: {what} (at "
-                                       f"{where_raised(exc)})", unsupported=True)
+        outcome, seconds = self._timed(run, config, lambda what, exc: cost_cache.oom_while_measuring(
+            f"{what} (at {where_raised(exc)})", limit), unsupported=True)
         self.took.append((compiles(config), seconds))
         result = "measured" if isinstance(outcome, Estimate) else outcome.split(":")[0]
         left = self.left(after)
@@ -432,16 +427,16 @@ def where_raised(exc: BaseException) -> str:
 
 
 def measure(rows: _Rows, candidates: list[tuple[str, dict[str, Any]]], partial: cost_cache.Table | None = None, *,
-            save: Callable[[cost_cache.Table], Any] | None = None, why: str | None = None) -> cost_cache.Table:
+            save: Callable[[cost_cache.Table], Any] | None = None) -> cost_cache.Table:
     """Every candidate measured (a failure recorded with its reason), with a line of progress each; ``partial``, a
-    table a stopped run left incomplete, is finished instead (its rows are kept, one line says so, or ``why`` where
-    the rows it lacks were dropped for a reason of their own). ``save`` is called with the table after each
-    candidate, so a run stopped in turn loses one candidate at most."""
+    cached table that lacks rows (a stopped run left it incomplete, or rows were dropped to measure again), is
+    finished instead (its rows are kept, one line says so). ``save`` is called with the table after each candidate,
+    so a run stopped in turn loses one candidate at most."""
     table = partial or cost_cache.Table(candidates, {}, 0.0, "", complete=not candidates)
     if partial is not None:
-        print(f"gradseam auto: {type(rows.request.model).__name__}: "
-              + (why or f"resuming: {len(partial.results)} of {len(partial.candidates)} candidates were measured by a "
-                 "run that stopped before the rest"), file=sys.stderr, flush=True)
+        print(f"gradseam auto: {type(rows.request.model).__name__}: resuming: {len(partial.results)} of "
+              f"{len(partial.candidates)} candidates are cached; measuring the other {len(partial.missing())}",
+              file=sys.stderr, flush=True)
     for position, (label, config) in enumerate(table.candidates, 1):
         if label in table.results:
             continue
@@ -489,11 +484,10 @@ def default_gpu_gib(model: Any) -> float:
     import torch
 
     device = _device(model)
-    free, total = torch.cuda.mem_get_info(device)
-    usable = free + torch.cuda.memory_reserved(device)
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    if fraction is not None:
-        usable = min(usable, fraction(device) * total)
+    free, _ = torch.cuda.mem_get_info(device)
+    limit = gpu_limit_gib(device)
+    assert limit is not None, "called for a model on a CUDA GPU"
+    usable = min(free + torch.cuda.memory_reserved(device), limit * GiB)
     return usable * (1 - GPU_MARGIN) / GiB
 
 

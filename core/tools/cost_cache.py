@@ -175,7 +175,14 @@ def _id_streams_a_count(name: str) -> bool:
 
 # a limit read again within this of the one a row was measured within is the same limit (it is written to 0.01 GiB)
 LIMIT_SLACK_GIB = 0.01
-_WITHIN = re.compile(r"OOM while measuring within (\d+(?:\.\d+)?) GiB")
+_OOM = "OOM while measuring"
+_WITHIN = re.compile(rf"{_OOM} within (\d+(?:\.\d+)?) GiB")
+
+
+def oom_while_measuring(what: str, within_gib: float | None) -> str:
+    """A row's result when it ran out of memory while measured, with the GPU memory it was measured within (None:
+    off a GPU), as :func:`measured_within_gib` reads it back."""
+    return f"{_OOM}{f' within {within_gib:.2f} GiB' if within_gib is not None else ''}: {what}"
 
 
 def measured_within_gib(result: Estimate | str) -> float | None:
