@@ -15,7 +15,11 @@ budget could never reach its first training step, since moving it to the GPU wou
 keeps every block's frozen weights in host memory from patch time (:func:`unplanned`), so the move leaves them
 behind; the planner then plans which blocks keep their weights resident and which stream, and the handle hands
 the plan's stream the host copies of the blocks it streams before the others come back to the GPU (moved back
-first, they would not fit). While measuring, that stream steps aside
+first, they would not fit). A model that fits the GPU but leaves no room beside its weights to measure anything
+(HunyuanVideo 1.5 at 480p x 121 frames under 24 GiB: 15.6 GiB of weights, and every candidate ran out of memory
+at two blocks) gets the same treatment at its first step, once the planner says so (:class:`NoRoomBesideWeights`):
+its blocks' frozen weights go to host memory and it is planned as a model larger than its GPU. While measuring,
+that stream steps aside
 (:meth:`gradseam.handle.PatchHandle.set_aside`): each measuring patch streams the blocks it streams from its host
 copies, and the blocks it keeps resident are lent to the GPU for its step (:func:`gradseam.handle.lending`).
 
@@ -30,7 +34,7 @@ random number generators' states.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from .config import CheckpointConfig
@@ -57,6 +61,8 @@ class Request:
     host_gib: float | None  # gradient_checkpointing_host_memory (None: the planner's default)
     family: Any
     streamed: bool = False  # every block's frozen weights are in host memory (a model larger than its GPU budget)
+    # ... and they went there at the first step, because nothing could be measured beside them (NoRoomBesideWeights)
+    streamed_for_room: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,15 @@ class Planned:
 
 
 Planner = Callable[[Request], Planned]
+
+
+class NoRoomBesideWeights(GradseamError):
+    """Raised by a planner asked for a model whose weights are on the GPU when no candidate could be measured beside
+    them: every one ran out of memory, even cut to a block or two, with the whole model's weights resident. The
+    model's step cannot run resident, and nothing says how much of it would have to stream; the planning hook then
+    keeps every block's frozen weights in host memory, as for a model larger than its GPU, and asks again with
+    ``Request.streamed``: each candidate is then measured with only the blocks it runs on the GPU. The message is
+    what the user reads where the weights cannot stream (quantized, say)."""
 _planner: Planner | None = None
 
 
@@ -124,19 +139,40 @@ class AutoPlanning:
         streamed = self.handle.weights is not None  # a model larger than its GPU: every block's weights on the host
         request = Request(module, _by_name(module, args, kwargs), self.requested.gradient_checkpointing_gpu_memory,
                           self.requested.gradient_checkpointing_host_memory, self.handle.family, streamed)
+        try:
+            planned = self._ask(planner, module, request)
+        except NoRoomBesideWeights as exc:
+            self._hold_weights_in_host_memory(exc)
+            planned = self._ask(planner, module, replace(request, streamed=True, streamed_for_room=True))
+        self.handle.adopt(planned.config)
+        self.planned = planned
+        self._sizes = _sizes(request.inputs)
+
+    def _ask(self, planner: Planner, module: nn.Module, request: Request) -> Planned:
         self._busy = True
         self.handle.active = False  # a patch the planner makes to measure must not replace this one
         try:
             # what this patch runs until planned steps aside: the measuring patches checkpoint (and stream the
             # blocks they keep) themselves
             with self.handle.set_aside(), _untouched(module, request.inputs):
-                planned = planner(request)
+                return planner(request)
         finally:
             self._busy = False
             self.handle.active = True
-        self.handle.adopt(planned.config)
-        self.planned = planned
-        self._sizes = _sizes(request.inputs)
+
+    def _hold_weights_in_host_memory(self, crowded: NoRoomBesideWeights) -> None:
+        """Every block's frozen weights to host memory (:data:`UNPLANNED_STREAMED`), for the planner to measure each
+        candidate with only its own blocks on the GPU; refused (weights that cannot stream), the planner's message
+        stands, with the reason. Asked twice (the planner said so of a model already streamed), it stands alone."""
+        from .errors import UnsupportedStrategyError
+
+        if self.handle.weights is not None:
+            raise crowded
+        try:
+            self.handle.adopt(UNPLANNED_STREAMED)
+        except UnsupportedStrategyError as refused:
+            raise GradseamError(f"{crowded} Its blocks' weights cannot stream from host memory to make room: "
+                                f"{refused}") from None
 
     def _check_shapes(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         """Warn, once per input and size, when a training step's input is larger than the one the plan was made for

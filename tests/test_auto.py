@@ -450,10 +450,7 @@ def test_a_model_larger_than_its_gpu_budget_streams_from_patch_time_and_auto_pla
                 assert len(replayed.weights.blocks) == len(now.blocks)
     finally:
         use_planner(previous)
-    want = _step(_frozen_blocks(), _inputs())
-    assert_same_step(want, got, what="auto, streamed from patch time, vs unpatched")
-    assert_same_step(want, again, what="its second step")
-    assert_same_step(expected, got, what="auto vs the config it printed")
+    _assert_trains_like_unpatched_and_its_config(got, again, expected, "auto, streamed from patch time")
 
 
 def _timed_by_copies(measure_on):
@@ -492,20 +489,141 @@ class _counting:
         return self.inner.__exit__(*exc)
 
 
-def test_where_streaming_refuses_a_model_larger_than_its_budget_it_runs_unplanned_with_a_warning(monkeypatch):
-    """Quantized weights do not stream, say: "auto" then cannot hold the model in host memory until planned, and
-    says so at patch time (it must fit the GPU first), instead of failing on a key the user never set."""
-    import gradseam.patcher
-    from gradseam.auto import UNPLANNED_STREAMED
+def _no_room_beside_resident_weights(measure_on, tried: list[bool]):
+    """``measure_on`` on a GPU with no room beside the model's resident weights: every candidate runs out of memory
+    unless a patch set aside holds the blocks' weights in host memory (what :func:`gradseam.handle.lending` lends the
+    cut model's blocks from). ``tried`` records, for each candidate, whether they were there."""
+    from gradseam.handle import _set_aside_stream
 
-    real_plan = gradseam.patcher.plan
+    def on(request: Request):
+        run, note, static = measure_on(request)
+
+        def measure(config):
+            in_host_memory = _set_aside_stream(request.model, None) is not None
+            tried.append(in_host_memory)
+            if not in_host_memory:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.90 GiB (a stand-in)")
+            return run(config)
+
+        return measure, note, static
+
+    return on
+
+
+def test_a_model_with_no_room_beside_its_weights_to_measure_is_planned_with_them_in_host_memory(_cache, monkeypatch,
+                                                                                              capsys):
+    """A model that fits its GPU budget, whose every candidate runs out of memory beside its weights even cut to a
+    block or two (HunyuanVideo 1.5 at 480p x 121 frames under 24 GiB: 15.6 GiB of weights), would end in "no strategy
+    could be measured". Instead its blocks' frozen weights go to host memory at the first step, the rows that ran out
+    of memory leave the cost table, and it is planned as a model larger than its GPU: each candidate measured with
+    the cut model's blocks lent to the device. The plan keeps resident what the budget holds (here everything: the
+    weights fit), trains exactly like the config it prints, and the next model of the same shapes reads the table:
+    nothing measured, nothing runs out of memory, no block's weights leave the device."""
+    from gradseam.offload.weights import WeightStream
+    from gradseam.tools import plan_check
+
+    monkeypatch.setattr(plan_check, "SLOWER", float("inf"))  # CPU timings: a plan is never re-planned for its time
+    lent: list[int] = []
+    lend = WeightStream.lent
+    monkeypatch.setattr(WeightStream, "lent", lambda self, modules: _counting(lend(self, modules), lent))
+    tried: list[bool] = []
+    runs: list = []
+    previous = use_planner(functools.partial(
+        auto_planner.plan, measure_on=_no_room_beside_resident_weights(_timed_by_copies(_cpu_measure_on), tried),
+        check_on=_cpu_check_on(runs)))
+    model = _frozen_blocks()
+    weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+    keys = {**AUTO, "gradient_checkpointing_gpu_memory": 2 * weights, "gradient_checkpointing_host_memory": 8}
+    try:
+        with cpu_test_mode():
+            handle = gradseam.patch(model, keys)
+            assert handle.weights is None, "it fits its budget: nothing streams before it is planned"
+            got = _step(model, _inputs())
+            err = capsys.readouterr().err
+            resident_tries = tried.index(True)
+            assert resident_tries == len(auto_planner.CANDIDATES) and all(tried[resident_tries:]), tried
+            assert re.search(rf"every candidate measured \({resident_tries}\) ran out of memory beside the model's "
+                             r"[0-9.]+ GiB of weights and inputs; every block's frozen weights go to host memory", err)
+            assert sum(lent) > 0, "no candidate found its blocks lent to the device"
+            planned = handle.auto.planned
+            assert planned.source == "measured" and len(runs) == 1 and planned.measured is not None
+            assert "nothing could be measured beside the model's weights on the GPU, so every block's frozen weights" \
+                in planned.report
+            config = handle.auto.config
+            assert handle.weights is None, f"the budget holds every block, and the plan streamed some: {config}"
+            table = cost_cache.load(cost_cache.key_of(Request(model, _inputs(), None, None, family_for(model)),
+                                                      auto_planner.CANDIDATES))
+            assert table is not None and table.complete
+            assert not any(isinstance(r, str) and r.startswith("OOM") for r in table.results.values()), table.results
+            again = _step(model, _inputs())
+            tried.clear()
+            second = _frozen_blocks()
+            with gradseam.patch(second, keys) as cached:
+                _step(second, _inputs())
+                assert cached.auto.planned.source == "cached" and cached.auto.config == config
+                assert cached.weights is None and not tried
+            assert "measuring" not in capsys.readouterr().err
+            explicit = _frozen_blocks()
+            with gradseam.patch(explicit, config.given_keys()):
+                expected = _step(explicit, _inputs())
+    finally:
+        use_planner(previous)
+    _assert_trains_like_unpatched_and_its_config(got, again, expected, "auto, its weights in host memory to measure")
+
+
+def _assert_trains_like_unpatched_and_its_config(got: Step, again: Step, expected: Step, what: str) -> None:
+    """``got`` and ``again`` (the first two steps of ``what``) equal the unpatched frozen model's step, and ``got`` that
+    of the explicit config it printed (``expected``)."""
+    want = _step(_frozen_blocks(), _inputs())
+    assert_same_step(want, got, what=f"{what}, vs unpatched")
+    assert_same_step(want, again, what="its second step")
+    assert_same_step(expected, got, what="auto vs the config it printed")
+
+
+def _refusing_to_stream(real_plan):
+    """``real_plan`` (gradseam's planning, where a module imported it), refusing to stream every block's weights
+    as it refuses quantized ones."""
+    from gradseam.auto import UNPLANNED_STREAMED
 
     def refusing(model, family, config):
         if config is UNPLANNED_STREAMED:
             raise UnsupportedStrategyError("quantized weights cannot stream (a stand-in refusal)")
         return real_plan(model, family, config)
 
-    monkeypatch.setattr(gradseam.patcher, "plan", refusing)
+    return refusing
+
+
+def test_a_model_with_no_room_beside_its_weights_that_cannot_stream_says_both(_cache, monkeypatch):
+    """Where the blocks' weights cannot go to host memory (quantized, say), the planner's finding stands, with the
+    refusal: nothing could be measured beside the weights, and why they cannot make room."""
+    import gradseam.handle
+
+    monkeypatch.setattr(gradseam.handle, "plan", _refusing_to_stream(gradseam.handle.plan))
+    tried: list[bool] = []
+    previous = use_planner(functools.partial(
+        auto_planner.plan, measure_on=_no_room_beside_resident_weights(_cpu_measure_on, tried)))
+    model = _frozen_blocks()
+    try:
+        with cpu_test_mode():
+            handle = gradseam.patch(model, {**AUTO, "gradient_checkpointing_gpu_memory": 40})
+            with pytest.raises(GradseamError, match=r"no candidate could be measured beside WanTransformer3DModel's "
+                               r"[0-9.]+ GiB of weights and inputs: every one ran out of memory \(\d+ measured, for "
+                               r"depth 5.*\)\. Its blocks' weights cannot stream from host memory to make room: "
+                               r"quantized weights cannot stream \(a stand-in refusal\)"):
+                _step(model, _inputs())
+            assert handle.auto.planned is None and handle.weights is None and not any(tried)
+            handle.remove()
+    finally:
+        use_planner(previous)
+    assert_same_step(_step(_frozen_blocks(), _inputs()), _step(model, _inputs()), what="after remove(), vs unpatched")
+
+
+def test_where_streaming_refuses_a_model_larger_than_its_budget_it_runs_unplanned_with_a_warning(monkeypatch):
+    """Quantized weights do not stream, say: "auto" then cannot hold the model in host memory until planned, and
+    says so at patch time (it must fit the GPU first), instead of failing on a key the user never set."""
+    import gradseam.patcher
+
+    monkeypatch.setattr(gradseam.patcher, "plan", _refusing_to_stream(gradseam.patcher.plan))
     model = _frozen_blocks()
     weights = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
     with cpu_test_mode(), pytest.warns(gradseam.errors.GradseamWarning, match=r"WanTransformer3DModel's weights are "

@@ -81,6 +81,21 @@ def _wide_wan_inputs(g: torch.Generator) -> dict:
 WIDE_WAN = Case("wan, 16 blocks of 4 MiB", _wide_wan, _wide_wan_inputs)
 
 
+def _frozen(gpu: Case) -> torch.nn.Module:
+    """A fresh model of ``gpu`` with its blocks frozen: the base streams; the rest trains (a stand-in for a LoRA)."""
+    model = gpu.fresh()
+    for block in model.blocks:
+        block.requires_grad_(False)
+    return model
+
+
+def _unpatched(gpu: Case) -> tuple:
+    """The frozen model's step unpatched, and the GPU's run-to-run spread of it (the tolerance a patched step has)."""
+    reference = _frozen(gpu)
+    want = run_step(reference, gpu, count_bytes=False)
+    return want, _spread(want, run_step(reference, gpu, count_bytes=False))
+
+
 def _block_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
 
@@ -99,17 +114,8 @@ def test_gpu_auto_streams_the_blocks_its_budget_cannot_hold_keeps_the_rest_resid
     monkeypatch.setenv("GRADSEAM_CACHE_DIR", str(tmp_path))
     gpu = _on_cuda(WIDE_WAN)
 
-    def frozen() -> torch.nn.Module:
-        model = gpu.fresh()
-        for block in model.blocks:
-            block.requires_grad_(False)  # the base streams; the rest trains
-        return model
-
-    reference = frozen()
-    want = run_step(reference, gpu, count_bytes=False)
-    spread = _spread(want, run_step(reference, gpu, count_bytes=False))
-    del reference
-    model = frozen()
+    want, spread = _unpatched(gpu)
+    model = _frozen(gpu)
     per_block = _block_bytes(model)
 
     def budget(planned: torch.nn.Module) -> float:  # as the planner counts: all it holds, and the optimizer's moments
@@ -135,7 +141,7 @@ def test_gpu_auto_streams_the_blocks_its_budget_cannot_hold_keeps_the_rest_resid
         kept = handle.auto.config
     del model, handle  # the next model plans with what this process held the first time
     gc.collect()
-    again = frozen()
+    again = _frozen(gpu)
     with gradseam.patch(again, config) as second:
         run_step(again, gpu, count_bytes=False)
         assert second.auto.planned.source == "cached" and second.auto.config == kept
@@ -158,17 +164,11 @@ def test_gpu_auto_for_a_model_larger_than_its_budget_streams_from_patch_time(tmp
     monkeypatch.setattr(gradseam.patcher, "unplanned", lambda model, config: UNPLANNED_STREAMED)
     gpu = _on_cuda(WAN)
 
-    def frozen_on_cpu() -> torch.nn.Module:
-        model = WAN.fresh()
-        for block in model.blocks:
-            block.requires_grad_(False)
-        return model
-
-    reference = frozen_on_cpu().cuda()
+    reference = _frozen(WAN).cuda()
     want = run_step(reference, gpu, count_bytes=False)
     spread = _spread(want, run_step(reference, gpu, count_bytes=False))
     del reference
-    model = frozen_on_cpu()
+    model = _frozen(WAN)
     import gradseam.offload.weights as weights_module
 
     pinned_for_weights: list[int] = []  # what a stream pins for weights after patch time (the loan: nothing)
@@ -194,6 +194,54 @@ def test_gpu_auto_for_a_model_larger_than_its_budget_streams_from_patch_time(tmp
         assert_same_step(want, got, atol=atol, what="auto, streamed from patch time, vs unpatched")
         again = run_step(model, gpu, count_bytes=False)
         assert_same_step(want, again, atol=atol, what="its second step")
+    torch.cuda.synchronize()
+
+
+def test_gpu_auto_with_no_room_beside_its_weights_measures_them_in_host_memory_and_brings_back_what_fits(
+        tmp_path, monkeypatch, capsys):
+    """A model on the GPU that fits its budget, whose every candidate runs out of memory beside its weights (forced
+    here: the real case is HunyuanVideo 1.5 at 24 GiB, 15.6 GiB of weights): at the first step its blocks' frozen
+    weights leave the GPU for pinned host memory, each candidate is measured with only the cut model's blocks lent
+    back, the plan keeps resident what the budget holds (every block of this tiny model under 4 GiB), and those come
+    back to the GPU; the step is exact within the GPU's spread."""
+    from gradseam.handle import _set_aside_stream
+    from gradseam.tools import auto_planner
+
+    monkeypatch.setenv("GRADSEAM_CACHE_DIR", str(tmp_path))
+    gpu = _on_cuda(WIDE_WAN)
+
+    want, spread = _unpatched(gpu)
+    model = _frozen(gpu)
+    weights = len(model.blocks) * _block_bytes(model)
+    held: list[int] = []  # the GPU memory allocated as each candidate was asked for, its weights in host memory
+    measure_on = auto_planner.gpu_measure_on
+
+    def no_room_while_resident(request):
+        run, note, static = measure_on(request)
+
+        def measure(config):
+            if _set_aside_stream(request.model, None) is None:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.90 GiB (forced by the test)")
+            torch.cuda.synchronize()
+            held.append(torch.cuda.memory_allocated())
+            return run(config)
+
+        return measure, note, static
+
+    monkeypatch.setattr(auto_planner, "gpu_measure_on", no_room_while_resident)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with gradseam.patch(model, AUTO) as handle:
+        got = run_step(model, gpu, count_bytes=False)
+        err = capsys.readouterr().err
+        assert "ran out of memory beside the model's" in err and "go to host memory" in err, err
+        assert held and max(held) < before - weights / 2, (before, held, weights)  # the weights had left the GPU
+        assert "nothing could be measured beside the model's weights" in handle.auto.planned.report
+        config = handle.auto.config.to_dict()
+        assert handle.weights is None, f"every block fits 4 GiB, and the plan streams some: {config}"
+        assert all(p.device.type == "cuda" for p in model.parameters()), "a block's weights stayed in host memory"
+        atol = max(1e-5, 4 * spread, COMPILED_TOLERANCE if "compile" in str(config) else 0.0)
+        assert_same_step(want, got, atol=atol, what="auto, measured with its weights in host memory, vs unpatched")
     torch.cuda.synchronize()
 
 

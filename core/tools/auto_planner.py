@@ -32,7 +32,10 @@ What it does, and why each step is where it is:
    as if resident: a candidate keeps resident the blocks of the cut model lent to the GPU for its step
    (:func:`gradseam.handle.lending`), a streamed one runs from the host copies it borrows, and the plan keeps
    resident what the budget holds (it streamed every block until the twentieth session: Flux dev 4k at 16 GiB,
-   886 ms against 601 ms by hand).
+   886 ms against 601 ms by hand). A model that fits its GPU but leaves no room to measure anything beside its
+   weights (every candidate ran out of memory: HunyuanVideo 1.5 at 480p x 121 frames under 24 GiB) is planned so
+   too: :class:`gradseam.auto.NoRoomBesideWeights` asks the runtime to put its blocks' weights in host memory, and
+   the rows that ran out of memory are measured again.
 
 5. **The plan run once.** Before the first step runs the plan, :mod:`gradseam.tools.plan_check` runs it on the whole
    model (one warm-up, one timed step) and plans again where it did not hold the budgets or ran well slower than
@@ -56,7 +59,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from ..auto import Planned, Request
+from ..auto import NoRoomBesideWeights, Planned, Request
 from ..config import BLOCK_KEYS, STREAM_KEY, CheckpointConfig
 from ..errors import GradseamError, UnsupportedStrategyError, warn_once
 from . import cost_cache, plan_check
@@ -136,6 +139,8 @@ def _plan(request: Request, measure_on: MeasureOn | None, check_on: CheckOn | No
         table = measure(rows, candidates, table, save=lambda partial: cost_cache.save(key, partial, cache_dir))
         source = "measured"
     weights = streamable_gib(request)
+    if weights and rows is not None and not request.streamed and _nothing_fitted(table):
+        raise _no_room_beside_weights(request, table, rows, lambda: cost_cache.save(key, table, cache_dir))
     static = torch.cuda.memory_allocated(_device(request.model)) / GiB if cuda else table.static_gib
     if request.streamed and weights:
         # a model larger than its GPU holds no block's weights there now: counted as if resident, as for any model,
@@ -178,7 +183,10 @@ def _plan(request: Request, measure_on: MeasureOn | None, check_on: CheckOn | No
     report = _report(advice, table, source, len(table.results) - known) + settled.report()
     if rows is not None and rows.seconds:
         report += f"; measuring took {rows.seconds:.1f} s"
-    if request.streamed:
+    if request.streamed_for_room:
+        report = (f"nothing could be measured beside the model's weights on the GPU, so every block's frozen weights "
+                  f"({sum(weights or ()):.2f} GiB) were in host memory until planned; {report}")
+    elif request.streamed:
         report = (f"the model being larger than the GPU budget, every block's frozen weights "
                   f"({sum(weights or ()):.2f} GiB) were in host memory until planned; {report}")
     measured = None
@@ -188,6 +196,34 @@ def _plan(request: Request, measure_on: MeasureOn | None, check_on: CheckOn | No
         if settled.measured.alloc_retries is not None:
             measured["alloc_retries"] = settled.measured.alloc_retries
     return Planned(CheckpointConfig.from_dict(config), source, report, plan_check.predicted(advice), measured)
+
+
+def _nothing_fitted(table: cost_cache.Table) -> bool:
+    """Whether no candidate of ``table`` was measured and at least one ran out of memory."""
+    results = table.results.values()
+    return not any(isinstance(r, Estimate) for r in results) \
+        and any(isinstance(r, str) and r.startswith("OOM") for r in results)
+
+
+def _no_room_beside_weights(request: Request, table: cost_cache.Table, rows: _Rows,
+                            save: Callable[[], Any]) -> NoRoomBesideWeights:
+    """What ``"auto"`` raises when every candidate ran out of memory beside the model's resident weights: the hook
+    then moves them to host memory and plans again (:class:`gradseam.auto.NoRoomBesideWeights`). The rows that ran
+    out of memory leave the table first (saved so): measured with the weights resident, they say nothing of the
+    candidates with the weights in host memory, and the next pass measures them so."""
+    name = type(request.model).__name__
+    limit = gpu_limit_gib(_device(request.model))
+    within = f" within {limit:.2f} GiB of GPU memory" if limit is not None else ""
+    dropped = table.forget_out_of_memory()
+    save()
+    print(f"gradseam auto: {name}: every candidate measured ({len(dropped)}) ran out of memory beside the model's "
+          f"{table.static_gib:.2f} GiB of weights and inputs{within}; every block's frozen weights go to host memory, "
+          "and the candidates are measured again, each with only the blocks it runs on the GPU",
+          file=sys.stderr, flush=True)
+    return NoRoomBesideWeights(
+        f"gradient_checkpointing_backend \"auto\": no candidate could be measured beside {name}'s "
+        f"{table.static_gib:.2f} GiB of weights and inputs{within}: every one ran out of memory ({len(dropped)} "
+        f"measured, for {table.depth_note}).")
 
 
 def streamed_weights_gib(request: Request, config: Mapping[str, Any], weights: list[float] | None) -> float:

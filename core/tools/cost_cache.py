@@ -87,8 +87,18 @@ class Table:
         :func:`measured_within_gib`): the table serves every budget, and such a row may fit a larger one. A row of
         the ladder is then missing (measured by the next run that can measure); a streamed row added for a budget
         leaves the table (measured again where a budget asks for it). Returns the labels dropped."""
-        dropped = [label for label, result in self.results.items()
-                   if (within := measured_within_gib(result)) is not None and within < limit_gib - LIMIT_SLACK_GIB]
+        return self._forget([label for label, result in self.results.items()
+                             if (within := measured_within_gib(result)) is not None
+                             and within < limit_gib - LIMIT_SLACK_GIB])
+
+    def forget_out_of_memory(self) -> list[str]:
+        """Drop every row that ran out of memory while measured, as :meth:`forget_outgrown` drops some: what ``"auto"``
+        does when nothing could be measured beside a model's resident weights, before it measures the candidates again
+        with the weights in host memory (:class:`gradseam.auto.NoRoomBesideWeights`). Returns the labels dropped."""
+        return self._forget([label for label, result in self.results.items()
+                             if isinstance(result, str) and result.startswith("OOM")])
+
+    def _forget(self, dropped: list[str]) -> list[str]:
         if dropped:
             from ..config import STREAM_KEY
 
