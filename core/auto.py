@@ -143,7 +143,11 @@ class AutoPlanning:
             planned = self._ask(planner, module, request)
         except NoRoomBesideWeights as exc:
             self._hold_weights_in_host_memory(exc)
-            planned = self._ask(planner, module, replace(request, streamed=True, streamed_for_room=True))
+            try:
+                planned = self._ask(planner, module, replace(request, streamed=True, streamed_for_room=True))
+            except BaseException:
+                self.handle.adopt(UNPLANNED)  # unplanned, the weights go back where they were
+                raise
         self.handle.adopt(planned.config)
         self.planned = planned
         self._sizes = _sizes(request.inputs)

@@ -580,6 +580,35 @@ def _assert_trains_like_unpatched_and_its_config(got: Step, again: Step, expecte
     assert_same_step(expected, got, what="auto vs the config it printed")
 
 
+def test_a_model_with_no_room_beside_its_weights_even_streamed_gets_its_weights_back_with_the_error(_cache):
+    """Where nothing can be measured with the weights in host memory either, the planner's error stands, and the
+    model is left as the step found it: unplanned, every weight back where it was."""
+    class Everywhere(list):
+        def append(self, item):  # a stand-in GPU with no room at all: out of memory with the weights in host memory too
+            super().append(item)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.90 GiB (a stand-in)")
+
+    tried = Everywhere()
+    previous = use_planner(functools.partial(
+        auto_planner.plan, measure_on=_no_room_beside_resident_weights(_cpu_measure_on, tried)))
+    model = _frozen_blocks()
+    before = {name: (p, p.detach().clone()) for name, p in model.named_parameters()}
+    try:
+        with cpu_test_mode():
+            handle = gradseam.patch(model, {**AUTO, "gradient_checkpointing_gpu_memory": 40})
+            with pytest.raises(NoFitError, match="no strategy could be measured"):
+                _step(model, _inputs())
+            assert True in tried and False in tried, "not measured both ways"
+            assert handle.auto.planned is None and handle.weights is None and not handle.regions()
+            for name, p in model.named_parameters():  # the same parameters, their values where the model keeps them
+                kept, value = before[name]
+                assert p is kept and p.device == value.device and torch.equal(p, value), name
+            handle.remove()
+    finally:
+        use_planner(previous)
+    assert_same_step(_step(_frozen_blocks(), _inputs()), _step(model, _inputs()), what="after remove(), vs unpatched")
+
+
 def _refusing_to_stream(real_plan):
     """``real_plan`` (gradseam's planning, where a module imported it), refusing to stream every block's weights
     as it refuses quantized ones."""
