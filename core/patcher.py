@@ -89,6 +89,63 @@ def _check_offload_device(model: nn.Module, config: CheckpointConfig, planned: P
         )
 
 
+def gpu_limit_bytes() -> int | None:
+    """What this process may allocate on the current CUDA device (its memory within the per-process fraction), or
+    None without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    device = torch.cuda.current_device()
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    return int((fraction(device) if fraction is not None else 1.0)
+               * torch.cuda.get_device_properties(device).total_memory)
+
+
+def _warn_if_the_gpu_cannot_hold_what_stays(model: nn.Module, planned: Plan) -> None:
+    """A model on the CPU whose plan streams some blocks' weights, and whose weights left resident are already more
+    than the GPU may hold, runs out of memory when it moves there, before any step, with an error from deep in
+    ``Module.to`` that names neither the key nor the fix: said here, once, with both. Not known yet (so not said) for
+    a base not frozen at patch time: what streams is chosen at the first move (load-time patching)."""
+    if not planned.streamed or device_type(model) != "cpu" or (limit := gpu_limit_bytes()) is None:
+        return
+    from .modules import resolve
+    from .offload.weights import streamable
+
+    def frozen_bytes(block: nn.Module) -> int:
+        return sum(t.numel() * t.element_size() for *_, t in streamable(block))
+
+    lists = [(bl.path, resolve(model, bl.path)) for bl in planned.family.block_lists]
+    every = [block for _, found in lists if isinstance(found, nn.ModuleList) for block in found]
+    blocks = [resolve(model, path)[index] for path, index in planned.streamed]
+    if not all(any(not p.requires_grad for p in block.parameters()) for block in blocks):
+        return
+    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    resident = total - sum(frozen_bytes(block) for block in blocks)
+    if resident <= limit:
+        return
+    gib = 2**30
+    least = total - sum(frozen_bytes(block) for block in every)
+    if planned.config is UNPLANNED_STREAMED:
+        why = "gradient_checkpointing_backend \"auto\" streams every block's until it is planned"
+    else:
+        why = f"gradient_checkpointing_stream_weights={planned.config.gradient_checkpointing_stream_weights!r}"
+    fix = (f"Stream more blocks (\"all\" leaves {least / gib:.2f} GiB there), or let gradient_checkpointing_backend "
+           "\"auto\" choose with gradient_checkpointing_gpu_memory set" if least <= limit else
+           "Even with every block's streamed that much stays: quantize the base, or use a larger GPU")
+    warn_once(
+        f"gradseam: {type(model).__name__} streams the frozen weights of {len(blocks)} of its {len(every)} blocks "
+        f"({why}), which leaves {resident / gib:.2f} GiB of its {total / gib:.2f} GiB of weights and buffers for the "
+        f"GPU, more than the {limit / gib:.2f} GiB this process may allocate there (cuda:{_current_cuda()}): moving "
+        f"it there will run out of memory before a step runs. {fix}.")
+
+
+def _current_cuda() -> int:
+    import torch
+
+    return torch.cuda.current_device()
+
+
 def _handled(module: Any) -> bool:
     return isinstance(module, nn.Module) and REGISTRY.for_model_type(type(module)) is not None
 
@@ -201,6 +258,7 @@ def patch_models(
     plans = {name: _plan_unplanned(model, configs, name) for name, model in models.items()}
     for name, model in models.items():
         _check_group_offloading(model, plans[name])
+        _warn_if_the_gpu_cannot_hold_what_stays(model, plans[name])
     if check_device:
         for name, model in models.items():
             _check_offload_device(model, configs[name], plans[name])

@@ -11,6 +11,7 @@ accumulation, retained graphs and sampling forwards in the middle of a step; the
 from __future__ import annotations
 
 import math
+import re
 import warnings
 
 import pytest
@@ -410,6 +411,53 @@ def test_quantized_weights_are_refused_by_type():
     model = quantized_case(WAN, "torchao-int8", train=_lora).fresh()
     with cpu_test_mode(), pytest.raises(UnsupportedStrategyError, match=r"is a Int8Tensor \(a quantized weight\)"):
         gradseam.patch(model, {**ON, STREAM: 1})
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("stream, room, words", [
+    (1, "two blocks", r"streams the frozen weights of 1 of its 5 blocks \(gradient_checkpointing_stream_weights=1\), "
+        r"which leaves 0.00 GiB of its 0.00 GiB of weights and buffers for the GPU, more than the 0.00 GiB this "
+        r"process may allocate there \(cuda:3\): moving it there will run out of memory before a step runs\. Stream "
+        r"more blocks \(\"all\" leaves 0.00 GiB there\), or let gradient_checkpointing_backend \"auto\" choose"),
+    (3, "two blocks", None),
+    ("all", "nothing", r"of 5 of its 5 blocks .*Even with every block's streamed that much stays: quantize the base, "
+        r"or use a larger GPU\."),
+])
+def test_a_stream_count_that_leaves_more_on_the_gpu_than_it_holds_warns_at_patch_time(stream, room, words, monkeypatch):
+    """A model on the CPU streaming too few blocks' weights for its GPU would run out of memory as it moves there,
+    before a step, with an error from deep in Module.to: said at patch time, with the key and the fix. The GPU here
+    holds everything but two blocks' frozen weights (or not even what stays with every block streamed)."""
+    import gradseam.patcher
+
+    model = WAN.fresh().requires_grad_(False)
+    model.proj_out.requires_grad_(True)
+    total = _bytes([*model.parameters(), *model.buffers()])
+    outside = total - _bytes(p for block in model.blocks for p in block.parameters())
+    limit = total - 2 * _bytes(model.blocks[0].parameters()) if room == "two blocks" else outside - 1
+    monkeypatch.setattr(gradseam.patcher, "gpu_limit_bytes", lambda: limit)
+    monkeypatch.setattr(gradseam.patcher, "_current_cuda", lambda: 3)
+    with warnings.catch_warnings(record=True) as caught, cpu_test_mode():
+        warnings.simplefilter("always")
+        gradseam.patch(model, {**ON, STREAM: stream}).remove()
+    said = [str(w.message) for w in caught if "moving it there" in str(w.message)]
+    if words is None:
+        assert not said, said
+    else:
+        assert len(said) == 1 and re.search(words, said[0]), said
+
+
+def test_a_base_not_frozen_at_patch_time_is_not_judged_then(monkeypatch):
+    """Load-time patching: what streams is chosen once the base is frozen, so patch time cannot say what stays."""
+    import gradseam.patcher
+
+    monkeypatch.setattr(gradseam.patcher, "gpu_limit_bytes", lambda: 1)
+    with warnings.catch_warnings(record=True) as caught, cpu_test_mode():
+        warnings.simplefilter("always")
+        gradseam.patch(WAN.fresh(), {**ON, STREAM: 1}).remove()
+    assert not [w for w in caught if "moving it there" in str(w.message)]
 
 
 def test_without_cuda_streaming_is_refused_outside_the_test_mode():
