@@ -91,6 +91,8 @@ class NoRoomBesideWeights(GradseamError):
     keeps every block's frozen weights in host memory, as for a model larger than its GPU, and asks again with
     ``Request.streamed``: each candidate is then measured with only the blocks it runs on the GPU. The message is
     what the user reads where the weights cannot stream (quantized, say)."""
+
+
 _planner: Planner | None = None
 
 

@@ -140,7 +140,7 @@ def _plan(request: Request, measure_on: MeasureOn | None, check_on: CheckOn | No
         source = "measured"
     weights = streamable_gib(request)
     if weights and rows is not None and not request.streamed and _nothing_fitted(table):
-        raise _no_room_beside_weights(request, table, rows, lambda: cost_cache.save(key, table, cache_dir))
+        raise _no_room_beside_weights(request, table, lambda: cost_cache.save(key, table, cache_dir))
     static = torch.cuda.memory_allocated(_device(request.model)) / GiB if cuda else table.static_gib
     if request.streamed and weights:
         # a model larger than its GPU holds no block's weights there now: counted as if resident, as for any model,
@@ -205,7 +205,7 @@ def _nothing_fitted(table: cost_cache.Table) -> bool:
         and any(isinstance(r, str) and r.startswith("OOM") for r in results)
 
 
-def _no_room_beside_weights(request: Request, table: cost_cache.Table, rows: _Rows,
+def _no_room_beside_weights(request: Request, table: cost_cache.Table,
                             save: Callable[[], Any]) -> NoRoomBesideWeights:
     """What ``"auto"`` raises when every candidate ran out of memory beside the model's resident weights: the hook
     then moves them to host memory and plans again (:class:`gradseam.auto.NoRoomBesideWeights`). The rows that ran
