@@ -213,6 +213,7 @@ def unplanned(model: nn.Module, config: CheckpointConfig) -> CheckpointConfig:
     without them, and the plan then chooses each block's activations with its weights streamed."""
     import torch
 
+    from .modules import gpu_limit_bytes
     from .offload import cpu_allowed
 
     tensors = [*model.parameters(), *model.buffers()]
@@ -222,9 +223,10 @@ def unplanned(model: nn.Module, config: CheckpointConfig) -> CheckpointConfig:
         return UNPLANNED  # nowhere to stream to: the planner says what it falls back to
     budget = config.gradient_checkpointing_gpu_memory
     if budget is None:
-        if not torch.cuda.is_available():
+        limit = gpu_limit_bytes()  # the card's memory, within the process's fraction
+        if limit is None:
             return UNPLANNED
-        budget = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+        budget = limit / 2**30
     weights = sum(t.numel() * t.element_size() for t in tensors) / 2**30
     return UNPLANNED_STREAMED if weights > budget else UNPLANNED
 

@@ -41,6 +41,17 @@ def unwrap(module: nn.Module) -> nn.Module:
         module = inner
 
 
+def gpu_limit_bytes(device: torch.device | None = None) -> int | None:
+    """What this process may allocate on CUDA ``device`` (default: the current one): the card's memory within the
+    per-process fraction (``torch.cuda.set_per_process_memory_fraction``, how a smaller card is simulated), or None
+    without CUDA or for another device."""
+    if not torch.cuda.is_available() or (device is not None and device.type != "cuda"):
+        return None
+    index = torch.cuda.current_device() if device is None or device.index is None else device.index
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    return int((fraction(index) if fraction is not None else 1.0) * torch.cuda.get_device_properties(index).total_memory)
+
+
 def device_type(module: nn.Module) -> str:
     """The device type of a module's first parameter ("cuda", "cpu"); "cpu" for a module without any."""
     for p in module.parameters():

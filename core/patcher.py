@@ -19,7 +19,7 @@ from .errors import PLUGIN_GUIDE, UnsupportedModelError, UnsupportedStrategyErro
 from .family import Family
 from .handle import PatchHandle, PipelineHandle, handle_of
 from .kinds import staying_sibling
-from .modules import device_type, is_optimized
+from .modules import device_type, gpu_limit_bytes, is_optimized, resolve
 from .planning import plan
 from .registry import REGISTRY
 from .spec import Plan
@@ -89,19 +89,6 @@ def _check_offload_device(model: nn.Module, config: CheckpointConfig, planned: P
         )
 
 
-def gpu_limit_bytes() -> int | None:
-    """What this process may allocate on the current CUDA device (its memory within the per-process fraction), or
-    None without CUDA."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return None
-    device = torch.cuda.current_device()
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    return int((fraction(device) if fraction is not None else 1.0)
-               * torch.cuda.get_device_properties(device).total_memory)
-
-
 def _warn_if_the_gpu_cannot_hold_what_stays(model: nn.Module, planned: Plan) -> None:
     """A model on the CPU whose plan streams some blocks' weights, and whose weights left resident are already more
     than the GPU may hold, runs out of memory when it moves there, before any step, with an error from deep in
@@ -109,14 +96,13 @@ def _warn_if_the_gpu_cannot_hold_what_stays(model: nn.Module, planned: Plan) -> 
     a base not frozen at patch time: what streams is chosen at the first move (load-time patching)."""
     if not planned.streamed or device_type(model) != "cpu" or (limit := gpu_limit_bytes()) is None:
         return
-    from .modules import resolve
     from .offload.weights import streamable
 
     def frozen_bytes(block: nn.Module) -> int:
         return sum(t.numel() * t.element_size() for *_, t in streamable(block))
 
-    lists = [(bl.path, resolve(model, bl.path)) for bl in planned.family.block_lists]
-    every = [block for _, found in lists if isinstance(found, nn.ModuleList) for block in found]
+    every = [block for bl in planned.family.block_lists
+             if isinstance(found := resolve(model, bl.path), nn.ModuleList) for block in found]
     blocks = [resolve(model, path)[index] for path, index in planned.streamed]
     if not all(any(not p.requires_grad for p in block.parameters()) for block in blocks):
         return
@@ -136,14 +122,8 @@ def _warn_if_the_gpu_cannot_hold_what_stays(model: nn.Module, planned: Plan) -> 
     warn_once(
         f"gradseam: {type(model).__name__} streams the frozen weights of {len(blocks)} of its {len(every)} blocks "
         f"({why}), which leaves {resident / gib:.2f} GiB of its {total / gib:.2f} GiB of weights and buffers for the "
-        f"GPU, more than the {limit / gib:.2f} GiB this process may allocate there (cuda:{_current_cuda()}): moving "
-        f"it there will run out of memory before a step runs. {fix}.")
-
-
-def _current_cuda() -> int:
-    import torch
-
-    return torch.cuda.current_device()
+        f"GPU, more than the {limit / gib:.2f} GiB this process may allocate on its CUDA device: moving it there will "
+        f"run out of memory before a step runs. {fix}.")
 
 
 def _handled(module: Any) -> bool:

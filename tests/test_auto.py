@@ -50,6 +50,17 @@ def _inputs(seed: int = 1) -> dict:
     return WAN.inputs(torch.Generator().manual_seed(seed))
 
 
+def _recording(measured: list[dict], label: str):
+    """A ``measure_on`` that records every config it is asked to measure into ``measured`` and answers each with
+    ``label``'s estimate from :data:`TABLE`."""
+    def measure_on(request: Request):
+        def measure(config):
+            measured.append(dict(config))
+            return _estimate(label)
+        return measure, "depth 5, from a table", STATIC
+    return measure_on
+
+
 def _estimate(label: str) -> Estimate:
     (ms, gpu, host), (ms0, peak0, host0) = TABLE[label]
     costs = UnitCosts(UNITS, ms, ms0, gpu, peak0, host, host0)
@@ -839,12 +850,7 @@ def test_a_row_out_of_memory_under_a_smaller_limit_is_measured_again_where_the_p
     table.add("unsloth + stream all", streamed, capped)
     cost_cache.save(key, table)
     measured: list[dict] = []
-
-    def measure_on(request):
-        def measure(config):
-            measured.append(dict(config))
-            return _estimate("unsloth")
-        return measure, "depth 5, from a table", STATIC
+    measure_on = _recording(measured, "unsloth")
 
     def plan_within(limit: float):
         monkeypatch.setattr(auto_planner, "gpu_limit_gib", lambda device: limit)
@@ -1166,12 +1172,7 @@ def test_a_cached_row_whose_step_fell_with_depth_is_measured_again_and_only_it(_
     table = cost_cache.load(key)
     assert not table.complete and [label for label, _ in table.missing()] == ["torch"]
     measured: list[dict] = []
-
-    def measure_on(request):
-        def measure(config):
-            measured.append(dict(config))
-            return _estimate("torch")
-        return measure, "depth 5, from a table", STATIC
+    measure_on = _recording(measured, "torch")
 
     auto_planner.plan(request, measure_on=measure_on)
     assert measured == [dict(auto_planner.CANDIDATES)["torch"]]

@@ -530,13 +530,10 @@ def default_gpu_gib(model: Any) -> float:
 def gpu_limit_gib(device: Any) -> float | None:
     """The GPU memory this process may allocate on ``device`` (the card's, within its per-process memory fraction:
     what an out-of-memory error while measuring is relative to), or None off a CUDA GPU."""
-    import torch
+    from ..modules import gpu_limit_bytes
 
-    if device.type != "cuda":
-        return None
-    total = torch.cuda.get_device_properties(device).total_memory
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    return (fraction(device) if fraction is not None else 1.0) * total / GiB
+    limit = gpu_limit_bytes(device)
+    return limit / GiB if limit is not None else None
 
 
 def _host_default() -> float | None:
