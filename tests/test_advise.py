@@ -533,6 +533,7 @@ def test_the_planner_records_a_refused_line_as_unsupported_with_its_reason(monke
 
     class Request:
         model = torch.nn.Linear(1, 1)
+        streamed = False
 
     rows = _Rows(Request(), lambda request: (measure, "depths 2 and 4", 0.0))  # type: ignore[arg-type]
     got = rows.one("torch", {"gradient_checkpointing": True})

@@ -186,6 +186,41 @@ def test_measured_inside_the_first_step_it_leaves_no_trace_and_the_next_run_read
         use_planner(previous)
 
 
+def test_each_candidate_is_measured_with_the_blocks_outside_its_cut_parked_and_they_come_back(capsys):
+    """Measured on the model cut to depths 1 and 2, each candidate runs with the blocks it leaves out in host memory
+    (gradseam.tools.parking: on a GPU they would crowd the candidate's room); the training step runs every block, back
+    as it was. The exactness of that step against its config is the test above's."""
+    seen: list[tuple[bool, ...]] = []
+
+    def measure_on(request: Request):
+        blocks = list(request.model.blocks)
+        blocks[0].register_forward_pre_hook(
+            lambda module, args: seen.append(tuple(all(p.numel() == 0 for p in b.parameters()) for b in blocks)))
+        return _cpu_measure_on(request)
+
+    previous = use_planner(functools.partial(auto_planner.plan, measure_on=measure_on))
+    try:
+        with cpu_test_mode():
+            model = WAN.fresh()
+            data = {name: t.detach().clone() for name, t in model.state_dict().items()}
+            with gradseam.patch(model, {**AUTO, "gradient_checkpointing_gpu_memory": 40}):
+                _step(model, _inputs())
+                assert (False, True, True, True, True) in seen and (False, False, True, True, True) in seen, seen
+                assert seen[-1] == (False,) * 5, "the training step ran without every block"
+                assert "moved to host memory" in capsys.readouterr().err
+            assert all(torch.equal(t, data[name]) for name, t in model.state_dict().items())
+    finally:
+        use_planner(previous)
+
+
+def test_a_model_whose_weights_stream_already_is_measured_without_parking():
+    class Streamed:
+        model = torch.nn.Linear(1, 1)
+        streamed = True
+
+    assert auto_planner._Rows(Streamed(), _cpu_measure_on).parked().__class__.__name__ == "nullcontext"
+
+
 def test_without_cuda_or_cached_costs_every_block_runs_torch_and_a_warning_says_what_auto_would_measure():
     model = WAN.fresh()
     handle = gradseam.patch(model, AUTO)
@@ -1193,6 +1228,7 @@ def test_each_progress_line_says_about_how_long_the_rest_of_the_measuring_takes(
 
     class Request:
         model = torch.nn.Linear(1, 1)
+        streamed = False
 
     rows = auto_planner._Rows(Request(), lambda request: (lambda config: Estimate(1.0, 1.0), "depths 1 and 2", 0.0))
     auto_planner.measure(rows, candidates)

@@ -153,12 +153,17 @@ def test_gpu_memory_errors_name_the_option(args, message):
     assert "--gpu-memory" in result.output and message in result.output
 
 
-def test_capped_rows_are_not_tried_at_the_fit_depths_of_a_full_depth_run():
-    """A --full run builds the whole model: at a fit depth the blocks outside it stay on the GPU, unstreamed,
-    so a capped row there measures the bench's own leftovers (the H200 run gave OOM). Said, not tried."""
-    rows = real_rows(["unsloth-compile", "unsloth-compile + stream all @ 12GiB"])
+def test_capped_rows_are_measured_at_the_fit_depths_of_a_full_run_except_those_streaming_a_count():
+    """A --full run builds the whole model; at a fit depth the blocks outside it are parked in host memory
+    (gradseam.tools.parking), so a capped row is measured there beside the weights it runs. One streaming a count
+    of blocks is not: its count is the same at every depth, and its figures there are not reported. Said, not tried."""
+    rows = real_rows(["unsloth-compile", "unsloth-compile + stream all @ 12GiB", "torch + stream 30 @ 16GiB"])
+    assert not b.any_capped(real_rows(["unsloth-compile", "torch + stream 30"]), None)
+    assert b.any_capped(rows, None) and b.any_capped(real_rows(["torch"]), 24.0)
     rule_out = b.capped_at_fit_depth(rows, None)
-    assert rule_out("unsloth-compile") is None
-    assert "the blocks outside this depth stay on the GPU" in rule_out("unsloth-compile + stream all @ 12GiB")
+    assert rule_out("unsloth-compile") is None and rule_out("unsloth-compile + stream all @ 12GiB") is None
+    assert "streams a count of blocks, the same count at every depth" in rule_out("torch + stream 30 @ 16GiB")
     everything = b.capped_at_fit_depth(rows, 24.0)  # --gpu-memory caps every row
-    assert everything("unsloth-compile") is not None and everything("unsloth-compile + stream all @ 12GiB")
+    assert everything("unsloth-compile") is None and everything("torch + stream 30 @ 16GiB") is not None
+    counted = b.capped_at_fit_depth([("mine", {"gradient_checkpointing_stream_weights": 12})], 24.0)
+    assert "streams a count of blocks" in counted("mine"), "a config row streaming a count by its key"

@@ -245,6 +245,65 @@ def test_gpu_auto_with_no_room_beside_its_weights_measures_them_in_host_memory_a
     torch.cuda.synchronize()
 
 
+def test_gpu_auto_measures_each_candidate_with_the_blocks_outside_the_cut_in_host_memory(tmp_path, monkeypatch,
+                                                                                         capsys):
+    """A model whose weights stay on the GPU: every candidate is measured on the model cut to a shallow depth with the
+    blocks it leaves out parked in host memory (:mod:`gradseam.tools.parking`), so a candidate is measured beside the
+    weights it runs, not beside the whole model's (HunyuanVideo 1.5 under 24 GiB ran out of memory beside them on an
+    H100); they come back for the plan's run on the whole model and stay, the same tensors, and the step is exact
+    within the GPU's spread."""
+    from gradseam.patcher import family_for
+    from gradseam.tools import measure as measuring
+    from gradseam.tools.depth import plan_for
+
+    monkeypatch.setenv("GRADSEAM_CACHE_DIR", str(tmp_path))
+    gpu = _on_cuda(WIDE_WAN)
+    want, spread = _unpatched(gpu)
+    model = _frozen(gpu)
+    plan = plan_for(model, family_for(model))
+    deepest = sum(plan.counts(plan.fit_depths(None)[1]).values())
+    outside = (len(model.blocks) - deepest) * _block_bytes(model)
+    tensors = {name: (t, t.detach().clone()) for name, t in model.state_dict(keep_vars=True).items()}
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with measuring.recorded() as log, gradseam.patch(model, AUTO) as handle:
+        got = run_step(model, gpu, count_bytes=False)
+        err = capsys.readouterr().err
+        assert "moved to host memory" in err and "moved back from host memory" in err, err
+        bases = sorted(m.base_gib * (1 << 30) for m in log)
+        # every shallow measurement began with the blocks outside its cut off the GPU; the plan's run, with all back
+        shallow = [b for b in bases if b < before - outside + _block_bytes(model)]
+        assert len(shallow) >= 2 and bases[-1] > before - _block_bytes(model), (before, outside, bases)
+        atol = max(1e-5, 4 * spread, COMPILED_TOLERANCE if "compile" in str(handle.auto.config.to_dict()) else 0.0)
+        assert_same_step(want, got, atol=atol, what="auto, measured with the blocks outside each cut parked")
+    now = model.state_dict(keep_vars=True)
+    assert all(now[name] is t and t.device.type == "cuda" and torch.equal(t, data)
+               for name, (t, data) in tensors.items() if not t.requires_grad), "a frozen tensor did not come back as it was"
+    torch.cuda.synchronize()
+
+
+def test_gpu_parking_frees_the_gpu_memory_of_the_blocks_left_out_and_brings_it_back():
+    from gradseam.patcher import family_for
+    from gradseam.tools.depth import at_depth, plan_for
+    from gradseam.tools.parking import parking
+
+    gpu = _on_cuda(WIDE_WAN)
+    model = _frozen(gpu)
+    plan = plan_for(model, family_for(model))
+    data = {name: t.detach().clone() for name, t in model.state_dict().items()}
+    block, blocks = _block_bytes(model), list(model.blocks)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with parking(model) as session, at_depth(model, plan, 4):
+        torch.cuda.synchronize()
+        freed = before - torch.cuda.memory_allocated()
+        assert session.parked_bytes >= 12 * block and freed >= session.parked_bytes, (freed, session.parked_bytes)
+        assert all(p.numel() == 0 and p.device.type == "cuda" for b in blocks[4:] for p in b.parameters())
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    assert all(torch.equal(t, data[name]) and t.device.type == "cuda" for name, t in model.state_dict().items())
+
+
 def test_gpu_bench_auto_row_patches_a_model_larger_than_its_cap_on_the_cpu_and_gives_it_back(tmp_path, monkeypatch):
     """``gradseam bench --row "auto @ SIZE"`` on a model whose weights the cap cannot hold: as a user loads it, the
     model goes to the CPU, is patched with "auto" (its blocks' weights stay in host memory), moves to the GPU,

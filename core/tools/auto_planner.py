@@ -35,7 +35,10 @@ What it does, and why each step is where it is:
    886 ms against 601 ms by hand). A model that fits its GPU but leaves no room to measure anything beside its
    weights (every candidate ran out of memory: HunyuanVideo 1.5 at 480p x 121 frames under 24 GiB) is planned so
    too: :class:`gradseam.auto.NoRoomBesideWeights` asks the runtime to put its blocks' weights in host memory, and
-   the rows that ran out of memory are measured again.
+   the rows that ran out of memory are measured again. Before that, a resident model's candidates are measured with
+   the blocks outside each cut parked in host memory (:mod:`gradseam.tools.parking`, from the thirty-second
+   session): beside the weights they run, not the whole model's, so that case is left for a cut model that does not
+   fit even alone.
 
 5. **The plan run once.** Before the first step runs the plan, :mod:`gradseam.tools.plan_check` runs it on the whole
    model (one warm-up, one timed step) and plans again where it did not hold the budgets or ran well slower than
@@ -56,6 +59,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -339,8 +343,9 @@ class _Rows:
         # candidates compile at both depths; a streamed one copies every block's weights in twice a step)
         # what it ran out of memory within is part of the result: a larger limit measures it again
         limit = gpu_limit_gib(_device(self.request.model))
-        outcome, seconds = self._timed(run, config, lambda what, exc: cost_cache.oom_while_measuring(
-            f"{what} (at {where_raised(exc)})", limit), unsupported=True)
+        with self.parked():
+            outcome, seconds = self._timed(run, config, lambda what, exc: cost_cache.oom_while_measuring(
+                f"{what} (at {where_raised(exc)})", limit), unsupported=True)
         self.took.append((compiles(config), seconds))
         result = "measured" if isinstance(outcome, Estimate) else outcome.split(":")[0]
         left = self.left(after)
@@ -348,6 +353,20 @@ class _Rows:
               + (f"; about {left:.0f} s left for the {len(after)} still to measure" if left is not None else ""),
               file=sys.stderr, flush=True)
         return outcome
+
+    def parked(self) -> AbstractContextManager[Any]:
+        """A parking session (:mod:`gradseam.tools.parking`): while a row is measured on the model cut to a shallow
+        depth, the blocks it leaves out wait in host memory, so that a row is measured beside the weights it runs
+        and not beside the whole model's (every candidate of HunyuanVideo 1.5 at 480p under 24 GiB ran out of memory
+        beside them on an H100). Reentrant, so :func:`measure` holds one session across its rows. Not for a model
+        whose weights a set-aside stream holds in host memory already (``request.streamed``)."""
+        if self.request.streamed:
+            return nullcontext()
+        from .parking import parking
+
+        name = type(self.request.model).__name__
+        return parking(self.request.model, lambda line: print(f"gradseam auto: {name}: {line}", file=sys.stderr,
+                                                              flush=True))
 
     def link_gib_s(self) -> float | None:
         """The host link's rate, measured with the model's largest block (:mod:`gradseam.tools.host_link`)."""
@@ -473,15 +492,16 @@ def measure(rows: _Rows, candidates: list[tuple[str, dict[str, Any]]], partial: 
         print(f"gradseam auto: {type(rows.request.model).__name__}: resuming: {len(partial.results)} of "
               f"{len(partial.candidates)} candidates are cached; measuring the other {len(partial.missing())}",
               file=sys.stderr, flush=True)
-    for position, (label, config) in enumerate(table.candidates, 1):
-        if label in table.results:
-            continue
-        after = [later for name, later in table.candidates[position:] if name not in table.results]
-        table.results[label] = rows.one(label, config, f"{position}/{len(table.candidates)} ", after)
-        _, table.depth_note, table.static_gib = rows.setup
-        table.complete = not table.missing()
-        if save is not None:
-            save(table)
+    with rows.parked():  # one session for every row: the weights outside the cut cross the link once each way
+        for position, (label, config) in enumerate(table.candidates, 1):
+            if label in table.results:
+                continue
+            after = [later for name, later in table.candidates[position:] if name not in table.results]
+            table.results[label] = rows.one(label, config, f"{position}/{len(table.candidates)} ", after)
+            _, table.depth_note, table.static_gib = rows.setup
+            table.complete = not table.missing()
+            if save is not None:
+                save(table)
     return table
 
 

@@ -23,6 +23,7 @@ The JSON it writes is described in :mod:`gradseam.tools.bench_report`.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager, nullcontext
@@ -48,11 +49,13 @@ from .bench_rows import (
     is_auto_row,
     is_config_row,
     real_rows,
+    streamed_count,
     streams_weights,
     synthetic_rows,
 )
 from .compiled import applied, compiles, gradseam_keys
 from .depth import at_depth
+from .parking import parking
 from .results import RealRun, Result
 
 GiB = measuring.GiB
@@ -522,8 +525,7 @@ def real(
     """
     from .bases import weight_bytes
     from .host import available_gib
-    from .workloads import blocks as list_blocks
-    from .workloads import build, sequence_length
+    from .workloads import build
 
     chosen = real_rows(rows, extra=config_rows)
     at_full = full_depth_rows(full_rows, config_rows)
@@ -541,6 +543,28 @@ def real(
         on_build(run)
     measured_depths = [*fit_depths, *([plan.full] if full and plan.full not in fit_depths else [])]
     cpu = device == "cpu"
+    # a capped row at a fit depth of a full run runs beside the blocks it does not: they wait in host memory
+    with parking(workload.model, _parking_line) if full and not cpu and any_capped(chosen, gpu_memory_gib) \
+            else nullcontext():
+        _measure_depths(run, workload, tokens, measured_depths, fit_depths, chosen, at_full, full, device, steps,
+                        on_row, gpu_memory_gib, host_memory_gib)
+    return run
+
+
+def _parking_line(line: str) -> None:
+    print(f"bench: {line}", file=sys.stderr, flush=True)
+
+
+def _measure_depths(run: RealRun, workload: Any, tokens: list[int | None] | None, measured_depths: list[int],
+                    fit_depths: tuple[int, int], chosen: list[tuple[str, dict[str, Any] | None]],
+                    at_full: list[tuple[str, dict[str, Any] | None]], full: bool, device: str, steps: int,
+                    on_row: Callable[[Result], None] | None, gpu_memory_gib: float | None,
+                    host_memory_gib: float | None) -> None:
+    """:func:`real`'s rows at every depth, for every token count."""
+    from .workloads import blocks as list_blocks
+    from .workloads import sequence_length
+
+    plan, cpu = workload.plan, device == "cpu"
     for count in tokens or [None]:
         inputs = workload.inputs(count)
         seq = sequence_length(workload.model, workload.family, inputs)
@@ -573,7 +597,6 @@ def real(
                     depth=depth, blocks=plan.describe(depth), gpu_cap_gib=gpu_memory_gib, host_gib=host_memory_gib,
                 )
         del inputs
-    return run
 
 
 def refused_before(results: list[Result], workload: str,
@@ -592,20 +615,33 @@ def refused_before(results: list[Result], workload: str,
     return rule
 
 
+def any_capped(rows: list[tuple[str, dict[str, Any] | None]], gpu_memory_gib: float | None) -> bool:
+    """Whether any row runs under a GPU memory cap (its own, or ``--gpu-memory``'s)."""
+    return any((config or {}).get(GPU_CAP_KEY, gpu_memory_gib) is not None for _, config in rows)
+
+
 def capped_at_fit_depth(rows: list[tuple[str, dict[str, Any] | None]],
                         gpu_memory_gib: float | None) -> Callable[[str], str | None]:
-    """Why a capped row is not measured at a fit depth of a full-depth run: the full model is built, so the
-    blocks outside the fit depth stay on the GPU, unstreamed, and count against the cap. Nor is an ``auto`` row."""
+    """Why a row is not measured at a fit depth of a full-depth run. Not an ``auto`` row: it plans the model it is
+    given. Not a capped row that streams a count of blocks: N blocks are N at every depth (all of a cut model's where
+    it has fewer), so its figures there would be left out of the report (:func:`gradseam.tools.bench_report`) after
+    minutes of measuring. Every other capped row is measured, the blocks outside the cut parked in host memory
+    (:mod:`gradseam.tools.parking`; until the thirty-second session they stayed on the GPU against the cap, and
+    capped rows were measured at the full depth only, with no growth per block)."""
+    from .cost_cache import streams_a_count
+
     caps = {name: (config or {}).get(GPU_CAP_KEY, gpu_memory_gib) for name, config in rows}
+    counted = {name for name, config in rows if streamed_count(name) is not None or streams_a_count(config or {})}
 
     def rule_out(name: str) -> str | None:
         if is_auto_row(name):
             return ("not measured at a fit depth of a --full run: auto plans the model it is given, and a plan for "
                     "this cut model says nothing of the full one; see the full depth")
-        if caps.get(name) is None:
+        if caps.get(name) is None or name not in counted:
             return None
-        return ("not measured at a fit depth of a --full run under a GPU memory cap: the full model is built, and "
-                "the blocks outside this depth stay on the GPU against the cap; see the full depth")
+        return (f"not measured at a fit depth of a --full run: '{name}' streams a count of blocks, the same count at "
+                "every depth (all of a cut model's where it has fewer), so its figures there do not scale to the full "
+                "depth; see the full depth")
 
     return rule_out
 

@@ -195,10 +195,17 @@ def at_depth(model: nn.Module, plan: DepthPlan, depth: int) -> Iterator[dict[str
     """Run ``model`` with only the first blocks of each list that ``depth`` keeps; restores on exit.
 
     The blocks stay allocated (the weights are static memory, not activations), so one model
-    built at the deepest depth serves every shallower one.
+    built at the deepest depth serves every shallower one; inside a parking session
+    (:func:`gradseam.tools.parking.parking`) the blocks left out wait in host memory instead, and the
+    session brings them back.
     """
+    from .parking import session_of
+
     counts = plan.counts(depth)
     replaced = cut(model, counts)
+    parked = session_of(model)
+    if parked is not None:
+        parked.hold_only(block for path, _, _, original in replaced for block in list(original)[counts[path]:])
     try:
         yield counts
     finally:
