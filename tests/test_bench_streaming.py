@@ -158,8 +158,10 @@ def test_capped_rows_are_measured_at_the_fit_depths_of_a_full_run_except_those_s
     (gradseam.tools.parking), so a capped row is measured there beside the weights it runs. One streaming a count
     of blocks is not: its count is the same at every depth, and its figures there are not reported. Said, not tried."""
     rows = real_rows(["unsloth-compile", "unsloth-compile + stream all @ 12GiB", "torch + stream 30 @ 16GiB"])
-    assert not b.any_capped(real_rows(["unsloth-compile", "torch + stream 30"]), None)
-    assert b.any_capped(rows, None) and b.any_capped(real_rows(["torch"]), 24.0)
+    assert not b.parks_at_fit_depths(real_rows(["unsloth-compile", "torch + stream 30"]), None), "nothing capped"
+    assert not b.parks_at_fit_depths(real_rows(["auto @ 24GiB", "torch + stream 30 @ 16GiB"]), None), \
+        "every capped row is left to the full depth"
+    assert b.parks_at_fit_depths(rows, None) and b.parks_at_fit_depths(real_rows(["torch"]), 24.0)
     rule_out = b.capped_at_fit_depth(rows, None)
     assert rule_out("unsloth-compile") is None and rule_out("unsloth-compile + stream all @ 12GiB") is None
     assert "streams a count of blocks, the same count at every depth" in rule_out("torch + stream 30 @ 16GiB")

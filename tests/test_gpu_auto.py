@@ -264,16 +264,14 @@ def test_gpu_auto_measures_each_candidate_with_the_blocks_outside_the_cut_in_hos
     deepest = sum(plan.counts(plan.fit_depths(None)[1]).values())
     outside = (len(model.blocks) - deepest) * _block_bytes(model)
     tensors = {name: (t, t.detach().clone()) for name, t in model.state_dict(keep_vars=True).items()}
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
     with measuring.recorded() as log, gradseam.patch(model, AUTO) as handle:
         got = run_step(model, gpu, count_bytes=False)
         err = capsys.readouterr().err
         assert "moved to host memory" in err and "moved back from host memory" in err, err
         bases = sorted(m.base_gib * (1 << 30) for m in log)
-        # every shallow measurement began with the blocks outside its cut off the GPU; the plan's run, with all back
-        shallow = [b for b in bases if b < before - outside + _block_bytes(model)]
-        assert len(shallow) >= 2 and bases[-1] > before - _block_bytes(model), (before, outside, bases)
+        # the shallowest measurement began with at least the blocks outside the deeper cut off the GPU, the plan's
+        # run on the whole model with every block back (without parking, they differ by the inputs' few KiB)
+        assert len(bases) >= 3 and bases[-1] - bases[0] >= outside, (outside, bases)
         atol = max(1e-5, 4 * spread, COMPILED_TOLERANCE if "compile" in str(handle.auto.config.to_dict()) else 0.0)
         assert_same_step(want, got, atol=atol, what="auto, measured with the blocks outside each cut parked")
     now = model.state_dict(keep_vars=True)

@@ -544,7 +544,7 @@ def real(
     measured_depths = [*fit_depths, *([plan.full] if full and plan.full not in fit_depths else [])]
     cpu = device == "cpu"
     # a capped row at a fit depth of a full run runs beside the blocks it does not: they wait in host memory
-    with parking(workload.model, _parking_line) if full and not cpu and any_capped(chosen, gpu_memory_gib) \
+    with parking(workload.model, _parking_line) if full and not cpu and parks_at_fit_depths(chosen, gpu_memory_gib) \
             else nullcontext():
         _measure_depths(run, workload, tokens, measured_depths, fit_depths, chosen, at_full, full, device, steps,
                         on_row, gpu_memory_gib, host_memory_gib)
@@ -615,9 +615,14 @@ def refused_before(results: list[Result], workload: str,
     return rule
 
 
-def any_capped(rows: list[tuple[str, dict[str, Any] | None]], gpu_memory_gib: float | None) -> bool:
-    """Whether any row runs under a GPU memory cap (its own, or ``--gpu-memory``'s)."""
-    return any((config or {}).get(GPU_CAP_KEY, gpu_memory_gib) is not None for _, config in rows)
+def parks_at_fit_depths(rows: list[tuple[str, dict[str, Any] | None]], gpu_memory_gib: float | None) -> bool:
+    """Whether a full run parks the blocks outside its fit depths: where a row runs there under a GPU memory cap (its
+    own, or ``--gpu-memory``'s). Not for a run whose capped rows are all left to the full depth
+    (:func:`capped_at_fit_depth`): an ``auto @ 24GiB`` row alone parked HunyuanVideo 1.5's 14.8 GiB for nothing, 12 s
+    of copies on an H100."""
+    rule_out = capped_at_fit_depth(rows, gpu_memory_gib)
+    return any((config or {}).get(GPU_CAP_KEY, gpu_memory_gib) is not None and rule_out(name) is None
+               for name, config in rows)
 
 
 def capped_at_fit_depth(rows: list[tuple[str, dict[str, Any] | None]],
