@@ -26,7 +26,7 @@ from gradseam.offload import cpu_test_mode
 from gradseam.patcher import family_for
 from gradseam.testing import assert_same_step
 from gradseam.testing.steps import Step
-from gradseam.tools import auto_planner, cost_cache
+from gradseam.tools import auto_planner, cost_cache, parking
 from gradseam.tools.advise import Estimate, NoFitError, UnitCosts
 
 UNITS = 5  # the tiny Wan's blocks
@@ -198,17 +198,24 @@ def test_each_candidate_is_measured_with_the_blocks_outside_its_cut_parked_and_t
             lambda module, args: seen.append(tuple(all(p.numel() == 0 for p in b.parameters()) for b in blocks)))
         return _cpu_measure_on(request)
 
-    previous = use_planner(functools.partial(auto_planner.plan, measure_on=measure_on))
+    runs: list = []
+    previous = use_planner(functools.partial(auto_planner.plan, measure_on=measure_on, check_on=_cpu_check_on(runs)))
     try:
         with cpu_test_mode():
             model = WAN.fresh()
             data = {name: t.detach().clone() for name, t in model.state_dict().items()}
-            with gradseam.patch(model, {**AUTO, "gradient_checkpointing_gpu_memory": 40}):
-                _step(model, _inputs())
+            with gradseam.patch(model, {**AUTO, "gradient_checkpointing_gpu_memory": 40}) as handle:
+                got = _step(model, _inputs())
                 assert (False, True, True, True, True) in seen and (False, False, True, True, True) in seen, seen
-                assert seen[-1] == (False,) * 5, "the training step ran without every block"
+                assert runs and handle.auto.planned.measured is not None, "the plan was not run on the whole model"
+                # the plan's run on the whole model (its warm-up and timed step) and the training step: every block
+                assert seen[-3:] == [(False,) * 5] * 3, seen
                 assert "moved to host memory" in capsys.readouterr().err
             assert all(torch.equal(t, data[name]) for name, t in model.state_dict().items())
+            explicit = WAN.fresh()
+            with gradseam.patch(explicit, handle.auto.config.given_keys()):
+                expected = _step(explicit, _inputs())
+            assert_same_step(expected, got, what="auto, measured with the blocks outside each cut parked, vs its config")
     finally:
         use_planner(previous)
 
@@ -350,10 +357,15 @@ def test_when_the_weights_are_what_does_not_fit_auto_streams_some_and_trains_exa
     calls: list = []
     budgets = {"gradient_checkpointing_gpu_memory": 8.4, "gradient_checkpointing_host_memory": 64}
     previous = use_planner(functools.partial(auto_planner.plan, measure_on=_streaming_measure_on(calls)))
+    sessions: list = []
+    parking_session = parking.Parking.__init__
+    monkeypatch.setattr(parking.Parking, "__init__", lambda self, *a, **k: (sessions.append(self),
+                                                                           parking_session(self, *a, **k))[1])
     try:
         with cpu_test_mode():
             handle = gradseam.patch(model, {**AUTO, **budgets})
             got = _step(model, inputs)
+            assert len(calls) > 1 and len(sessions) == 1, "the streamed rows asked for did not share one parking session"
             config = handle.auto.config
             keys = config.to_dict()
             streams = [e for e in keys.get("gradient_checkpointing_blocks", ()) if e.get(auto_planner.STREAM_KEY)]

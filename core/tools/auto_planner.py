@@ -173,12 +173,16 @@ def _plan(request: Request, measure_on: MeasureOn | None, check_on: CheckOn | No
                       streamed_per_block=len(candidates) if request.streamed else None)
 
     try:
-        advice = rechoose(gpu, host)
-        check = rows.checker(check_with, lambda config: streamed_weights_gib(request, config, weights)) \
-            if rows is not None and check_with else None
-        settled = plan_check.settle(advice, table, check,
-                                    rechoose, gpu_gib=gpu, host_gib=host, depth=table.depth_note.split(" (")[0])
-        advice = settled.advice
+        # one parking session for the streamed rows a budget asks for, each measured when asked, between the plan's
+        # checks: the weights outside the cut leave the GPU once, not once a row (HunyuanVideo 1.5's 14.8 GiB took
+        # 12 s each way and back on an H100); each check brings them all back first
+        with rows.parked() if rows is not None else nullcontext():
+            advice = rechoose(gpu, host)
+            check = rows.checker(check_with, lambda config: streamed_weights_gib(request, config, weights)) \
+                if rows is not None and check_with else None
+            settled = plan_check.settle(advice, table, check,
+                                        rechoose, gpu_gib=gpu, host_gib=host, depth=table.depth_note.split(" (")[0])
+            advice = settled.advice
     finally:
         if len(table.results) > known or len(table.checked) > checked or table.link_gib_s != link:
             # the next run reads what this one measured
@@ -438,8 +442,13 @@ class _Rows:
         name = type(self.request.model).__name__
 
         def check(config: Mapping[str, Any]) -> Estimate | str:
+            from .parking import session_of
+
             if not made:
                 made.append(check_on(self.request))
+            parked = session_of(self.request.model)
+            if parked is not None:
+                parked.restore()  # the whole model runs: every block back before the run is timed
             print(f"gradseam auto: {name}: running the plan on the whole model before its first step",
                   file=sys.stderr, flush=True)
             outcome, seconds = self._timed(made[0], config, lambda what, exc: f"OOM on the whole model: {what}")
