@@ -81,7 +81,7 @@ def test_a_cut_model_steps_exactly_alike_with_the_blocks_it_leaves_out_parked():
     assert_same_step(want, got, what="the cut model with the rest parked vs not")
 
 
-def test_a_tensor_the_cut_model_still_uses_and_a_quantized_one_stay_where_they_are():
+def test_a_tensor_the_cut_model_still_uses_a_quantized_one_and_a_view_stay_where_they_are():
     class Quantized(torch.Tensor):
         """A stand-in for a quantized weight's tensor subclass, whose data a swap is not defined for."""
 
@@ -90,10 +90,13 @@ def test_a_tensor_the_cut_model_still_uses_and_a_quantized_one_stay_where_they_a
     shared = blocks[0].ffn.net[0].proj.weight
     blocks[4].ffn.net[0].proj.weight = shared  # tied: block 0 runs it
     blocks[4].register_buffer("scale", torch.ones(8).as_subclass(Quantized))
+    flat = torch.zeros(16)
+    blocks[4].register_buffer("slice", flat[8:])  # a view into a larger buffer
     before = _snapshot(model)
     with parking(model), at_depth(model, plan, 2):
         assert shared.numel() > 0, "parked a tensor the cut model uses"
         assert blocks[4].scale.numel() == 8, "parked a tensor subclass"
+        assert blocks[4].slice.numel() == 8, "parked a view into a larger buffer"
         assert blocks[4].ffn.net[0].proj.bias.numel() == 0, "the rest of the block is parked"
     _assert_as_before(model, before)
 

@@ -151,5 +151,8 @@ def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
 
 
 def _parkable(t: torch.Tensor) -> bool:
-    """A plain tensor holding data on a real device (not a quantized subclass, not already empty)."""
-    return type(t) in (nn.Parameter, torch.Tensor) and t.device.type != "meta" and t.numel() > 0
+    """A plain tensor holding data on a real device (not a quantized subclass, not already empty) that is the whole of
+    its storage: one that is a view into a larger buffer (weights loaded as slices of one flat tensor) would free
+    nothing when parked, and would come back as a copy of its own, no longer a view of that buffer."""
+    return type(t) in (nn.Parameter, torch.Tensor) and t.device.type != "meta" and t.numel() > 0 \
+        and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.nbytes
