@@ -77,14 +77,37 @@ def test_a_plan_slower_on_the_whole_model_than_predicted_is_planned_again_from_w
     settled = planner.settle(80.0, 96.0)
     assert plan_check.name_of(settled.advice) == "compile" and settled.measured.step_ms == pytest.approx(496.5, abs=0.1)
     assert planner.runs == [BUDGET_03, {"gradient_checkpointing": True, "gradient_checkpointing_backend": "compile"}]
-    # the slow candidate's costs are now what it measured, per unit too, so every later plan sees them
-    now = planner.table.results["unsloth-compile, budget 0.3"]
+    # the slow candidate's costs are now what it measured, per unit too, so every later plan of this planning sees
+    # them; the table keeps its measured row, which a run reading it replays the same rounds from
+    now = planner.table.moved["unsloth-compile, budget 0.3"]
     assert now.step_ms == 603.4 and "when auto checked its plan" in now.source
+    assert planner.table.results["unsloth-compile, budget 0.3"].step_ms == pytest.approx(431.4, abs=0.1)
     units = now.unit_costs
     assert units.step_fixed_ms + units.units * units.step_ms == pytest.approx(603.4)
     report = settled.report()
     assert "unsloth-compile, budget 0.3: GPU 23.31 GiB (predicted 23.31)" in report
     assert "step 603.4 ms (predicted 431.4)" in report and "compile: GPU" in report
+
+
+def test_a_table_saved_after_every_plan_ran_slow_replays_the_same_rounds_and_runs_nothing(flux, tmp_path):
+    """Each plan checked on the whole model ran slower than predicted (as four test workers sharing one H100 made
+    them), so the rounds ran out: a run reading the saved table settles on the same plan from the checked plans alone.
+    Until the thirty-second session the moved costs were saved, and that run began from a plan never checked."""
+    first = Planner(RESIDENT, flux, static=22.3)
+
+    def half_again(config):  # every plan: half again its predicted step
+        found = next(first.table.results[label] for label, known in first.candidates if gradseam_keys(known) == config)
+        return Estimate(found.peak_gib, 1.5 * found.step_ms, found.pinned_gib)
+
+    first.answer = half_again
+    settled = first.settle(80.0, 96.0)
+    assert len(first.runs) == plan_check.ROUNDS, first.runs
+    saved = tmp_path / "table.json"
+    saved.write_text(json.dumps(first.table.to_json({"device": "NVIDIA H100 80GB HBM3"})))
+    again = Planner(saved, flux, static=22.3, answer=lambda config: pytest.fail(f"ran {config} again"))
+    replayed = again.settle(80.0, 96.0)
+    assert plan_check.config_of(replayed.advice) == plan_check.config_of(settled.advice)
+    assert replayed.lines == settled.lines and not again.runs
 
 
 def test_a_plan_that_runs_as_predicted_is_run_once_and_kept(flux):

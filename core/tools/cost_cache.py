@@ -61,6 +61,12 @@ class Table:
     # the host link's rate in GiB/s as streaming uses it (gradseam.tools.host_link), measured once for the table:
     # a streamed candidate's step is modelled from it; None where not measured (no CUDA, nothing to stream)
     link_gib_s: float | None = None
+    # by label, a uniform candidate's costs moved onto what its plan measured on the whole model, for the rest of one
+    # planning (:mod:`gradseam.tools.plan_check`); never saved: a run reading the table replays the same rounds from
+    # the rows and the checked plans. Saved (until the thirty-second session), a first run whose three checks all ran
+    # slow (four test workers sharing one GPU) left the next run a moved table, whose first plan was one never run:
+    # it ran it, where the cache was to answer every plan
+    moved: dict[str, Estimate] = field(default_factory=dict)
 
     def missing(self) -> list[tuple[str, Mapping[str, Any]]]:
         """The candidates not measured yet (an incomplete table's): a resumed run measures only these."""
@@ -73,7 +79,7 @@ class Table:
         """``config``'s estimate, why it has none, or None when it is not a candidate of this table."""
         for label, known in self.candidates:
             if dict(known) == dict(config):
-                return self.results.get(label, f"unsupported: {label} was not measured")
+                return self.moved.get(label) or self.results.get(label, f"unsupported: {label} was not measured")
         return None
 
     def add(self, label: str, config: Mapping[str, Any], result: Estimate | str) -> None:

@@ -18,7 +18,8 @@ prediction:
 
 - **Over a budget, or out of memory**: the plan is made again under a GPU budget lowered by what it overshot (by
   :data:`MARGIN` of the budget where it ran out of memory and the overshoot is unknown); a uniform candidate's costs
-  also become what it measured at the real depth (for an out-of-memory one: at least the budget).
+  also become what it measured at the real depth (for an out-of-memory one: at least the budget), for the rest of
+  this planning (:attr:`gradseam.tools.cost_cache.Table.moved`: the table keeps what the two depths measured).
 - **More than** :data:`SLOWER` **slower than predicted**: a uniform candidate's costs become what it measured and the
   planner chooses again (the same choice again ends it); a mix gives way to the best uniform candidate where that is
   predicted faster than the mix measured.
@@ -27,7 +28,7 @@ prediction:
   took.
 
 What each plan measured is kept in the cost table (:attr:`gradseam.tools.cost_cache.Table.checked`), so a restart,
-or every rank of a distributed run, settles on the same plan without running one. A plan that ran out of memory is
+or every rank of a distributed run, replays the same rounds from it and settles on the same plan without running one. A plan that ran out of memory is
 kept with the GPU budget it ran under (another budget runs it again); a measured one for every budget, since the
 peak and the time do not depend on the budget.
 """
@@ -185,15 +186,15 @@ def _next_after_uniform(advice: Advice, table: cost_cache.Table, measured: Estim
     with "no plan held the budgets" where streaming three blocks more fits."""
     assert advice.chosen is not None
     label = advice.chosen.label
-    estimate = table.results.get(label)
+    estimate = table.moved.get(label) or table.results.get(label)
     if not isinstance(estimate, Estimate):
         return None
     why = f"measured at the real depth ({depth or 'the whole model'}) when auto checked its plan"
     if measured is None:
         at_least = max(estimate.peak_gib, gpu_gib - advice.static_gib + 1e-3)
-        table.results[label] = measured_costs(estimate, at_least, estimate.step_ms, estimate.pinned_gib, why)
+        table.moved[label] = measured_costs(estimate, at_least, estimate.step_ms, estimate.pinned_gib, why)
     else:
-        table.results[label] = measured_costs(estimate, measured.peak_gib, measured.step_ms, measured.pinned_gib, why)
+        table.moved[label] = measured_costs(estimate, measured.peak_gib, measured.step_ms, measured.pinned_gib, why)
     gpu = _lowered(advice, advice.gpu_gib, measured, gpu_gib) if over_gpu else advice.gpu_gib
     if gpu <= 0:
         return None
