@@ -75,11 +75,16 @@ class Table:
     def ladder(self) -> list[tuple[str, dict[str, Any]]]:
         return [(label, dict(config)) for label, config in self.candidates if label in self.results]
 
+    def current(self, label: str) -> Estimate | str | None:
+        """``label``'s row as this planning sees it: moved onto what its plan measured on the whole model, if it was."""
+        return self.moved.get(label) or self.results.get(label)
+
     def lookup(self, config: Mapping[str, Any]) -> Estimate | str | None:
         """``config``'s estimate, why it has none, or None when it is not a candidate of this table."""
         for label, known in self.candidates:
             if dict(known) == dict(config):
-                return self.moved.get(label) or self.results.get(label, f"unsupported: {label} was not measured")
+                found = self.current(label)
+                return found if found is not None else f"unsupported: {label} was not measured"
         return None
 
     def add(self, label: str, config: Mapping[str, Any], result: Estimate | str) -> None:

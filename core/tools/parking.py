@@ -33,10 +33,13 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import chain
 from time import perf_counter
 
 import torch
 from torch import nn
+
+from ..offload.weights import tensor_ids
 
 GiB = 1 << 30
 
@@ -59,17 +62,16 @@ class Parking:
         self._parked: dict[int, _Parked] = {}
         self.parked_bytes = 0  # in host memory now
         self.moved_bytes = 0  # copied either way in this session
-        self.seconds = 0.0  # spent copying
 
     def hold_only(self, outside: Iterable[nn.Module]) -> None:
         """Park every tensor of ``outside`` (the blocks the cut model leaves out) that the model as cut does not use,
         and bring back every parked tensor it uses again."""
         start, moved = perf_counter(), self.moved_bytes
-        used = {id(t) for t in _tensors(self.model)}
+        used = tensor_ids(self.model)
         for key in [key for key in self._parked if key in used]:
             self._unpark(key)
         for block in outside:
-            for t in _tensors(block):
+            for t in chain(block.parameters(), block.buffers()):
                 if id(t) not in used and id(t) not in self._parked and _parkable(t):
                     self._park(t)
         if self.moved_bytes > moved:
@@ -109,7 +111,6 @@ class Parking:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the time a user waits, so the copies are done before it is read
         seconds = perf_counter() - start
-        self.seconds += seconds
         if self.report is not None:
             self.report(f"{moved / GiB:.2f} GiB of the weights of blocks outside the cut model moved "
                         f"{'to' if self.parked_bytes else 'back from'} host memory in {seconds:.1f} s "
@@ -137,17 +138,6 @@ def parking(model: nn.Module, report: Callable[[str], None] | None = None) -> It
 def session_of(model: nn.Module) -> Parking | None:
     """The parking session open for ``model``, if any."""
     return _sessions.get(model)
-
-
-def _tensors(module: nn.Module) -> Iterator[torch.Tensor]:
-    """Every parameter and buffer of ``module``, each once."""
-    seen: set[int] = set()
-    for owner in module.modules():
-        for kind in (owner._parameters, owner._buffers):
-            for t in kind.values():
-                if t is not None and id(t) not in seen:
-                    seen.add(id(t))
-                    yield t
 
 
 def _parkable(t: torch.Tensor) -> bool:

@@ -186,7 +186,7 @@ def _next_after_uniform(advice: Advice, table: cost_cache.Table, measured: Estim
     with "no plan held the budgets" where streaming three blocks more fits."""
     assert advice.chosen is not None
     label = advice.chosen.label
-    estimate = table.moved.get(label) or table.results.get(label)
+    estimate = table.current(label)
     if not isinstance(estimate, Estimate):
         return None
     why = f"measured at the real depth ({depth or 'the whole model'}) when auto checked its plan"
