@@ -158,9 +158,11 @@ class AutoPlanning:
         self._busy = True
         self.handle.active = False  # a patch the planner makes to measure must not replace this one
         try:
+            from .modules import untouched  # here, not at import: `import gradseam` stays free of torch
+
             # what this patch runs until planned steps aside: the measuring patches checkpoint (and stream the
             # blocks they keep) themselves
-            with self.handle.set_aside(), _untouched(module, request.inputs):
+            with self.handle.set_aside(), untouched(module, request.inputs):
                 return planner(request)
         finally:
             self._busy = False
@@ -248,31 +250,3 @@ def _by_name(module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str
         raise GradseamError(f"gradient_checkpointing_backend \"auto\" could not name the forward's arguments of "
                             f"{type(module).__name__} ({exc}); call the model with keyword arguments.") from None
     return dict(bound.arguments)
-
-
-class _untouched:
-    """Puts back what a planner's measuring steps change that the user sees: every parameter's and input
-    leaf's ``.grad`` (a measured backward accumulates into them) and the CPU and CUDA generators' states
-    (a measured forward draws from them: dropout, noise)."""
-
-    def __init__(self, model: nn.Module, inputs: Mapping[str, Any]) -> None:
-        import torch
-
-        from .modules import grad_leaves  # here, not at import: `import gradseam` stays free of torch
-
-        self.grads = [(t, t.grad) for t in [*model.parameters(), *grad_leaves(inputs)]]  # nested inputs too
-        self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-
-    def __enter__(self) -> None:
-        for tensor, _ in self.grads:
-            tensor.grad = None
-
-    def __exit__(self, *exc: object) -> None:
-        import torch
-
-        for tensor, grad in self.grads:
-            tensor.grad = grad
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)

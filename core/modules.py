@@ -1,5 +1,5 @@
 """Finding things in a module tree: a dotted path, the block inside a wrapper, a model's device, the tensors
-in a model's (nested) inputs or outputs.
+in a model's (nested) inputs or outputs; and putting back what measuring steps on a user's model change.
 
 Small and free of policy, so that every layer above (planning, the kinds' refusals, the run layer,
 the handle, the tools) asks these questions one way. Imports nothing of gradseam.
@@ -73,3 +73,27 @@ def tensors(obj: Any) -> list[torch.Tensor]:
 def grad_leaves(inputs: Any) -> list[torch.Tensor]:
     """The leaf tensors of ``inputs`` that gather gradients (``.grad``): the latents a step differentiates."""
     return [t for t in tensors(inputs) if t.requires_grad and t.is_leaf]
+
+
+class untouched:  # noqa: N801 - a context manager, named for how it reads: `with untouched(model, inputs):`
+    """Puts back what measuring steps on a user's own model change that the user sees: every parameter's and
+    input leaf's ``.grad`` (a measured backward accumulates into them; a trainer that zeroes its gradients after
+    ``optimizer.step()``, as diffusers' scripts do, would otherwise add them to its first step) and the CPU and CUDA
+    generators' states (a measured forward draws from them: dropout, noise). Used by ``"auto"``'s planning and by
+    :func:`gradseam.advise`."""
+
+    def __init__(self, model: nn.Module, inputs: Mapping[str, Any]) -> None:
+        self.grads = [(t, t.grad) for t in [*model.parameters(), *grad_leaves(inputs)]]  # nested inputs too
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def __enter__(self) -> None:
+        for tensor, _ in self.grads:
+            tensor.grad = None
+
+    def __exit__(self, *exc: object) -> None:
+        for tensor, grad in self.grads:
+            tensor.grad = grad
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)

@@ -302,6 +302,42 @@ def test_gpu_parking_frees_the_gpu_memory_of_the_blocks_left_out_and_brings_it_b
     assert all(torch.equal(t, data[name]) and t.device.type == "cuda" for name, t in model.state_dict().items())
 
 
+def test_gpu_advise_measures_the_users_whole_model_with_the_blocks_outside_each_cut_parked_and_leaves_no_trace(
+        monkeypatch):
+    """``gradseam.advise`` on a model that is whole on its GPU (the Python API): each cut is measured with the blocks
+    it leaves out in host memory, and afterwards every tensor is back on the GPU as it was, its gradient too (a
+    measured backward no longer accumulates into the user's ``.grad``)."""
+    from gradseam.patcher import family_for
+    from gradseam.tools import advise as advising
+    from gradseam.tools import measure as measuring
+    from gradseam.tools.depth import plan_for
+
+    monkeypatch.setattr(advising, "LADDER", [("none", dict(advising.OFF))])  # one rung: what is measured is the point
+    gpu = _on_cuda(WIDE_WAN)
+    model = _frozen(gpu)
+    plan = plan_for(model, family_for(model))
+    deepest = sum(plan.counts(plan.fit_depths(None)[1]).values())
+    outside = (len(model.blocks) - deepest) * _block_bytes(model)
+    trains = next(p for p in model.parameters() if p.requires_grad)
+    trains.grad = torch.full_like(trains, 0.5)
+    tensors = {name: (t, t.detach().clone(), None if t.grad is None else t.grad.clone())
+               for name, t in model.state_dict(keep_vars=True).items()}
+    lines: list[str] = []
+    with measuring.recorded() as log:
+        advice = advising.advise(model, gpu.inputs(torch.Generator().manual_seed(0)), 40.0, block_gib=[], pinnable_gib=8.0,
+                        progress=lambda line, done: lines.append(line))
+    assert advice.chosen is not None and advice.chosen.label == "none", advice.chosen
+    bases = sorted(m.base_gib * (1 << 30) for m in log)
+    # the shallowest measurement began with at least the blocks outside the deeper cut off the GPU
+    assert len(bases) >= 2 and bases[-1] - bases[0] >= outside, (outside, bases)
+    assert any(line.startswith("parking: ") for line in lines), lines
+    now = model.state_dict(keep_vars=True)
+    for name, (t, data, grad) in tensors.items():
+        assert now[name] is t and t.device.type == "cuda" and torch.equal(t, data), f"{name} did not come back"
+        assert (t.grad is None) if grad is None else torch.equal(t.grad, grad), f"{name}'s gradient changed"
+    torch.cuda.synchronize()
+
+
 def test_gpu_bench_auto_row_patches_a_model_larger_than_its_cap_on_the_cpu_and_gives_it_back(tmp_path, monkeypatch):
     """``gradseam bench --row "auto @ SIZE"`` on a model whose weights the cap cannot hold: as a user loads it, the
     model goes to the CPU, is patched with "auto" (its blocks' weights stay in host memory), moves to the GPU,

@@ -131,3 +131,37 @@ def test_each_move_is_reported_with_its_size():
     assert len(lines) == 2, lines
     assert "moved to host memory" in lines[0] and "GiB parked now" in lines[0]
     assert "moved back from host memory" in lines[1] and "(0.00 GiB parked now)" in lines[1]
+
+
+def test_advise_measures_the_users_whole_model_with_the_blocks_outside_each_cut_parked(monkeypatch):
+    """``gradseam.advise`` on the user's whole model (the Python API; the CLI builds its model cut already): every cut
+    it measures runs with the blocks it leaves out parked, and the model is as it was after, gradients included (until
+    the thirty-third session every measured backward accumulated into them). The GPU measurement is swapped for the
+    CPU one, which runs the same cuts; ``tests/test_gpu_auto.py`` checks the memory on the GPU."""
+    from gradseam.tools import advise as advising
+
+    model, plan = _wan()
+    blocks = list(model.blocks)
+    seen: list[list[bool]] = []
+
+    def loss_fn(output: object) -> torch.Tensor:  # runs inside each measured step, on the model as cut
+        seen.append([_parked(b) for b in blocks])
+        return output[0].float().square().mean()
+
+    def cpu_measure(model, inputs, loss_fn, static_gib, depths, depth, plan):  # _gpu_measure's signature
+        measure, note = advising.depth_measure(model, inputs, loss_fn, depths=(1, 2), device="cpu")
+        return measure, note, 0.0, True
+
+    monkeypatch.setattr(advising, "_gpu_measure", cpu_measure)
+    monkeypatch.setattr(advising, "LADDER", [("none", dict(advising.OFF))])
+    model.blocks[0].ffn.net[0].proj.weight.grad = torch.full_like(model.blocks[0].ffn.net[0].proj.weight, 0.5)
+    before = _snapshot(model)
+    lines: list[str] = []
+    advice = advising.advise(model, WAN.inputs(torch.Generator().manual_seed(0)), 80.0, loss_fn, block_gib=[],
+                             pinnable_gib=64.0, progress=lambda line, done: lines.append(line))
+    assert advice.chosen is not None and advice.chosen.label == "none"
+    cuts = {tuple(s) for s in seen}
+    assert cuts == {(False, True, True, True, True), (False, False, True, True, True)}, seen
+    assert any(line.startswith("parking: ") for line in lines), lines  # each move is reported with the rest
+    assert session_of(model) is None
+    _assert_as_before(model, before)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import replace
 from typing import Any
 
@@ -614,10 +615,14 @@ def advise(
     of each candidate as it starts (``done`` False) and as it ends, with its own seconds (``done`` True): a large
     model's ladder takes minutes. ``link_gib_s``: the host link's rate, from which streamed rungs' steps are
     modelled (:mod:`gradseam.tools.host_link`; measured on the GPU unless given; with ``measure=``, only if given).
+    Measured on the GPU, ``model`` is left as it was: the blocks each cut leaves out wait in host memory while it runs
+    (:mod:`gradseam.tools.parking`), and every ``.grad`` and the random generators' states are put back
+    (:class:`gradseam.modules.untouched`).
     """
     gpu_gib = parse_size(_gpu_argument(gpu, budget))
     supports_interval = True
     note = ""
+    around: list[AbstractContextManager[Any]] = []  # what the GPU measurement runs inside
     if measure is None:
         measure, note, static_gib, supports_interval = _gpu_measure(model, example_inputs, loss_fn, static_gib,
                                                                     depths, depth, plan)
@@ -633,11 +638,22 @@ def advise(
             from .host import pinnable_gib as host_pinnable
 
             pinnable_gib = host_pinnable()
+        from ..modules import untouched
+        from .parking import parking
+
+        # the measured steps run on the user's own model: its gradients and random generators are put back after,
+        # and each cut is measured with the blocks it leaves out parked in host memory (gradseam.tools.parking), or
+        # a model that fits its card with little to spare beside its weights could measure nothing
+        around = [untouched(model, example_inputs),
+                  parking(model, (lambda line: progress(f"parking: {line}", True)) if progress is not None else None)]
     if progress is not None:
         measure = reporting(measure, progress)
     from ..run.compiled import sharing
 
-    with sharing():  # each compiled candidate is patched at two depths: it compiles once (sharing() says why)
+    with ExitStack() as measuring:
+        for context in around:
+            measuring.enter_context(context)
+        measuring.enter_context(sharing())  # each compiled candidate is patched at two depths: it compiles once
         advice = run_ladder(measure, gpu_gib, static_gib or 0.0, supports_interval=supports_interval,
                             pinnable_gib=pinnable_gib, block_gib=block_gib, link_gib_s=link_gib_s)
     advice.depth_note = note
