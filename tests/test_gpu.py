@@ -135,6 +135,36 @@ def test_gpu_compiled_backends_fp32(case):
         assert_same_step(b, c, atol=spread, what=f"{case.name} unsloth-compile vs compile")
 
 
+# Blocks a user compiles after patching (diffusers' compile_repeated_blocks): the offload backends' regions run inside
+# the compiled frame, and the engine's copies (issued when a region's group closes) must stay out of the graph.
+USER_COMPILED = [GPU_CONFIGS[i] for i in (1, 2)]  # unsloth + attention offload, unsloth-ffn
+
+
+@pytest.mark.parametrize("config", USER_COMPILED, ids=config_id)
+def test_gpu_blocks_compiled_after_patching_offload_eagerly_and_train_like_compiled_unpatched(config):
+    """Inductor refused the engine's record_stream when dynamo traced a region's group closing into the block's graph
+    (``gradseam advise``'s ``compiled: unsloth + attention offload`` rung on Flux dev, an H200): the copies now run
+    outside it, and the step matches the same blocks compiled without gradseam within the GPU's spread."""
+    gpu = _on_cuda(WAN)
+    steps = []
+    for patched in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(WAN.seed)
+        model = gpu.build()
+        handle = gradseam.patch(model, config) if patched else None
+        model.compile_repeated_blocks()
+        try:
+            steps.append([run_step(model, gpu, count_bytes=False) for _ in range(2)])
+            if handle is not None:
+                assert handle.engine is not None and handle.engine.copies > 0
+        finally:
+            if handle is not None:
+                handle.remove()
+    (want, again), (got, _) = steps
+    assert_same_step(want, got, atol=max(1e-5, 4 * _spread(want, again)), what="compiled blocks, patched vs not")
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize(("case", "config"), MATRIX, ids=[f"{c.name}-{config_id(k)}" for c, k in MATRIX])
 def test_gpu_parity_fp32(case, config):
     """Tiny fp32 models on the GPU: offload through pinned buffers and side streams changes nothing.

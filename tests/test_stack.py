@@ -304,8 +304,17 @@ def test_compiled_blocks_match_compiled_unpatched(case, config, backend):
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = case.build()
+    compiling: list[bool] = []  # for each batch of copies the engine issued: whether dynamo was tracing it
     with cpu_test_mode():
         handle = gradseam.patch(model, config)
+        if handle.engine is not None:
+            issue = handle.engine._issue
+
+            def watched(device: torch.device, batch: list) -> None:
+                compiling.append(torch.compiler.is_compiling())
+                issue(device, batch)
+
+            handle.engine._issue = watched
         model.compile_repeated_blocks(backend=backend)
         for step in (1, 2):
             got = _compiled_step(model, case)
@@ -314,6 +323,9 @@ def test_compiled_blocks_match_compiled_unpatched(case, config, backend):
     assert all(r.ran for r in handle.regions() if r.shape != "attention"), handle.regions()
     if handle.engine is not None:
         assert handle.engine.copies > 0  # the offload hooks ran (eagerly, around the compiled code)
+        # and so did the copies they issue: traced, a CUDA copy's record_stream landed in an inductor graph, which
+        # refused it (an H200; the CPU's copies have none, so only this says that the engine ran outside the graph)
+        assert compiling and not any(compiling), compiling
     handle.remove()
     torch._dynamo.reset()
 

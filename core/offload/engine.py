@@ -400,6 +400,11 @@ class OffloadEngine:
             # The allocator must not reuse these bytes before the copy has read them, whenever we let go.
             stored.src.record_stream(d2h)  # type: ignore[union-attr]
 
+    # Never traced by dynamo, as the pack hook (see group): a block compiled after patching (`compile_repeated_blocks`)
+    # runs the region's `with engine.group()` inside its compiled frame, and closing the group issues the copies, so
+    # dynamo traced `_issue` into the graph and inductor refused its record_stream (`gradseam advise` on Flux dev, the
+    # `compiled: unsloth + attention offload` rung, an H200, 2026-12-06; the CPU's copies have no record_stream).
+    @torch.compiler.disable
     def _close(self, group: _Group) -> None:
         for device in self._flush(group):
             if device.type == "cuda":
