@@ -149,7 +149,7 @@ def test_advise_measures_the_users_whole_model_with_the_blocks_outside_each_cut_
         return output[0].float().square().mean()
 
     def cpu_measure(model, inputs, loss_fn, static_gib, depths, depth, plan):  # _gpu_measure's signature
-        measure, note = advising.depth_measure(model, inputs, loss_fn, depths=(1, 2), device="cpu")
+        measure, note = advising.depth_measure(model, inputs, loss_fn, depths=depths, device="cpu")
         return measure, note, 0.0, True
 
     monkeypatch.setattr(advising, "_gpu_measure", cpu_measure)
@@ -158,10 +158,35 @@ def test_advise_measures_the_users_whole_model_with_the_blocks_outside_each_cut_
     before = _snapshot(model)
     lines: list[str] = []
     advice = advising.advise(model, WAN.inputs(torch.Generator().manual_seed(0)), 80.0, loss_fn, block_gib=[],
-                             pinnable_gib=64.0, progress=lambda line, done: lines.append(line))
+                             pinnable_gib=64.0, progress=lambda line, done: lines.append(line), depths=(1, 2))
     assert advice.chosen is not None and advice.chosen.label == "none"
     cuts = {tuple(s) for s in seen}
     assert cuts == {(False, True, True, True, True), (False, False, True, True, True)}, seen
     assert any(line.startswith("parking: ") for line in lines), lines  # each move is reported with the rest
     assert session_of(model) is None
     _assert_as_before(model, before)
+
+
+def test_advise_parks_nothing_where_the_model_has_no_block_past_its_deepest_cut(monkeypatch):
+    """``gradseam advise`` (the CLI) builds its model at the deepest depth it measures: parking would move the
+    blocks between its two depths out and back for every candidate and free nothing the model needs room for."""
+    from gradseam.tools import advise as advising
+
+    model, plan = _wan()
+    seen: list[list[bool]] = []
+
+    def loss_fn(output: object) -> torch.Tensor:
+        seen.append([_parked(b) for b in model.blocks])
+        return output[0].float().square().mean()
+
+    def cpu_measure(model, inputs, loss_fn, static_gib, depths, depth, plan):
+        measure, note = advising.depth_measure(model, inputs, loss_fn, depths=depths, device="cpu")
+        return measure, note, 0.0, True
+
+    monkeypatch.setattr(advising, "_gpu_measure", cpu_measure)
+    monkeypatch.setattr(advising, "LADDER", [("none", dict(advising.OFF))])
+    lines: list[str] = []
+    advising.advise(model, WAN.inputs(torch.Generator().manual_seed(0)), 80.0, loss_fn, block_gib=[],
+                    pinnable_gib=64.0, progress=lambda line, done: lines.append(line), depths=(2, plan.full))
+    assert seen and not any(any(s) for s in seen), seen
+    assert not any(line.startswith("parking: ") for line in lines), lines
