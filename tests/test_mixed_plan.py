@@ -210,6 +210,26 @@ def test_a_mix_streams_the_fewest_units_that_free_the_gpu_and_trains_exactly():
             assert len(handle.plan.streamed) == 3
 
 
+def test_a_candidate_out_of_memory_beside_the_cut_models_weights_is_measured_with_them_streamed():
+    """Resident, ``torch`` ran out of memory at the depths measured (the cut model's weights on the GPU beside it);
+    with every block's weights streamed it fits, and is measured so, with no resident line to floor it. Before,
+    only candidates measured resident were streamed, and Wan 2.1 14B under 12 GiB found no plan at all (an H200)."""
+
+    def measure(config):
+        if STREAM not in config:
+            raise torch.OutOfMemoryError("CUDA out of memory (resident)")
+        return _streamed_measure(config)
+
+    advice = advise(WAN.build(), {}, 9.0, measure=measure, static_gib=STATIC + sum(WEIGHTS), pinnable_gib=64.0,
+                    block_gib=WEIGHTS)
+    resident = next(t for t in advice.trials if t.label == "torch")
+    assert resident.status == "OOM"
+    assert advice.chosen.label == "torch + stream all" and advice.chosen.step_ms == pytest.approx(84.0)
+    assert advice.chosen.pinned_gib == pytest.approx(sum(WEIGHTS))
+    streamed = [t.label for t in advice.trials if STREAM in t.config]
+    assert streamed.count("torch + stream all") == 1, streamed
+
+
 def test_the_planner_predicts_what_a_run_measures_of_the_plan_it_chose():
     # what bench sets its auto row's measurements against: the GPU peak with the static memory (a mix's in its
     # block order), the pinned memory (the streamed units' weights in it, as the search counts them), the step

@@ -350,15 +350,26 @@ def _streamed_per_block(advice: Advice, block_gib: list[float], measure: Measure
                         count: int = STREAMED_PER_BLOCK) -> list[Trial]:
     """The fastest checkpointing candidates a block can run on its own, measured again with every block's weights
     streamed ("+ stream all"), for the per-block plan (:mod:`gradseam.tools.mixed_plan`) to stream some units and
-    keep others resident; uniform candidates too. The ones that fit."""
-    from .mixed_plan import per_block
+    keep others resident; uniform candidates too. The ones that fit.
+
+    After the measured ones, those that ran out of memory with the cut model's weights on the GPU: streamed, the
+    weights they ran beside leave. Wan 2.1 14B at 480p under 12 GiB (an H200, the thirty-third session) ran every
+    candidate out of memory at its resident depths 2 and 4 (2.7 GiB of weights at depth 4 beside ~9 GiB the
+    compiled candidates take when streamed), and ``auto`` found no plan; measured streamed, with nothing resident to
+    compare them with, they are what the plan is made of."""
+    from .mixed_plan import per_block, runs_per_block
 
     have = {t.label for t in advice.trials}
-    chosen = [t for t in advice.trials if per_block(t) and t.config.get("gradient_checkpointing")
-              and not t.config.get(STREAM_KEY) and f"{t.label} + stream all" not in have]
+
+    def wanted(t: Trial) -> bool:
+        return bool(t.config.get("gradient_checkpointing")) and not t.config.get(STREAM_KEY) \
+            and f"{t.label} + stream all" not in have
+
+    measured = sorted((t for t in advice.trials if per_block(t) and wanted(t)), key=lambda t: t.step_ms or 0.0)
+    beside_weights = [t for t in advice.trials if t.status == "OOM" and runs_per_block(t.config) and wanted(t)]
     streamed = sum(block_gib)
     fits = []
-    for rung in sorted(chosen, key=lambda t: t.step_ms or 0.0)[:count]:
+    for rung in [*measured, *beside_weights][:count]:
         trial = Trial(f"{rung.label} + stream all", {**rung.config, STREAM_KEY: "all"})
         advice.trials.append(trial)
         if _try_streamed(trial, advice, measure, streamed, rung):

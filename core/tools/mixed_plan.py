@@ -33,6 +33,7 @@ longest list is planned per block and the others run the plan's top-level candid
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,11 +101,16 @@ def per_block(trial: Trial) -> bool:
     blocks spread over the model is the model's choice, not one block's."""
     if trial.unit_costs is None or trial.peak_gib is None or trial.step_ms is None:
         return False
-    if set(trial.config) - set(gradseam_keys(trial.config)):
+    return runs_per_block(trial.config)
+
+
+def runs_per_block(config: Mapping[str, Any]) -> bool:
+    """Whether a block can run ``config`` on its own, inside a per-block plan (:func:`per_block`, measured or not)."""
+    if set(config) - set(gradseam_keys(config)):
         return False  # the compiler alone (every block compiled by torch.compile), or a bench-only key
-    if trial.config.get(STREAM_KEY) not in (None, "all"):
+    if config.get(STREAM_KEY) not in (None, "all"):
         return False
-    return set(trial.config) <= set(BLOCK_KEYS)
+    return set(config) <= set(BLOCK_KEYS)
 
 
 def streams(trial: Trial) -> bool:
