@@ -407,6 +407,26 @@ def test_a_model_larger_than_its_budget_has_every_per_block_candidate_measured_s
     assert streamed_all[False] < streamed_all[True]
 
 
+def test_a_model_larger_than_its_budget_whose_candidates_ran_out_of_memory_resident_is_planned_from_streamed_rows(
+        monkeypatch):
+    """Wan 2.1 14B at 480p under 12 GiB (an H200): each candidate measured with the cut model's blocks resident ran out
+    of memory, and "auto" raised NoFitError. Those candidates are measured again with every block streamed, and the
+    plan is made of them: the table's resident rows all out of memory, the streamed ones measured."""
+    monkeypatch.setattr(auto_planner, "streamable_gib", lambda request: [BLOCK_GIB] * UNITS)
+    model, inputs = _frozen_blocks(), _inputs()
+    family = family_for(model)
+    key = cost_cache.key_of(Request(model, inputs, None, None, family), auto_planner.CANDIDATES)
+    oom = cost_cache.oom_while_measuring("CUDA out of memory (the cut model's blocks resident)", 12.0)
+    results = {label: oom if label in TABLE else "unsupported: not in this table" for label, _ in auto_planner.CANDIDATES}
+    cost_cache.save(key, cost_cache.Table(auto_planner.CANDIDATES, results, STATIC, "depth 5, from a table"))
+    calls: list = []
+    planned = auto_planner.plan(Request(model, inputs, 8.4, 64.0, family, streamed=True),
+                                measure_on=_streaming_measure_on(calls))
+    streamed = {json.dumps(c, sort_keys=True) for c in calls if c[auto_planner.STREAM_KEY] == "all"}
+    assert len(streamed) == len(TABLE), calls  # each candidate that ran out of memory, measured streamed
+    assert "stream" in json.dumps(planned.config.to_dict()), planned.config.to_dict()
+
+
 def test_streaming_is_left_out_where_no_checkpointing_fits_and_where_streamed_rows_cannot_be_measured(monkeypatch):
     monkeypatch.setattr(auto_planner, "streamable_gib", lambda request: [BLOCK_GIB] * UNITS)
     model, inputs = _frozen_blocks(), _inputs()
