@@ -595,3 +595,35 @@ def test_sequence_length_stops_before_the_last_lists_first_block_runs():
     assert len(whole) > len(ran)
     for h in hooks:
         h.remove()
+
+
+def test_a_candidate_the_compiler_refuses_is_one_unsupported_rung_not_the_end_of_the_ladder(monkeypatch):
+    """``gradseam advise`` on Flux dev stopped at its twentieth candidate, 160 s in (an H200), when inductor refused a
+    ``compiled: unsloth + attention offload`` graph: a compiled candidate the compiler refuses is now unsupported, with
+    the compiler's first line, and the ladder goes on. A failure of the same name where nothing compiles is not the
+    compiler's to excuse, and propagates."""
+    from cases import WAN
+
+    from gradseam.patcher import family_for
+    from gradseam.tools import measure as measuring
+    from gradseam.tools.advise import measure_once
+    from gradseam.tools.compiled import budget_config
+    from gradseam.tools.depth import plan_for
+
+    class BackendCompilerFailed(Exception):  # torch._dynamo.exc's, matched by name as gradseam matches it
+        inner_exception = RuntimeError("Found a custom (non-ATen) operator whose output has alias annotations: "
+                                       "aten::record_stream\nWhile executing %record_stream")
+
+    def refused(step, **kwargs):
+        raise BackendCompilerFailed("backend='inductor' raised: RuntimeError: ...")
+
+    monkeypatch.setattr(measuring, "measure", refused)
+    model = WAN.fresh()
+    family = family_for(model)
+    plan = plan_for(model, family)
+    inputs = WAN.inputs(torch.Generator().manual_seed(0))
+    with pytest.raises(UnsupportedStrategyError, match=r"torch.compile could not compile its blocks \(RuntimeError: "
+                                                       r"Found a custom \(non-ATen\) operator .*record_stream\)$"):
+        measure_once(model, inputs, budget_config(0.1), 1, family=family, plan=plan, device="cpu")
+    with pytest.raises(BackendCompilerFailed):
+        measure_once(model, inputs, {"gradient_checkpointing": True}, 1, family=family, plan=plan, device="cpu")

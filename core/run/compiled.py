@@ -183,6 +183,11 @@ def sharing() -> Iterator[None]:
         _SHARED.pop()
 
 
+# torch.compile's own failures (dynamo handing the graph to inductor, inductor lowering it), by name: dynamo's and
+# inductor's exception modules move between torch versions
+COMPILER_FAILURES = ("BackendCompilerFailed", "InductorError")
+
+
 class CompiledBlocks:
     """The handler of every block seam of one handle's compiled regions.
 
@@ -365,7 +370,7 @@ class CompiledBlocks:
                     with self.engine.group():
                         outputs = compiled(function, module, args, kwargs)
         except Exception as exc:
-            if type(exc).__name__ not in ("BackendCompilerFailed", "InductorError"):
+            if type(exc).__name__ not in COMPILER_FAILURES:
                 raise
             raise self._compile_failed(original.module, exc) from exc
         if new_shape:

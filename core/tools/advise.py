@@ -535,9 +535,26 @@ def measure_once(model: Any, inputs: Mapping[str, Any], config: Mapping[str, Any
             # backward, a guard on what the first call changed), and a timed compile ruins the fit
             return measuring.measure(step, steps=steps, warmup=2 if compiles(config) else 1,
                                      device=device, engine=getattr(handle, "engine", None))
+        except Exception as exc:
+            from ..run.compiled import COMPILER_FAILURES
+
+            if compiles(config) and type(exc).__name__ in COMPILER_FAILURES:
+                raise compiler_refused(exc) from exc
+            raise
         finally:
             step = None
             measuring.release(device)
+
+
+def compiler_refused(exc: BaseException) -> UnsupportedStrategyError:
+    """A compiled candidate the compiler refused, as a candidate that cannot run: one rung of the ladder, not the
+    whole measurement (``gradseam advise`` on Flux dev stopped at its twentieth candidate, 160 s in, on an H200, when
+    inductor refused a ``compiled: unsloth + attention offload`` graph; the bug behind it is fixed, and the next
+    one should cost that rung only). gradseam's own compiled backends say the same at a model's first step
+    (:meth:`gradseam.run.compiled.CompiledBlocks._compile_failed`)."""
+    inner = getattr(exc, "inner_exception", None) or exc
+    first = (str(inner).strip().splitlines() or [type(inner).__name__])[0][:300]
+    return UnsupportedStrategyError(f"torch.compile could not compile its blocks ({type(inner).__name__}: {first})")
 
 
 def full_depth_check(model: Any, inputs: Mapping[str, Any], loss_fn: Callable[[Any], Any] | None = None, *,
