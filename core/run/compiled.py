@@ -188,6 +188,14 @@ def sharing() -> Iterator[None]:
 COMPILER_FAILURES = ("BackendCompilerFailed", "InductorError")
 
 
+def compiler_said(exc: BaseException) -> str:
+    """What the compiler's failure ``exc`` says, in one line (``"RuntimeError: Found a custom ..."``): the exception
+    it wraps (dynamo's ``inner_exception``) and its first line, at most 300 characters."""
+    inner = getattr(exc, "inner_exception", None) or exc
+    first = (str(inner).strip().splitlines() or [type(inner).__name__])[0][:300]
+    return f"{type(inner).__name__}: {first}"
+
+
 class CompiledBlocks:
     """The handler of every block seam of one handle's compiled regions.
 
@@ -384,12 +392,10 @@ class CompiledBlocks:
 
         Seen on the H200: a HiDream block's graph took in the engine's ``record_stream`` call, which
         inductor refuses; the eager backends run the same model."""
-        inner = getattr(exc, "inner_exception", exc)
-        first = (str(inner).strip().splitlines() or [type(inner).__name__])[0][:300]
         staying = [b.name for b in siblings(CATALOG[self.backend]) if not b.moves] if self.engine is not None else []
         return UnsupportedStrategyError(
             f"backend {self.backend!r} could not compile {type(block).__name__}: torch.compile failed "
-            f"({type(inner).__name__}: {first}). Train this model with an eager backend: 'unsloth' with "
+            f"({compiler_said(exc)}). Train this model with an eager backend: 'unsloth' with "
             "gradient_checkpointing_offload_attention (the least memory) or 'torch'"
             + (f", or {staying[0]!r} (the same block compiled without the offload, what it keeps staying on the GPU), "
                "which helps where the offload is what the compiler refused (HiDream's was) and fails alike where "

@@ -552,9 +552,9 @@ def compiler_refused(exc: BaseException) -> UnsupportedStrategyError:
     inductor refused a ``compiled: unsloth + attention offload`` graph; the bug behind it is fixed, and the next
     one should cost that rung only). gradseam's own compiled backends say the same at a model's first step
     (:meth:`gradseam.run.compiled.CompiledBlocks._compile_failed`)."""
-    inner = getattr(exc, "inner_exception", None) or exc
-    first = (str(inner).strip().splitlines() or [type(inner).__name__])[0][:300]
-    return UnsupportedStrategyError(f"torch.compile could not compile its blocks ({type(inner).__name__}: {first})")
+    from ..run.compiled import compiler_said
+
+    return UnsupportedStrategyError(f"torch.compile could not compile its blocks ({compiler_said(exc)})")
 
 
 def full_depth_check(model: Any, inputs: Mapping[str, Any], loss_fn: Callable[[Any], Any] | None = None, *,
