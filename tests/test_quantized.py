@@ -94,9 +94,13 @@ COMPILED_ROWS = {
 # flux-torchao-int8-unsloth-compile (Flux's two slices of one tensor over a torchao wrapper weight); Flux's
 # unsloth-compile rows over float8 training, quanto qfloat8 and the two bitsandbytes bases by Wan's rows of the
 # same base and backend, which compile one block class instead of two (about half the time on a 2-core runner).
+# wan-torchao-int8-unsloth-compile is covered by flux-torchao-int8-unsloth-compile (the same base and backend, over
+# Flux's two slices of one tensor) and by wan-torchao-fp8-unsloth-compile (a torchao wrapper's inner tensors saved by
+# Wan's compiled blocks).
 COVERED_COMPILED_ROWS = {(FLUX.name, "compile", "torchao-fp8"), (FLUX.name, "compile", "quanto-qfloat8"),
                          *((FLUX.name, "unsloth-compile", base) for base in
-                           ("torchao-fp8", "torchao-float8-training", "quanto-qfloat8", "bnb-nf4", "bnb-int8"))}
+                           ("torchao-fp8", "torchao-float8-training", "quanto-qfloat8", "bnb-nf4", "bnb-int8")),
+                         (WAN.name, "unsloth-compile", "torchao-int8")}
 
 
 def _rows() -> list:

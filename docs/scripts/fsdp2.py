@@ -140,6 +140,18 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
 # -- check --------------------------------------------------------------------------------------
 
 
+def rows_to_check(leave_out: list[str]) -> list[tuple[str, Any]]:
+    """ROWS without those labelled in ``leave_out`` (``--leave-out``): each must be a row's label, and not the first
+    (FSDP2 alone, every row's control)."""
+    if ROWS[0][0] in leave_out:
+        raise SystemExit(f"--leave-out: {ROWS[0][0]!r} is every row's control; it always runs")
+    unknown = sorted(set(leave_out) - {label for label, _ in ROWS})
+    if unknown:
+        raise SystemExit(f"--leave-out: no row is labelled {', '.join(map(repr, unknown))}; the rows: "
+                         f"{', '.join(label for label, _ in ROWS)}")
+    return [(label, config) for label, config in ROWS if label not in leave_out]
+
+
 def check(args: argparse.Namespace) -> int:
     device, mesh = setup(args.cpu)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -162,7 +174,8 @@ def check(args: argparse.Namespace) -> int:
             ref_loss += loss.item() / world
         ref_grads = {n: p.grad / world for n, p in work.model.named_parameters() if p.grad is not None}
     failures, report, control = 0, [], None
-    for label, config in ROWS:
+    rows = rows_to_check(args.leave_out)
+    for label, config in rows:
         model = copy.deepcopy(pristine)
         handle = shard(model, work, mesh, config)
         with sdpa_kernel(kernel), warnings.catch_warnings(record=True) as caught:
@@ -205,7 +218,7 @@ def check(args: argparse.Namespace) -> int:
         del model, handle
         release(device)
     if rank == 0:
-        print(f"{len(ROWS) - failures}/{len(ROWS)} strategies match the single-device reference "
+        print(f"{len(rows) - failures}/{len(rows)} strategies match the single-device reference "
               f"(world size {world}, tolerance {TOLERANCE:g})", flush=True)
         if args.json:
             meta = {"job": "check", "world_size": world, "family": args.family, "layers": args.layers,
@@ -359,7 +372,11 @@ def main() -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--cpu", action="store_true", help="gloo on the CPU instead of NCCL on GPUs")
     parser.add_argument("--tiny", action="store_true", help="a tiny Flux instead of the preset (CPU tests)")
+    parser.add_argument("--leave-out", action="append", default=[], metavar="LABEL",
+                        help="check: a row not to run (repeatable; the first row, FSDP2 alone, is every row's control)")
     args = parser.parse_args()
+    if args.job == "check":
+        rows_to_check(args.leave_out)  # a wrong label stops here, before any process group starts
     if args.job == "chart":
         payloads = []
         for path in args.results:
