@@ -883,6 +883,83 @@ def test_a_candidate_out_of_memory_while_measuring_is_cached_with_where_it_ran_o
     assert "run_step; innermost tests/test_auto.py:" in got and "_allocate_too_much" in got, got
 
 
+def test_a_candidate_out_of_memory_while_measured_on_a_gpu_says_what_was_allocated_when_its_step_began(monkeypatch):
+    """An out-of-memory error names what was allocated when it failed; the cached failure also says what was allocated
+    when the measured step began, which tells memory the step found (weights left on the GPU, an earlier row's) from
+    memory it made: on an H100 every candidate for Wan 2.1 14B under 12 GiB failed with 11.3 to 11.9 GiB allocated,
+    streamed ones included, where the same streamed row alone had peaked at 9.6 GiB. Read by the measuring protocol
+    itself (:func:`gradseam.tools.measure.measure`), before its first step: here a GPU that holds 9.87 GiB."""
+    from gradseam.testing import run_step
+    from gradseam.tools import measure as measuring
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: int(9.87 * 2**30))
+    model = WAN.fresh()
+    model.blocks[0].register_forward_pre_hook(_allocate_too_much)
+
+    def measure_on(request: Request):
+        # the step raises in its warm-up, before the protocol synchronizes a device this CPU does not have
+        return (lambda config: measuring.measure(lambda: run_step(model, WAN), device="cuda")), "depth 5", 0.0
+
+    rows = auto_planner._Rows(Request(model, _inputs(), 40.0, 8.0, family_for(model)), measure_on)
+    got = rows.one("torch", {"gradient_checkpointing": True})
+    assert got.startswith("OOM while measuring: CUDA out of memory. Tried to allocate 50.00 MiB (at "), got
+    assert got.endswith("_allocate_too_much; 9.87 GiB allocated when its step began)"), got
+    # a failure from elsewhere than the protocol (no figure) reads as before
+    rows = auto_planner._Rows(Request(model, _inputs(), 40.0, 8.0, family_for(model)),
+                              lambda request: ((lambda config: run_step(model, WAN)), "depth 5", 0.0))
+    assert "allocated when its step began" not in rows.one("torch", {"gradient_checkpointing": True})
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["measured", "out-of-memory"])
+def test_a_row_that_leaves_gpu_memory_allocated_stops_the_measuring_before_any_later_row_is_cached(monkeypatch, fails):
+    """Each row is measured from the memory the first found. One that leaves some of its own allocated (a failed
+    step's activations still referenced) would have every later row measured, and run out of memory, beside it, and
+    cached so: measuring stops at it, naming the figures, with the rows before it cached and nothing after."""
+    model, inputs = WAN.fresh(), _inputs()
+    levels = iter([1.0, 1.0, 1.0, 10.0])  # GiB allocated beside the model's state: before and after each row
+    monkeypatch.setattr(auto_planner._Rows, "_allocated", lambda self: int(next(levels) * 2**30))
+    measured: list[str] = []
+
+    def measure_on(request: Request):
+        def run(config):
+            measured.append(config["gradient_checkpointing_backend"])
+            if fails and len(measured) == 2:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 640.00 MiB")
+            return _estimate(config["gradient_checkpointing_backend"])
+        return run, "depth 5", 0.0
+
+    rows = auto_planner._Rows(Request(model, inputs, 40.0, 8.0, family_for(model)), measure_on)
+    candidates = [(label, {"gradient_checkpointing": True, "gradient_checkpointing_backend": label})
+                  for label in ("torch", "unsloth", "torch-ffn")]
+    saved: list[dict] = []
+    with pytest.raises(GradseamError) as raised:
+        auto_planner.measure(rows, candidates, save=lambda table: saved.append(dict(table.results)))
+    failed = " after it ran out of memory" if fails else ""
+    assert (f'"auto": measuring unsloth{failed} left 9.00 GiB allocated on the GPU that was not before it (1.00 GiB '
+            "before, 10.00 GiB after its memory was released)") in str(raised.value)
+    assert "measuring stops here" in str(raised.value) and "please report it" in str(raised.value)
+    assert measured == ["torch", "unsloth"], measured  # torch-ffn never measured beside it
+    assert saved and set(saved[-1]) == {"torch"}, saved  # and the row that left it is not cached either
+
+
+def test_the_state_a_row_may_leave_is_the_models_parameters_buffers_and_gradients_each_storage_once():
+    """What :func:`auto_planner.state_bytes_on` counts out of the memory a row leaves: the model's own state on the
+    device, which parking and lending move between rows and a measured backward adds to (its gradients); a tied
+    weight (one storage behind two parameters) once, and nothing on another device."""
+    model = WAN.fresh()
+    cpu = torch.device("cpu")
+    state = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()]}
+    assert auto_planner.state_bytes_on(model, cpu) == sum(state.values())
+    model.blocks[1].attn1.to_q.weight = model.blocks[0].attn1.to_q.weight  # tied: one storage, counted once
+    tied = auto_planner.state_bytes_on(model, cpu)
+    assert tied == sum(state.values()) - model.blocks[0].attn1.to_q.weight.untyped_storage().nbytes()
+    model(**_inputs()).sample.square().mean().backward()
+    grads = sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
+    assert grads > 0 and auto_planner.state_bytes_on(model, cpu) == tied + grads
+    assert auto_planner.state_bytes_on(model, torch.device("meta")) == 0
+
+
 def test_a_candidate_out_of_memory_on_a_gpu_is_cached_with_the_memory_it_was_measured_within(monkeypatch):
     """On a GPU the failure also says how much memory the process could use (its per-process fraction of the card),
     which is what the out-of-memory error is relative to: a larger limit measures the row again (below)."""

@@ -313,6 +313,29 @@ def choose(table: cost_cache.Table, gpu_gib: float, static_gib: float, host_gib:
     return advice
 
 
+def state_bytes_on(model: Any, device: Any) -> int:
+    """The bytes of ``model``'s parameters, buffers and gradients on ``device`` (each storage once; a quantized weight's
+    inner and side tensors included, :func:`gradseam.offload.state.state_parts`): what a row may leave there that is not
+    its own, since a parking session or a lent block moves weights on and off the GPU between rows, and a measured
+    backward leaves gradients."""
+    from ..offload.state import state_parts
+
+    params = list(model.parameters())
+    seen: set[int] = set()
+    total = 0
+    for part in state_parts([*params, *model.buffers(), *(p.grad for p in params if p.grad is not None)]):
+        storage = part.untyped_storage()
+        if part.device == device and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+# What a measured row may leave allocated on the GPU after it (the first matmul's cuBLAS workspace, a few MiB of
+# compiled kernels' state) before measuring stops (_Rows._check_left_behind): far below a block's activations
+LEFT_BEHIND_BYTES = 256 << 20
+
+
 def torch_oom(reason: str) -> BaseException:
     import torch
 
@@ -349,7 +372,7 @@ class _Rows:
         limit = gpu_limit_gib(_device(self.request.model))
         with self.parked():
             outcome, seconds = self._timed(run, config, lambda what, exc: cost_cache.oom_while_measuring(
-                f"{what} (at {where_raised(exc)})", limit), unsupported=True)
+                f"{what} (at {where_raised(exc)}{began_with(exc)})", limit), unsupported=True, label=label)
         self.took.append((compiles(config), seconds))
         result = "measured" if isinstance(outcome, Estimate) else outcome.split(":")[0]
         left = self.left(after)
@@ -399,11 +422,14 @@ class _Rows:
         return sum(by_kind.get(compiles(config), overall) for config in after)
 
     def _timed(self, run: Measure, config: Mapping[str, Any], oom: Callable[[str, BaseException], str], *,
-               unsupported: bool = False) -> tuple[Estimate | str, float]:
+               unsupported: bool = False, label: str = "the plan") -> tuple[Estimate | str, float]:
         """``run(config)``'s estimate, or ``oom(first line, exception)`` for an out-of-memory error (and, with
-        ``unsupported``, ``"unsupported: ..."`` for a refused config), and the seconds it took (added to the total)."""
+        ``unsupported``, ``"unsupported: ..."`` for a refused config), and the seconds it took (added to the total).
+        Raises :class:`GradseamError` where the run left GPU memory allocated that was not before it
+        (:meth:`_check_left_behind`)."""
         from .measure import is_oom
 
+        before = self._allocated()
         start = time.perf_counter()
         try:
             got = run(dict(config))
@@ -424,7 +450,38 @@ class _Rows:
             release(_device(self.request.model).type)
         seconds = time.perf_counter() - start
         self.seconds += seconds
+        self._check_left_behind(label, before, outcome)
         return outcome, seconds
+
+    def _allocated(self) -> int | None:
+        """The bytes allocated on the model's GPU now beside the model's own state there (:func:`state_bytes_on`), or
+        None off a GPU."""
+        import torch
+
+        device = _device(self.request.model)
+        if device.type != "cuda":
+            return None
+        return torch.cuda.memory_allocated(device) - state_bytes_on(self.request.model, device)
+
+    def _check_left_behind(self, label: str, before: int | None, outcome: Estimate | str) -> None:
+        """Every row is measured from the memory the first found: one that leaves some of its own allocated (a failed
+        step's activations still referenced, a block's weights left on the GPU) has each later row measured beside
+        it, run out of memory beside it, and cached so. Stopped here, with the figures, before any of that is
+        cached. Why: on an H100 every one of 28 candidates of ``"auto"`` for Wan 2.1 14B under 12 GiB ran out of
+        memory with 11.3 to 11.9 GiB allocated (ten of them at 11.59 GiB exactly, eager and compiled, whole-block and
+        FFN alike), where the same streamed row measured alone peaked at 9.6 GiB; what each candidate's step began
+        beside was not recorded then."""
+        after = self._allocated()
+        if before is None or after is None or after - before <= LEFT_BEHIND_BYTES:
+            return
+        failed = " after it ran out of memory" if isinstance(outcome, str) and outcome.startswith("OOM") else ""
+        raise GradseamError(
+            f"gradient_checkpointing_backend \"auto\": measuring {label}{failed} left {(after - before) / GiB:.2f} GiB "
+            f"allocated on the GPU that was not before it ({before / GiB:.2f} GiB before, {after / GiB:.2f} GiB after "
+            "its memory was released). Every candidate after it would be measured beside that memory, so measuring "
+            "stops here; what was measured before it is cached, and the next run resumes from there. This is a bug in "
+            "gradseam or in what the model's forward keeps (a module holding a tensor of its last call): please "
+            "report it with this message.")
 
     def checker(self, check_on: CheckOn, streamed_gib: Callable[[Mapping[str, Any]], float]) -> Measure:
         """``check_on``'s whole-model run, with a line of progress before and after, and an out-of-memory error
@@ -460,6 +517,15 @@ class _Rows:
             return outcome
 
         return check
+
+
+def began_with(exc: BaseException) -> str:
+    """``"; 0.62 GiB allocated when its step began"`` for an out-of-memory error that says so
+    (:func:`gradseam.tools.measure.allocated_when_measuring_began`), else nothing."""
+    from .measure import allocated_when_measuring_began
+
+    began = allocated_when_measuring_began(exc)
+    return f"; {began:.2f} GiB allocated when its step began" if began is not None else ""
 
 
 def where_raised(exc: BaseException) -> str:
