@@ -455,10 +455,10 @@ def depth_measure(
     family = family or family_for(model)
     plan = plan or plan_for(model, family)  # a truncated workload passes its full model's plan
     target = target or plan.full
-    if depths is None and plan.full < 2:
+    depths = measured_depths(plan, depths)
+    if depths is None:
         note = f"the model as given ({plan.describe(plan.full)}), measured directly"
     else:
-        depths = depths or plan.fit_depths(None)
         note = (f"depth {target} ({plan.describe(min(target, plan.full))}; {plan.unit_note()}), predicted from "
                 f"measurements at depths {depths[0]} and {depths[1]}")
         if plan.leading_note() and depths == plan.default_depths():
@@ -703,10 +703,19 @@ def _has_blocks_past(model: Any, plan: Any, depths: tuple[int, int] | None) -> b
     from .depth import plan_for
 
     plan = plan or plan_for(model, family_for(model))
-    if depths is None and plan.full < 2:
+    measured = measured_depths(plan, depths)
+    if measured is None:
         return False  # measured as it is, uncut
-    counts = plan.counts(max(depths or plan.fit_depths(None)))
+    counts = plan.counts(max(measured))
     return any(len(resolve(model, path) or ()) > kept for path, kept in counts.items())
+
+
+def measured_depths(plan: Any, depths: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The two depths :func:`depth_measure` measures each candidate at (``depths``, else the plan's fit depths), or None
+    for a model with too few units of depth to fit from, measured as it is: one answer for it and for what parks."""
+    if depths is None and plan.full < 2:
+        return None
+    return depths or plan.fit_depths(None)
 
 
 def label_of(config: Mapping[str, Any]) -> str:
