@@ -152,6 +152,20 @@ def test_no_interval_step_for_ffn_backends_or_unsupported_families():
     assert not any("interval 2" in t.label for t in advice.trials)
 
 
+def test_an_out_of_memory_row_says_what_its_step_began_with_where_the_measuring_read_it():
+    """A row that ran out of memory while the protocol measured it (:func:`gradseam.tools.measure.measure`, which reads
+    the GPU's allocated memory before the first step) says so in its reason: out of memory beside 11.27 GiB that the
+    step found is another finding than out of memory from its own activations."""
+    from gradseam.tools.measure import BEGAN_WITH
+
+    failed = torch.OutOfMemoryError("CUDA out of memory")
+    setattr(failed, BEGAN_WITH, int(11.27 * 2**30))
+    advice = run_ladder(FakeMeasure({**LADDER_VALUES, "none": failed}, default=(1000.0, 1.0)), 50.0, 10.0)
+    by = {t.label: t for t in advice.trials}
+    assert by["none"].status == "OOM"
+    assert by["none"].reason == "out of memory while measuring (11.27 GiB allocated when its step began)"
+
+
 def test_oom_and_unsupported_are_recorded():
     values = {
         **LADDER_VALUES,

@@ -427,6 +427,29 @@ def test_a_model_larger_than_its_budget_whose_candidates_ran_out_of_memory_resid
     assert "stream" in json.dumps(planned.config.to_dict()), planned.config.to_dict()
 
 
+def test_no_plan_from_rows_that_all_ran_out_of_memory_says_what_their_steps_began_with():
+    """Where every candidate ran out of memory, the error says what the GPU held when their steps began, read from the
+    cached failures: the figure that tells a budget too small for the activations (little allocated at the start) from
+    memory the steps did not make (most of the budget gone before any activation), as each row's reason says too."""
+    model, inputs = WAN.fresh(), _inputs()
+    family = family_for(model)
+    key = cost_cache.key_of(Request(model, inputs, None, None, family), auto_planner.CANDIDATES)
+    began = {label: 9.8 + 0.1 * i for i, (label, _) in enumerate(auto_planner.CANDIDATES)}
+    results = {label: cost_cache.oom_while_measuring(f"CUDA out of memory. Tried to allocate 640.00 MiB (at gradseam/"
+                                                     f"run/seams.py:92 direct; {began[label]:.2f} GiB allocated when its "
+                                                     "step began)", 12.0)
+               for label, _ in auto_planner.CANDIDATES}
+    cost_cache.save(key, cost_cache.Table(auto_planner.CANDIDATES, results, STATIC, "depth 5, from a table"))
+    with pytest.raises(NoFitError) as caught:
+        auto_planner.plan(Request(model, inputs, 12.0, 64.0, family))
+    low, high = min(began.values()), max(began.values())
+    assert (f"no strategy could be measured within 12.00 GiB of GPU memory (every candidate ran out of memory or was "
+            f"unsupported). When their steps began, {low:.2f} to {high:.2f} GiB of it was allocated already") \
+        in str(caught.value), str(caught.value)
+    torch_row = next(t for t in caught.value.advice.trials if t.label == "torch")
+    assert torch_row.reason == f"out of memory while measuring ({began['torch']:.2f} GiB allocated when its step began)"
+
+
 def test_streaming_is_left_out_where_no_checkpointing_fits_and_where_streamed_rows_cannot_be_measured(monkeypatch):
     monkeypatch.setattr(auto_planner, "streamable_gib", lambda request: [BLOCK_GIB] * UNITS)
     model, inputs = _frozen_blocks(), _inputs()

@@ -45,7 +45,7 @@ from ..spec import strategy_of
 from .bench_rows import COMPILED_ROWS
 from .checks import parse_size
 from .compiled import BUDGETS, budget_config, budget_name, compiles
-from .estimates import Advice, Estimate, Measure, NoFitError, Trial, UnitCosts
+from .estimates import BEGAN, Advice, Estimate, Measure, NoFitError, Trial, UnitCosts, began_gib
 from .named_strategies import compared, rows_of
 
 GiB = 1 << 30
@@ -81,11 +81,15 @@ def _try(trial: Trial, measure: Measure, gpu_gib: float, static_gib: float,
         trial.status, trial.reason = "unsupported", f"unsupported by family: {exc}"
         return trial
     except Exception as exc:
-        from .measure import is_oom
+        from .measure import allocated_when_measuring_began, is_oom
 
         if not is_oom(exc):
             raise
-        trial.status, trial.reason = "OOM", "out of memory while measuring"
+        # measured now (the protocol's figure) or read from a cached failure ("auto"'s table)
+        began = allocated_when_measuring_began(exc)
+        began = began if began is not None else began_gib(str(exc))
+        trial.status, trial.reason = "OOM", "out of memory while measuring" + (
+            f" ({began:.2f} {BEGAN})" if began is not None else "")
         return trial
     if not isinstance(got, Estimate):
         got = Estimate(*got)

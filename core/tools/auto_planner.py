@@ -69,7 +69,7 @@ from ..errors import GradseamError, UnsupportedStrategyError, warn_once
 from . import cost_cache, plan_check
 from .advise import LADDER, label_of, run_ladder
 from .compiled import compiles, gradseam_keys
-from .estimates import Advice, Estimate, Measure, NoFitError
+from .estimates import BEGAN, Advice, Estimate, Measure, NoFitError
 
 GiB = 1 << 30
 DEFAULT: dict[str, Any] = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch"}
@@ -525,7 +525,7 @@ def began_with(exc: BaseException) -> str:
     from .measure import allocated_when_measuring_began
 
     began = allocated_when_measuring_began(exc)
-    return f"; {began:.2f} GiB allocated when its step began" if began is not None else ""
+    return f"; {began:.2f} {BEGAN}" if began is not None else ""
 
 
 def where_raised(exc: BaseException) -> str:
