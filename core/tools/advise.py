@@ -45,7 +45,7 @@ from ..spec import strategy_of
 from .bench_rows import COMPILED_ROWS
 from .checks import parse_size
 from .compiled import BUDGETS, budget_config, budget_name, compiles
-from .estimates import BEGAN, Advice, Estimate, Measure, NoFitError, Trial, UnitCosts, began_gib
+from .estimates import Advice, Estimate, Measure, NoFitError, Trial, UnitCosts
 from .named_strategies import compared, rows_of
 
 GiB = 1 << 30
@@ -85,11 +85,9 @@ def _try(trial: Trial, measure: Measure, gpu_gib: float, static_gib: float,
 
         if not is_oom(exc):
             raise
-        # measured now (the protocol's figure) or read from a cached failure ("auto"'s table)
-        began = allocated_when_measuring_began(exc)
-        began = began if began is not None else began_gib(str(exc))
-        trial.status, trial.reason = "OOM", "out of memory while measuring" + (
-            f" ({began:.2f} {BEGAN})" if began is not None else "")
+        trial.status, trial.began_gib = "OOM", allocated_when_measuring_began(exc)
+        trial.reason = "out of memory while measuring" + (
+            f" ({trial.began_gib:.2f} GiB allocated when its step began)" if trial.began_gib is not None else "")
         return trial
     if not isinstance(got, Estimate):
         got = Estimate(*got)

@@ -69,7 +69,7 @@ from ..errors import GradseamError, UnsupportedStrategyError, warn_once
 from . import cost_cache, plan_check
 from .advise import LADDER, label_of, run_ladder
 from .compiled import compiles, gradseam_keys
-from .estimates import BEGAN, Advice, Estimate, Measure, NoFitError
+from .estimates import Advice, Estimate, Measure, NoFitError
 
 GiB = 1 << 30
 DEFAULT: dict[str, Any] = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch"}
@@ -337,9 +337,17 @@ LEFT_BEHIND_BYTES = 256 << 20
 
 
 def torch_oom(reason: str) -> BaseException:
+    """A cached failure raised again, carrying the memory its step began with as a live one does
+    (:func:`gradseam.tools.measure.allocated_when_measuring_began`)."""
     import torch
 
-    return torch.OutOfMemoryError(reason)
+    from .measure import BEGAN_WITH
+
+    exc = torch.OutOfMemoryError(reason)
+    began = cost_cache.began_gib(reason)
+    if began is not None:
+        setattr(exc, BEGAN_WITH, began * GiB)
+    return exc
 
 
 class _Rows:
@@ -520,12 +528,10 @@ class _Rows:
 
 
 def began_with(exc: BaseException) -> str:
-    """``"; 0.62 GiB allocated when its step began"`` for an out-of-memory error that says so
-    (:func:`gradseam.tools.measure.allocated_when_measuring_began`), else nothing."""
+    """What a cached failure says of the memory ``exc``'s step began with (:func:`cost_cache.began_note`)."""
     from .measure import allocated_when_measuring_began
 
-    began = allocated_when_measuring_began(exc)
-    return f"; {began:.2f} {BEGAN}" if began is not None else ""
+    return cost_cache.began_note(allocated_when_measuring_began(exc))
 
 
 def where_raised(exc: BaseException) -> str:

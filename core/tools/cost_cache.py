@@ -206,6 +206,22 @@ def oom_while_measuring(what: str, within_gib: float | None) -> str:
     return f"{_OOM}{f' within {within_gib:.2f} GiB' if within_gib is not None else ''}: {what}"
 
 
+_BEGAN = re.compile(r"; (\d+(?:\.\d+)?) GiB allocated when its step began\)$")
+
+
+def began_note(began_gib: float | None) -> str:
+    """What a cached failure says of the GPU memory allocated when its step began (``"; 0.62 GiB allocated when its
+    step began"``, read back by :func:`began_gib`), or nothing where that is not known."""
+    return f"; {began_gib:.2f} GiB allocated when its step began" if began_gib is not None else ""
+
+
+def began_gib(result: Estimate | str) -> float | None:
+    """The GiB a cached failure (``oom_while_measuring("... (at ...{began_note})")``) says were allocated when its step
+    began, or None where it does not say."""
+    found = _BEGAN.search(result) if isinstance(result, str) else None
+    return float(found.group(1)) if found else None
+
+
 def measured_within_gib(result: Estimate | str) -> float | None:
     """The GPU memory a row that ran out of memory while measuring was measured within (in GiB, as
     :mod:`gradseam.tools.auto_planner` writes it), or None: a row that fitted, failed otherwise, or was written before

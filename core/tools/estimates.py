@@ -10,7 +10,6 @@ the plan check, the CLI) does not import the measuring, and the ladder can use t
 from __future__ import annotations
 
 import json
-import re
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -73,6 +72,7 @@ class Trial:
     source: str = ""
     unit_costs: UnitCosts | None = None
     forward_ms: float | None = None  # the forward's own share of step_ms, where it was timed (Estimate.forward_ms)
+    began_gib: float | None = None  # out of memory: the GPU memory allocated when its step began, where known
 
 
 @dataclass
@@ -150,7 +150,7 @@ class Advice:
         # resident candidates: a streamed one's peak leaves its streamed weights out of the static memory
         measured = [t for t in self.trials if t.peak_gib is not None and not t.config.get(STREAM_KEY)]
         if not measured:
-            began = [b for t in self.trials if t.status == "OOM" and (b := began_gib(t.reason)) is not None]
+            began = [t.began_gib for t in self.trials if t.began_gib is not None]
             held = (f" When their steps began, {min(began):.2f} to {max(began):.2f} GiB of it was allocated already "
                     "(what the model keeps on the GPU, the blocks a candidate keeps resident, and anything a row before "
                     "it left there)." if began else "")
@@ -220,17 +220,6 @@ class Advice:
         elif self.per_block_note:
             lines.append(f"per-block plan: {self.per_block_note}")
         return "\n".join(lines)
-
-
-# How a failure cached while measuring says what the GPU held when its step began (gradseam.tools.auto_planner)
-BEGAN = "GiB allocated when its step began"
-_BEGAN = re.compile(rf"(\d+(?:\.\d+)?) {BEGAN}")
-
-
-def began_gib(text: str) -> float | None:
-    """The GiB a failure's text says were allocated when its step began, or None where it does not say."""
-    found = _BEGAN.search(text)
-    return float(found.group(1)) if found else None
 
 
 class NoFitError(GradseamError):

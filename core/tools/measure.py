@@ -397,12 +397,9 @@ BEGAN_WITH = "gradseam_allocated_when_measuring_began"
 
 
 def allocated_when_measuring_began(exc: BaseException) -> float | None:
-    """The GiB allocated on the GPU when the measurement that raised ``exc`` began (None: not known).
-
-    Why it is kept: an out-of-memory error names what was allocated when it failed, not what the step found. On an
-    H100 every candidate of ``"auto"`` for Wan 2.1 14B under 12 GiB failed with 11.3 to 11.9 GiB allocated, streamed
-    ones included, where the same streamed row run alone had peaked at 9.6 GiB: whether the step began beside memory
-    it did not make (weights left on the GPU, an earlier row's) or made it all itself, only this tells apart."""
+    """The GiB allocated on the GPU when the measurement that raised ``exc`` began (None: not known). An out-of-memory
+    error names what was allocated when it failed; only this tells a step that filled the GPU itself from one that
+    began beside memory it did not make (why it was added: :meth:`gradseam.tools.auto_planner._Rows._check_left_behind`)."""
     began = getattr(exc, BEGAN_WITH, None)
     return began / GiB if began is not None else None
 
