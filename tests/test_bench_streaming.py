@@ -169,3 +169,17 @@ def test_capped_rows_are_measured_at_the_fit_depths_of_a_full_run_except_those_s
     assert everything("unsloth-compile") is None and everything("torch + stream 30 @ 16GiB") is not None
     counted = b.capped_at_fit_depth([("mine", {"gradient_checkpointing_stream_weights": 12})], 24.0)
     assert "streams a count of blocks" in counted("mine"), "a config row streaming a count by its key"
+
+
+def test_a_run_without_full_parks_the_blocks_between_its_fit_depths_where_a_capped_row_runs():
+    """Without --full the model is built at the deeper fit depth; at the shallower one a capped row ran beside the
+    blocks between the two cuts (Wan 2.1 14B on an H100: 1.31 GiB of them under a 12 GiB cap). Every capped row is
+    measured at both depths there, one streaming a count too; an auto row alone parks nothing (it plans the cut model
+    it is given, parking what its own cuts leave out), nor does a run with nothing capped."""
+    assert b.parks_at_fit_depths(real_rows(["unsloth-compile", "torch + stream 30 @ 16GiB"]), None, full=False)
+    assert b.parks_at_fit_depths(real_rows(["torch"]), 12.0, full=False), "--gpu-memory caps every row"
+    assert not b.parks_at_fit_depths(real_rows(["unsloth-compile", "torch + stream all"]), None, full=False)
+    assert not b.parks_at_fit_depths(real_rows(["auto @ 12GiB"]), None, full=False)
+    assert b.parks_at_fit_depths(real_rows(["auto @ 12GiB", "torch @ 12GiB"]), None, full=False)
+    # the same rows in a full run: the count left to the full depth, so nothing parks for it
+    assert not b.parks_at_fit_depths(real_rows(["unsloth-compile", "torch + stream 30 @ 16GiB"]), None)

@@ -543,8 +543,11 @@ def real(
         on_build(run)
     measured_depths = [*fit_depths, *([plan.full] if full and plan.full not in fit_depths else [])]
     cpu = device == "cpu"
-    # a capped row at a fit depth of a full run runs beside the blocks it does not: they wait in host memory
-    with parking(workload.model, _parking_line) if full and not cpu and parks_at_fit_depths(chosen, gpu_memory_gib) \
+    # a capped row at a fit depth runs beside the blocks it does not: they wait in host memory. Without --full too:
+    # the model is built at the deeper fit depth, so at the shallower one the blocks between the two cuts stayed on
+    # the GPU against the cap (Wan 2.1 14B's `unsloth-compile + stream all @ 12GiB`, an H100: a 10.17 GiB GPU peak
+    # at 2 blocks beside 1.31 GiB of blocks 3 and 4, 8.88 GiB at 4)
+    with parking(workload.model, _parking_line) if not cpu and parks_at_fit_depths(chosen, gpu_memory_gib, full) \
             else nullcontext():
         _measure_depths(run, workload, tokens, measured_depths, fit_depths, chosen, at_full, full, device, steps,
                         on_row, gpu_memory_gib, host_memory_gib)
@@ -615,12 +618,18 @@ def refused_before(results: list[Result], workload: str,
     return rule
 
 
-def parks_at_fit_depths(rows: list[tuple[str, dict[str, Any] | None]], gpu_memory_gib: float | None) -> bool:
-    """Whether a full run parks the blocks outside its fit depths: where a row runs there under a GPU memory cap (its
-    own, or ``--gpu-memory``'s). Not for a run whose capped rows are all left to the full depth
+def parks_at_fit_depths(rows: list[tuple[str, dict[str, Any] | None]], gpu_memory_gib: float | None,
+                        full: bool = True) -> bool:
+    """Whether a run parks the blocks outside its fit depths: where a row runs there under a GPU memory cap (its
+    own, or ``--gpu-memory``'s). Not for a full run whose capped rows are all left to the full depth
     (:func:`capped_at_fit_depth`): an ``auto @ 24GiB`` row alone parked HunyuanVideo 1.5's 14.8 GiB for nothing, 12 s
-    of copies on an H100."""
-    rule_out = capped_at_fit_depth(rows, gpu_memory_gib)
+    of copies on an H100. A run without ``full`` builds the model at the deeper fit depth, so only the blocks between
+    the two cuts park, where a capped row other than ``auto`` runs (an ``auto`` row plans the cut model it is given,
+    and parks what its own cuts leave out)."""
+    def not_auto(name: str) -> str | None:
+        return "plans the model it is given" if is_auto_row(name) else None
+
+    rule_out = capped_at_fit_depth(rows, gpu_memory_gib) if full else not_auto
     return any((config or {}).get(GPU_CAP_KEY, gpu_memory_gib) is not None and rule_out(name) is None
                for name, config in rows)
 
