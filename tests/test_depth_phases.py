@@ -25,8 +25,8 @@ GiB = 1 << 30
 # Ideogram 4's `torch` row, shaped like the H200 run: the forward's transient (3.10) sets the step's
 # peak at 2 and 4 blocks; the backward starts from what every block kept (~27 MiB each) and adds one
 # block's working set, so its own line climbs past 3.10 further down.
-FORWARD = {2: 3.10, 4: 3.10}
-BACKWARD = {2: 2.95, 4: 3.004}
+FORWARD = {2: 3.10, 4: 3.10, 8: 3.10}
+BACKWARD = {2: 2.95, 4: 3.004, 8: 3.112}  # still climbing from 4 to 8 blocks: what each block keeps
 
 
 def _rows(strategy: str = "torch", phases: bool = True) -> list[Result]:
@@ -193,7 +193,55 @@ def test_advise_predicts_from_the_highest_pass(monkeypatch):
     monkeypatch.setattr(measuring, "measure", fake)
     measure, _ = depth_measure(model, x, device="cpu", depths=(2, 4))
     got = measure({"gradient_checkpointing": True})
+    # the backward's line decides, and seen again from 4 and 8 blocks it climbs as it did: kept
     assert got.peak_gib == pytest.approx(3.814) and got.growth_gib == pytest.approx(0.027)
+    assert got.source == "predicted at depth 34 (its backward pass's line from depths 4 and 8)"
+
+
+# Wan 2.1 14B's `unsloth-compile + stream all`: the forward's peak climbs over the first blocks and then stops (4.13,
+# 5.40, 6.06 and 6.28 GiB at 1, 2, 4 and 40 blocks on an H200 and an H100); the backward sets the step's peak
+SATURATING = {2: (5.402, 8.287), 4: (6.062, 8.299), 8: (6.200, 8.311)}
+CLIMBING = {**SATURATING, 8: (7.382, 8.311)}
+
+
+@pytest.mark.parametrize(("passes", "expected", "decides"), [
+    (SATURATING, 8.311 + 26 * 0.003, "whole step's"), (CLIMBING, 7.382 + 26 * 0.33, "forward pass's")])
+def test_a_pass_line_that_decides_is_measured_again_deeper_and_kept_only_if_it_still_climbs(
+        monkeypatch, passes, expected, decides):
+    """Where one pass's own line through the fit depths is the highest at the full depth, the candidate is measured
+    at twice the deeper fit depth, and the prediction comes from the deeper pair: a forward peak that stops climbing
+    (a pipeline filled) no longer predicts twice what the full model uses; one that still climbs still decides."""
+    got, seen = _predicted_from(monkeypatch, lambda d: passes[d])
+    assert seen == [2, 4, 8]
+    assert got.peak_gib == pytest.approx(expected, abs=2e-3)
+    assert got.source == f"predicted at depth 34 (its {decides} line from depths 4 and 8)"
+
+
+def test_where_the_whole_steps_line_decides_no_deeper_cut_is_measured(monkeypatch):
+    got, seen = _predicted_from(monkeypatch, lambda d: (1.0, 2.0 + 0.1 * d))
+    assert seen == [2, 4] and got.source == "predicted at depth 34" and got.peak_gib == pytest.approx(5.4)
+
+
+def _predicted_from(monkeypatch, passes):
+    """advise's prediction at 34 blocks from depths 2 and 4 of a synthetic stack whose measurement at each depth has
+    the (forward, backward) peaks ``passes(depth)`` gives, the step's the higher; and the depths measured."""
+    from gradseam.tools.advise import depth_measure
+    from gradseam.tools.synthetic import SyntheticStack, ensure_registered
+
+    ensure_registered()
+    model = SyntheticStack(34, 16)
+    x = {"hidden_states": torch.randn(1, 4, 16, requires_grad=True)}
+    seen: list[int] = []
+
+    def fake(step, **kwargs):
+        seen.append(len(model.blocks))
+        forward, backward = passes(seen[-1])
+        return measuring.Measurement(max(forward, backward), 1.0 + seen[-1], forward_peak_gib=forward,
+                                     backward_peak_gib=backward)
+
+    monkeypatch.setattr(measuring, "measure", fake)
+    measure, _ = depth_measure(model, x, device="cpu", depths=(2, 4))
+    return measure({"gradient_checkpointing": True}), seen
 
 
 @pytest.mark.cuda

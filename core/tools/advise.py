@@ -486,7 +486,14 @@ def depth_measure(
                     "at each depth after one step each said the same. On this GPU its timing varies by more than a "
                     "unit of depth adds, so no line through the two depths can predict the full model; measure it "
                     "at deeper depths (gradseam advise --depths) or at the full depth (gradseam bench --full)")
-        _, peak = highest(peak_lines(depths, a, b), target)  # each pass's own line too (depth.highest)
+        name, peak = highest(peak_lines(depths, a, b), target)  # each pass's own line too (depth.highest)
+        source = f"predicted at depth {target}"
+        deeper = confirming_depth(plan, depths, target)
+        if name != "step" and deeper is not None:
+            # one pass's own line climbs past the whole step's: seen again from a deeper cut (confirming_depth)
+            c = once(config, deeper)
+            name, peak = highest(peak_lines((depths[1], deeper), b, c), target)
+            source += f" (its {PASS_NAMES.get(name, name)} line from depths {depths[1]} and {deeper})"
         ms = fit(depths, (a.step_ms, b.step_ms))
         pinned = fit(depths, (a.pinned_gib, b.pinned_gib))
         units = UnitCosts(target, ms.growth, ms.fixed, peak.growth, peak.fixed, pinned.growth, pinned.fixed)
@@ -494,10 +501,24 @@ def depth_measure(
         passes = getattr(a, "forward_ms", None), getattr(b, "forward_ms", None)  # GPU measurements time each pass
         if None not in passes:
             forward = min(max(fit(depths, passes).at(target), 0.0), ms.at(target))
-        return Estimate(peak.at(target), ms.at(target), pinned.at(target), peak.growth, f"predicted at depth {target}",
-                        units, forward)
+        return Estimate(peak.at(target), ms.at(target), pinned.at(target), peak.growth, source, units, forward)
 
     return measure, note
+
+
+PASS_NAMES = {"step": "whole step's", "forward": "forward pass's", "backward": "backward pass's"}
+
+
+def confirming_depth(plan: Any, depths: tuple[int, int], target: int) -> int | None:
+    """The deeper cut a candidate is measured at again where one pass's own line, through ``depths``, is the highest
+    at ``target`` (twice the deeper fit depth, at most the model's own; None where there is none deeper, or nothing
+    to extrapolate). Why: a pass's peak can climb over the first few blocks and then stop, as a pipeline fills. Wan
+    2.1 14B's ``unsloth-compile + stream all`` had a forward peak of 4.13, 5.40, 6.06 and 6.28 GiB at 1, 2, 4 and 40
+    blocks (an H200 and an H100); its line through 2 and 4 predicted 17.94 GiB of activations at 40 blocks where 8.82
+    were measured, which would turn down under 12 GiB the one row that fits there. A line that still climbs
+    between the deeper pair is kept (Ideogram 4's backward: its per-block growth is what each block keeps)."""
+    deeper = min(2 * depths[1], plan.full)
+    return deeper if depths[1] < deeper and depths[1] < target else None
 
 
 # Timed steps per depth when one step each said that the deeper model ran faster (the median is kept)

@@ -40,9 +40,13 @@ from .estimates import Estimate, UnitCosts
 # groups ahead of the GPU (gradseam.offload.engine, twenty-eighth session): a row that moves activations to host
 # memory steps at another speed than it did (Flux dev 4k on an H100: its forward 211.1 -> 173.6 ms uncapped). A GPU
 # file before 4 keeps the rows that move nothing and measures the others again, and runs its checked plans again; a
-# CPU file's rows stay (their figure is saved bytes, which the engine does not change).
-FORMAT = 4
-READABLE = {1, 2, 3, 4}
+# CPU file's rows stay (their figure is saved bytes, which the engine does not change). 5: where one pass's own line
+# through the fit depths decides a row's peak, the row is measured again at a deeper cut and predicted from the deeper
+# pair (gradseam.tools.advise.confirming_depth; Wan 2.1 14B's streamed unsloth-compile: 17.94 GiB predicted, 8.82
+# measured). A GPU file before 5 measures its predicted rows again (which line decided is not in the file); its rows
+# measured on the model as it is, out of memory or unsupported, and its checked plans (the whole model), stay.
+FORMAT = 5
+READABLE = {1, 2, 3, 4, 5}
 
 
 @dataclass
@@ -143,6 +147,7 @@ class Table:
         cpu = (data.get("key") or {}).get("device") == "cpu"
         placed_by_size = data.get("format", FORMAT) >= 3
         engine_current = cpu or data.get("format", FORMAT) >= 4
+        lines_confirmed = cpu or data.get("format", FORMAT) >= 5
         candidates, results = [], {}
         for item in data["candidates"]:
             if not placed_by_size and streams_a_count(item["config"]):
@@ -150,11 +155,13 @@ class Table:
             candidates.append((item["label"], dict(item["config"])))
             result = _result(item["result"])
             stale = not engine_current and moves_activations(item["config"])  # timed by the engine before 4
+            stale = stale or (not lines_confirmed and isinstance(result, Estimate)  # its pass lines unconfirmed
+                              and result.source.startswith("predicted"))
             if (cpu or not falls(result)) and not stale:
                 results[item["label"]] = result
         candidates += [(item["label"], dict(item["config"])) for item in data.get("to_measure", ())]
         checked = {}
-        if data.get("format") in (2, 3, 4) and engine_current:
+        if data.get("format") in (2, 3, 4, 5) and engine_current:
             checked = {item["id"]: _result(item["result"]) for item in data.get("checked", ())
                        if placed_by_size or not _id_streams_a_count(item["id"])}
         complete = bool(data.get("complete", True)) and len(results) == len(candidates)
