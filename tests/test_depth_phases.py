@@ -195,7 +195,7 @@ def test_advise_predicts_from_the_highest_pass(monkeypatch):
     got = measure({"gradient_checkpointing": True})
     # the backward's line decides, and seen again from 4 and 8 blocks it climbs as it did: kept
     assert got.peak_gib == pytest.approx(3.814) and got.growth_gib == pytest.approx(0.027)
-    assert got.source == "predicted at depth 34 (its backward pass's line from depths 4 and 8)"
+    assert got.source == "predicted at depth 34 (its backward line from depths 4 and 8)"
 
 
 # Wan 2.1 14B's `unsloth-compile + stream all`: the forward's peak climbs over the first blocks and then stops (4.13,
@@ -205,7 +205,7 @@ CLIMBING = {**SATURATING, 8: (7.382, 8.311)}
 
 
 @pytest.mark.parametrize(("passes", "expected", "decides"), [
-    (SATURATING, 8.311 + 26 * 0.003, "whole step's"), (CLIMBING, 7.382 + 26 * 0.33, "forward pass's")])
+    (SATURATING, 8.311 + 26 * 0.003, "step"), (CLIMBING, 7.382 + 26 * 0.33, "forward")])
 def test_a_pass_line_that_decides_is_measured_again_deeper_and_kept_only_if_it_still_climbs(
         monkeypatch, passes, expected, decides):
     """Where one pass's own line through the fit depths is the highest at the full depth, the candidate is measured

@@ -89,6 +89,19 @@ def state_storages(tensors: Iterable[torch.Tensor]) -> set[int]:
     return found
 
 
+def state_bytes(tensors: Iterable[torch.Tensor], device: torch.device | None = None) -> int:
+    """The bytes of every storage :func:`state_parts` finds in ``tensors``, each storage once (tied weights, views),
+    on ``device`` only where one is given: what the tensors occupy as they sit in memory (a quantized weight's inner
+    and side tensors, not its nominal full-precision size)."""
+    sizes: dict[int, int] = {}
+    for part in state_parts(tensors):
+        if device is None or part.device == device:
+            storage = part.untyped_storage()
+            sizes[storage.data_ptr()] = storage.nbytes()
+    sizes.pop(0, None)
+    return sum(sizes.values())
+
+
 def is_wrapper(t: torch.Tensor) -> bool:
     """A wrapper tensor subclass (a quantized weight, a DTensor): its bytes are in inner tensors, so
     the engine's storage-span copy cannot move it; it stays where it is."""

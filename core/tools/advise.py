@@ -493,7 +493,7 @@ def depth_measure(
             # one pass's own line climbs past the whole step's: seen again from a deeper cut (confirming_depth)
             c = once(config, deeper)
             name, peak = highest(peak_lines((depths[1], deeper), b, c), target)
-            source += f" (its {PASS_NAMES.get(name, name)} line from depths {depths[1]} and {deeper})"
+            source += f" (its {name} line from depths {depths[1]} and {deeper})"
         ms = fit(depths, (a.step_ms, b.step_ms))
         pinned = fit(depths, (a.pinned_gib, b.pinned_gib))
         units = UnitCosts(target, ms.growth, ms.fixed, peak.growth, peak.fixed, pinned.growth, pinned.fixed)
@@ -504,9 +504,6 @@ def depth_measure(
         return Estimate(peak.at(target), ms.at(target), pinned.at(target), peak.growth, source, units, forward)
 
     return measure, note
-
-
-PASS_NAMES = {"step": "whole step's", "forward": "forward pass's", "backward": "backward pass's"}
 
 
 def confirming_depth(plan: Any, depths: tuple[int, int], target: int) -> int | None:

@@ -318,17 +318,10 @@ def state_bytes_on(model: Any, device: Any) -> int:
     inner and side tensors included, :func:`gradseam.offload.state.state_parts`): what a row may leave there that is not
     its own, since a parking session or a lent block moves weights on and off the GPU between rows, and a measured
     backward leaves gradients."""
-    from ..offload.state import state_parts
+    from ..offload.state import state_bytes
 
     params = list(model.parameters())
-    seen: set[int] = set()
-    total = 0
-    for part in state_parts([*params, *model.buffers(), *(p.grad for p in params if p.grad is not None)]):
-        storage = part.untyped_storage()
-        if part.device == device and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
+    return state_bytes([*params, *model.buffers(), *(p.grad for p in params if p.grad is not None)], device)
 
 
 # What a measured row may leave allocated on the GPU after it (the first matmul's cuBLAS workspace, a few MiB of

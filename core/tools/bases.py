@@ -159,14 +159,9 @@ def quantize(modules: Iterable[nn.Module], base: str, dtype: torch.dtype) -> Bas
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's parameters and buffers as they sit in memory: a quantized weight's inner
     tensors and side tensors (block scales), not its nominal full-precision size."""
-    from ..offload.state import state_parts
+    from ..offload.state import state_bytes
 
-    sizes = {}
-    for part in state_parts([*model.parameters(), *model.buffers()]):
-        storage = part.untyped_storage()
-        sizes[storage.data_ptr()] = storage.nbytes()
-    sizes.pop(0, None)
-    return sum(sizes.values())
+    return state_bytes([*model.parameters(), *model.buffers()])
 
 
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0")  # diffusers' attention projections, as its LoRA scripts train

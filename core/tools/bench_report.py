@@ -295,7 +295,9 @@ def full_depth_markdown(rows: list[dict[str, Any]], depth: dict[str, Any]) -> st
         which = " or ".join(f"the {p}" for p in sorted(passes))
         lines += ["", f"† predicted from {which} pass's own peak, which grows with depth faster than the whole "
                       "step's peak did between the fit depths: there the other pass set the peak (a fixed transient), "
-                      "hiding what each block adds. Measure with --full where it fits."]
+                      "hiding what each block adds, or this pass's peak climbs over the first blocks and then stops "
+                      "(Wan 2.1 14B's streamed unsloth-compile: predicted 2x what the full model used; advise and auto "
+                      "measure such a row again deeper). Measure with --full where it fits."]
     return "\n".join(lines)
 
 

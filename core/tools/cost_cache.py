@@ -154,9 +154,8 @@ class Table:
                 continue  # measured with other blocks streamed: measured again where a budget asks for it
             candidates.append((item["label"], dict(item["config"])))
             result = _result(item["result"])
-            stale = not engine_current and moves_activations(item["config"])  # timed by the engine before 4
-            stale = stale or (not lines_confirmed and isinstance(result, Estimate)  # its pass lines unconfirmed
-                              and result.source.startswith("predicted"))
+            stale = ((not engine_current and moves_activations(item["config"]))  # timed by the engine before 4
+                     or (not lines_confirmed and predicted(result)))  # a pass's line not confirmed deeper before 5
             if (cpu or not falls(result)) and not stale:
                 results[item["label"]] = result
         candidates += [(item["label"], dict(item["config"])) for item in data.get("to_measure", ())]
@@ -168,6 +167,11 @@ class Table:
         link = data.get("link_gib_s")
         return cls(candidates, results, float(data["static_gib"]), str(data["depth_note"]), complete, checked,
                    float(link) if link else None)
+
+
+def predicted(result: Estimate | str) -> bool:
+    """Whether a row's figures were predicted from cut models (not measured on the model as it is, nor a failure)."""
+    return isinstance(result, Estimate) and result.source.startswith("predicted")
 
 
 def streams_a_count(config: Mapping[str, Any]) -> bool:
