@@ -114,18 +114,19 @@ def _parse_zero_or_more(key: str, value: Any, nullable: bool) -> int | None:
 
 
 def _parse_budget(key: str, value: Any, nullable: bool = True) -> float | None:
-    """A fraction 0 < B <= 1, or None for the default; strings of a number pass (CLI, YAML)."""
+    """A fraction 0 <= B <= 1, or None for the default; strings of a number pass (CLI, YAML). 0 is the compiler's
+    own end of the range: a compiled block keeps only its inputs and recomputes the rest, the least it can keep."""
     if value is None:
         return None
     if isinstance(value, str):
         with contextlib.suppress(ValueError):
             value = float(value.strip())
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{_where(key)}: expected a number 0 < B <= 1 or null, got {value!r} ({type(value).__name__}).")
-    if not 0 < value <= 1:
+        raise ValueError(f"{_where(key)}: expected a number 0 <= B <= 1 or null, got {value!r} ({type(value).__name__}).")
+    if not 0 <= value <= 1:
         raise ValueError(
-            f"{_where(key)}: must be > 0 and <= 1, got {value!r}. It is the fraction of what a compiled block "
-            f"would keep without recomputing that it may keep (null = {DEFAULT_MEMORY_BUDGET})."
+            f"{_where(key)}: must be >= 0 and <= 1, got {value!r}. It is the fraction of what a compiled block "
+            f"would keep without recomputing that it may keep (0: only its inputs; null = {DEFAULT_MEMORY_BUDGET})."
         )
     return float(value)
 
@@ -554,9 +555,9 @@ class CheckpointConfig:
     gradient_checkpointing_memory_budget: float | None = _key(None, KeySpec(
         flag="--memory-budget", value=float, metavar="B", parse=_parse_budget, group=GROUP_COMPILED,
         nullable=True, needs_checkpointing=True,
-        help=f"the compiler's activation memory budget of the compiled backends, 0 < B <= 1 "
+        help=f"the compiler's activation memory budget of the compiled backends, 0 <= B <= 1 "
              f"(default {DEFAULT_MEMORY_BUDGET})",
-        doc_type="number, 0 < B ≤ 1, or null", doc_default=f"null ({DEFAULT_MEMORY_BUDGET})",
+        doc_type="number, 0 ≤ B ≤ 1, or null", doc_default=f"null ({DEFAULT_MEMORY_BUDGET})",
         doc="the compiled backends only: the compiler's activation memory budget for each compiled block"))
     gradient_checkpointing_stream_weights: int | str | None = _key(None, KeySpec(
         flag="--stream-weights", value=str, metavar="N|all", parse=_parse_streamed, group=GROUP_WEIGHTS,

@@ -287,9 +287,9 @@ def test_unknown_key_errors_speak_the_command_lines_words(tmp_path, monkeypatch)
     (["--backend", "unsloth_ffn"], "--backend unsloth_ffn: 'unsloth_ffn' is not a backend; allowed: ['torch', "
                                    "'torch-ffn', 'unsloth', 'unsloth-ffn', 'compile', 'unsloth-compile', 'auto']. "
                                    "Did you mean 'unsloth-ffn'?"),
-    (["--memory-budget", "2"], "--memory-budget 2: must be > 0 and <= 1, got 2.0."),
-    (["--memory-budget", "0"], "--memory-budget 0: must be > 0 and <= 1, got 0.0."),
-    (["--memory-budget", "half"], "--memory-budget half: expected a number 0 < B <= 1 or null, got 'half'"),
+    (["--memory-budget", "2"], "--memory-budget 2: must be >= 0 and <= 1, got 2.0."),
+    (["--memory-budget", "-0.1"], "--memory-budget -0.1: must be >= 0 and <= 1, got -0.1."),
+    (["--memory-budget", "half"], "--memory-budget half: expected a number 0 <= B <= 1 or null, got 'half'"),
     (["--backend", "torch", "--memory-budget", "0.3"], "--memory-budget=0.3 is the compiler's activation memory "
      "budget for compiled blocks; backend 'torch' compiles nothing. Use it with ['compile', 'unsloth-compile']"),
     (["--no-checkpointing", "--memory-budget", "0.3"], "(checkpointing is off)' compiles nothing"),

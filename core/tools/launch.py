@@ -96,7 +96,7 @@ def build_config(
     ``--no-checkpointing`` that says false wins. Flag values go to
     :class:`CheckpointConfig` as typed (it parses "2", "0.3" and "true"), one flag at a time, so a bad
     value is reported with the flag that carried it; "null"/"none" clear the interval, the stride or
-    the memory budget (``--memory-budget``, a float 0 < B <= 1; null is the compiled backends' default).
+    the memory budget (``--memory-budget``, a float 0 <= B <= 1; null is the compiled backends' default).
     Settings the backend cannot run on any model (a memory budget without a compiled backend, an
     interval or attention option with one) are refused here too, before the program starts.
 
