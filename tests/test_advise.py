@@ -334,8 +334,8 @@ def test_the_ladder_is_derived_least_aggressive_first():
         "none", "torch-ffn", "torch", "torch + attention kept", "unsloth-ffn", "unsloth", "attention offload",
         "torch-ffn + attention offload", "torch + attention offload", "unsloth-ffn + attention offload",
         "unsloth + attention offload", "compile", "unsloth-compile, budget 0.3", "unsloth-compile",
-        "unsloth-compile, budget 0.05", "compile, memory budget 0.3", "compile, memory budget 0.1",
-        "compile, memory budget 0.05", "compiled: torch + attention kept", "compiled: unsloth + attention offload",
+        "unsloth-compile, budget 0.05", "unsloth-compile, budget 0", "compile, memory budget 0.3",
+        "compile, memory budget 0.1", "compile, memory budget 0.05", "compile, memory budget 0", "compiled: torch + attention kept", "compiled: unsloth + attention offload",
     ]
     assert LADDER[0][1] == {"gradient_checkpointing": False}
 

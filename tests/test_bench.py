@@ -347,14 +347,15 @@ def test_every_tools_rows_are_derived_least_aggressive_first():
         "none", "torch-ffn", "torch", "torch, interval 2", "torch, interval 2, stride 4", "torch + attention kept",
         "unsloth-ffn", "unsloth", "attention offload", "torch-ffn + attention offload", "torch + attention offload",
         "unsloth-ffn + attention offload", "unsloth + attention offload", "compile, budget 0.3", "compile",
-        "compile, budget 0.05", "unsloth-compile, budget 0.3", "unsloth-compile", "unsloth-compile, budget 0.05",
+        "compile, budget 0.05", "compile, budget 0", "unsloth-compile, budget 0.3", "unsloth-compile",
+        "unsloth-compile, budget 0.05", "unsloth-compile, budget 0",
     ]
     # bench: every row that patches and checkpoints every block, but the compiler's own budget rows
     assert [label for label, _ in bench_rows.GRADSEAM_ROWS] == [
         "torch-ffn", "torch", "torch, interval 2", "torch + attention kept", "unsloth-ffn", "unsloth",
         "attention offload", "torch-ffn + attention offload", "torch + attention offload",
         "unsloth-ffn + attention offload", "unsloth + attention offload", "compile", "unsloth-compile, budget 0.3",
-        "unsloth-compile", "unsloth-compile, budget 0.05",
+        "unsloth-compile", "unsloth-compile, budget 0.05", "unsloth-compile, budget 0",
     ]
     assert [label for label, _ in bench_rows.COMPILED_ROWS] == ["compiled: torch + attention kept",
                                                        "compiled: unsloth + attention offload"]
@@ -372,7 +373,8 @@ def test_named_strategies_are_selected_by_property():
     assert [s.label for s in select(patches=False)] == ["none"]
     assert {s.label for s in select(strided=True)} == {"torch, interval 2, stride 4"}
     # another budget on the compiled backend that keeps everything on the device is the compiler's own row
-    assert {s.label for s in select(repeats_compiler=True)} == {"compile, budget 0.3", "compile, budget 0.05"}
+    assert {s.label for s in select(repeats_compiler=True)} == {"compile, budget 0.3", "compile, budget 0.05",
+                                                                      "compile, budget 0"}
     assert not any(s.repeats_compiler for s in compared())
     # kernel outputs kept where the backend keeps what it saves: one on the device, one in CPU memory
     kept = kept_kernel_variants()

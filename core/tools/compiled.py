@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 # torch is imported where a block is compiled: the names and configs here are read by the command
 # line's checks, before any heavy import (gradseam.tools.checks)
 
-BUDGETS = (0.3, 0.1, 0.05)
+BUDGETS = (0.3, 0.1, 0.05, 0.0)  # 0: the compiled block keeps its inputs only
 # Keys of a tool's row or candidate that are not gradseam config keys: they ask for compiled blocks
 # (and the compiler's memory budget), so bench and advise name every configuration the same way.
 COMPILE_KEYS = ("compile_blocks", "compile_memory_budget")

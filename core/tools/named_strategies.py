@@ -33,7 +33,7 @@ STRIDE = "gradient_checkpointing_segment_stride"
 BACKEND = "gradient_checkpointing_backend"
 KEEP = "gradient_checkpointing_keep_attention"
 BUDGET = "gradient_checkpointing_memory_budget"
-OTHER_BUDGETS = (0.3, 0.05)  # beside the default (0.1): more kept and faster, less kept and slower
+OTHER_BUDGETS = (0.3, 0.05, 0.0)  # beside the default (0.1): more kept and faster, less kept and slower; 0: inputs only
 OFFLOAD_ATTENTION = "gradient_checkpointing_offload_attention"
 
 
