@@ -281,3 +281,35 @@ def test_a_mix_runs_the_largest_working_set_first_and_expects_the_peak_of_that_o
         assert f"{mixed.expected_gpu_gib:.2f} GiB expected in this block order ({mixed.plan.gpu_gib:.2f} GiB at most)" \
             in advice.report()
     assert advice.to_dict()["per_block"]["expected_gpu_gib"] == mixed.expected_gpu_gib
+
+
+def test_a_host_budget_below_the_compilers_floor_gives_budget_0_to_the_fewest_blocks_and_trains_exactly():
+    """Wan 2.1 14B's costs a block under 12 GiB (an H100, docs/benchmarks.md, thirty-sixth session), on the tiny Wan's
+    five units: budget 0.05 pins 0.99 GiB a block at 353 ms, budget 0 keeps only the block's inputs, 0.35 GiB at 420
+    ms. A host budget under five blocks at 0.05 gets budget 0 on as few blocks as bring it under, the rest at 0.05:
+    the mix the twelve-gigabyte row measured (five of forty blocks at budget 0, 62.4 GiB pinned)."""
+    costs = {  # per unit: (ms, GPU GiB held, pinned GiB); at depth zero: (ms, peak GiB, pinned GiB)
+        "unsloth-compile, budget 0.05": ((353.0, 0.0, 0.99), (10.0, 7.0, 0.0)),
+        "unsloth-compile, budget 0": ((420.0, 0.02, 0.35), (10.0, 9.6, 0.0)),
+    }
+
+    def measure(config):
+        for label, rung in LADDER:
+            if label in costs and rung == dict(config):
+                (ms, gpu, host), (ms0, peak0, host0) = costs[label]
+                unit = UnitCosts(UNITS, ms, ms0, gpu, peak0, host, host0)
+                return Estimate(peak0 + UNITS * gpu, ms0 + UNITS * ms, host0 + UNITS * host, gpu, "predicted", unit)
+        raise UnsupportedStrategyError("not in this table")
+
+    uniform = advise(WAN.build(), {}, 12.0, measure=measure, static_gib=STATIC, pinnable_gib=5.0)
+    assert uniform.chosen.label == "unsloth-compile, budget 0.05" and uniform.per_block is None  # 4.95 GiB fits
+    # 4.4 GiB: four blocks at 0.05 and one at 0 (4.31 GiB); two at 0 would fit too, and be slower
+    advice = advise(WAN.build(), {}, 12.0, measure=measure, static_gib=STATIC, pinnable_gib=4.4)
+    assert advice.chosen.label == "unsloth-compile, budget 0" and advice.per_block is not None
+    plan = advice.per_block.plan
+    assert plan.counts_of("units") == {"unsloth-compile, budget 0.05": 4, "unsloth-compile, budget 0": 1}
+    assert plan.host_gib <= 4.4 and plan.time_ms < advice.chosen.step_ms
+    config = advice.per_block_config
+    assert [dict(e).get("gradient_checkpointing_memory_budget") for e in config[BLOCKS_KEY]].count(0.0) >= 1
+    with cpu_test_mode():
+        check_strategy(WAN, config)  # outputs and every gradient against the unpatched model
