@@ -221,6 +221,19 @@ def test_a_row_streaming_a_count_of_blocks_is_not_predicted_from_cut_models_and_
         "not predicted: its config streams a count of blocks (gradient_checkpointing_stream_weights: a number) at "
         "every depth") and configs["mine"]["peak_gib"] is None
     assert configs["mine, all"]["status"] == "ok" and configs["mine, all"]["peak_gib"] == pytest.approx(4.0)
+    # per-block entries selecting a range take the same blocks at every depth (Wan 2.1 14B's "blocks[0:5]" at budget 0:
+    # every block of the 5-block cut, an eighth of the 40); an entry naming a whole list takes the same share
+    ranged = {"gradient_checkpointing": True, "gradient_checkpointing_blocks": [
+        {"blocks": "blocks[0:1]", "gradient_checkpointing_memory_budget": 0}]}
+    whole = {"gradient_checkpointing": True, "gradient_checkpointing_blocks": [
+        {"blocks": "blocks", "gradient_checkpointing_memory_budget": 0}]}
+    mine = [dataclasses.replace(row(label, d, 100.0 * d), config=config)
+            for label, config in (("ranged", ranged), ("whole", whole)) for d in (1, 2)]
+    configs = {r["strategy"]: r for r in report.full_depth_rows(RealRun(run.plan, (1, 2), 8, [*results, *mine]))}
+    assert configs["ranged"]["status"].startswith(
+        "not predicted: its config's per-block entries (gradient_checkpointing_blocks) select the same blocks at every "
+        "depth") and configs["ranged"]["step_ms"] is None and "--full-row 'ranged'" in configs["ranged"]["status"]
+    assert configs["whole"]["status"] == "ok" and configs["whole"]["step_ms"] is not None
 
 
 def test_rows_that_would_not_fit_the_host_are_ruled_out_not_tried(flux_run, monkeypatch):

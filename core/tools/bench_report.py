@@ -174,7 +174,7 @@ def full_depth_rows(run: RealRun) -> list[dict[str, Any]]:
             failed = at_full if at_full is not None and at_full.status != "ok" else next(
                 (r for r in mine if r.status != "ok"), None)
             row["status"] = failed.status if failed is not None else "not measured"
-        counted = _streams_a_count(strategy, mine)
+        counted = _streams_a_count(strategy, mine) or _selects_fixed_blocks(mine)
         if at_full is None and counted is not None and all(r.status == "ok" for r in mine):
             row = _count_not_predicted(row, counted, run)
         out.append(row)
@@ -196,8 +196,22 @@ def _streams_a_count(strategy: str, mine: Sequence[Result]) -> str | None:
     return None
 
 
+def _selects_fixed_blocks(mine: Sequence[Result]) -> str | None:
+    """What makes a ``--config-row``'s per-block entries the same blocks at every depth, said for its status: an entry
+    selecting a range of a list (``"blocks[0:5]"``) takes those blocks at every depth, a larger share of a cut model's
+    (all five of Wan 2.1 14B's at depth 5, an eighth of them at 40: the thirty-sixth session's 12 GiB mix); an entry
+    naming a whole list takes the same share at every depth. None where no entry selects a range."""
+    from ..config import BLOCKS_KEY, SELECTOR
+
+    config = next((r.config for r in mine if r.config), None)
+    if config is None or not any("[" in str(dict(entry).get(SELECTOR, "")) for entry in config.get(BLOCKS_KEY) or ()):
+        return None
+    return f"its config's per-block entries ({BLOCKS_KEY}) select the same blocks"
+
+
 def _count_not_predicted(row: dict[str, Any], what: str, run: RealRun) -> dict[str, Any]:
-    """``row`` (a row streaming a count of blocks, not measured at the full depth) with every figure left out. Its N
+    """``row`` (a row streaming a count of blocks, or whose per-block entries select ranges: :func:`_selects_fixed_blocks`,
+    not measured at the full depth) with every figure left out. Its N
     blocks are N at every depth (all of a cut model's where it has fewer), so the line through the fit depths is not
     the full model's with N streamed: at Flux dev's depths 1 and 2 (3 and 6 blocks) ``stream 30`` streams every
     block, and a prediction from them would be ``stream all``'s."""
