@@ -226,7 +226,7 @@ def test_a_row_streaming_a_count_of_blocks_is_not_predicted_from_cut_models_and_
     ranged = {"gradient_checkpointing": True, "gradient_checkpointing_blocks": [
         {"blocks": "blocks[0:1]", "gradient_checkpointing_memory_budget": 0}]}
     whole = {"gradient_checkpointing": True, "gradient_checkpointing_blocks": [
-        {"blocks": "blocks", "gradient_checkpointing_memory_budget": 0}]}
+        {"blocks": selector, "gradient_checkpointing_memory_budget": 0} for selector in ("blocks", "blocks[:]", "blocks[0:]")]}
     mine = [dataclasses.replace(row(label, d, 100.0 * d), config=config)
             for label, config in (("ranged", ranged), ("whole", whole)) for d in (1, 2)]
     configs = {r["strategy"]: r for r in report.full_depth_rows(RealRun(run.plan, (1, 2), 8, [*results, *mine]))}

@@ -105,25 +105,32 @@ MATRIX += [(case, cfg) for case in _new_families() for cfg in NEW_GPU_CONFIGS]
 COMPILED = [{"gradient_checkpointing": True, "gradient_checkpointing_backend": b} for b in ("compile", "unsloth-compile")]
 
 
-@pytest.mark.parametrize("case", [FLUX, WAN], ids=lambda c: c.name)
-def test_gpu_compiled_backends_fp32(case):
-    gpu = _on_cuda(case)
-    steps = {}
-    for config in [None, *COMPILED]:
+def _compiled_steps(case: Case, configs: list[dict | None]) -> tuple[list[list], list[int]]:
+    """Two steps of each config (None: unpatched) on a fresh, freshly compiled model, and the bytes each one's engine
+    moved to host memory (0 without an engine; every saved tensor offloaded, however small)."""
+    steps, moved = [], []
+    for config in configs:
         torch._dynamo.reset()
         torch.manual_seed(case.seed)
-        model = gpu.build()
+        model = case.build()
         handle = gradseam.patch(model, config) if config else None
-        if handle is not None and handle.engine is not None:
-            handle.engine.min_bytes = 0
+        engine = handle.engine if handle is not None else None
+        if engine is not None:
+            engine.min_bytes = 0
         try:
-            steps[config_id(config or {})] = [run_step(model, gpu, count_bytes=False) for _ in range(2)]
-            if handle is not None and handle.engine is not None:
-                assert handle.engine.copies > 0
+            steps.append([run_step(model, case, count_bytes=False) for _ in range(2)])
+            moved.append(engine.stats()["offloaded_bytes"] if engine is not None else 0)
+            if engine is not None:
+                assert engine.copies > 0
         finally:
             if handle is not None:
                 handle.remove()
-    reference, kept, moved = steps.values()
+    return steps, moved
+
+
+@pytest.mark.parametrize("case", [FLUX, WAN], ids=lambda c: c.name)
+def test_gpu_compiled_backends_fp32(case):
+    (reference, kept, moved), _ = _compiled_steps(_on_cuda(case), [None, *COMPILED])
     # Each configuration ran the same step twice: what those two runs differ by is this GPU's own
     # run-to-run spread (efficient attention's backward sums with atomics). Offloading changes no bit, so
     # unsloth-compile matches compile exactly where the kernels are deterministic, and within four times
@@ -139,27 +146,12 @@ def test_gpu_budget_0_offloads_only_each_blocks_inputs_and_trains_like_eager():
     """Memory budget 0 under inductor (Wan 2.1 14B's 12 GiB row runs five blocks so, docs/benchmarks.md): the
     partitioner keeps a compiled block's inputs only, so ``unsloth-compile`` moves less to host memory than at the
     default budget, and the step is the eager one within the compiled tolerance and this GPU's own spread."""
-    case = _on_cuda(WAN)
-    steps, moved = {}, {}
-    for budget in (None, 0.1, 0.0):
-        torch._dynamo.reset()
-        torch.manual_seed(case.seed)
-        model = case.build()
-        config = None if budget is None else {"gradient_checkpointing": True, "gradient_checkpointing_backend":
-                                              "unsloth-compile", "gradient_checkpointing_memory_budget": budget}
-        handle = gradseam.patch(model, config) if config else None
-        if handle is not None:
-            handle.engine.min_bytes = 0
-        try:
-            steps[budget] = [run_step(model, case, count_bytes=False) for _ in range(2)]
-            if handle is not None:
-                moved[budget] = handle.engine.stats()["offloaded_bytes"]
-        finally:
-            if handle is not None:
-                handle.remove()
-    assert 0 < moved[0.0] < moved[0.1], moved
-    spread = 4 * max(_spread(*runs) for runs in steps.values())
-    for eager, compiled in zip(steps[None], steps[0.0]):
+    budgets = [{**COMPILED[1], "gradient_checkpointing_memory_budget": b} for b in (0.1, 0.0)]
+    (eager_steps, default_steps, zero_steps), (_, default_moved, zero_moved) = _compiled_steps(_on_cuda(WAN),
+                                                                                             [None, *budgets])
+    assert 0 < zero_moved < default_moved, (zero_moved, default_moved)
+    spread = 4 * max(_spread(*runs) for runs in (eager_steps, default_steps, zero_steps))
+    for eager, compiled in zip(eager_steps, zero_steps):
         assert_same_step(eager, compiled, atol=max(1e-5, spread), what="wan unsloth-compile at budget 0 vs eager")
 
 

@@ -32,16 +32,16 @@ TABLE = {
 STATIC = 1.0
 
 
-def _estimate(label: str) -> Estimate:
-    (ms, gpu, host), (ms0, peak0, host0) = TABLE[label]
+def _estimate(label: str, table: dict = TABLE) -> Estimate:
+    (ms, gpu, host), (ms0, peak0, host0) = table[label]
     costs = UnitCosts(UNITS, ms, ms0, gpu, peak0, host, host0)
     return Estimate(peak0 + UNITS * gpu, ms0 + UNITS * ms, host0 + UNITS * host, gpu, "predicted", costs)
 
 
-def _measure(config):
+def _measure(config, table: dict = TABLE):
     for label, rung in LADDER:
-        if label in TABLE and rung == dict(config):
-            return _estimate(label)
+        if label in table and rung == dict(config):
+            return _estimate(label, table)
     raise UnsupportedStrategyError("not in this table")
 
 
@@ -288,18 +288,13 @@ def test_a_host_budget_below_the_compilers_floor_gives_budget_0_to_the_fewest_bl
     five units: budget 0.05 pins 0.99 GiB a block at 353 ms, budget 0 keeps only the block's inputs, 0.35 GiB at 420
     ms. A host budget under five blocks at 0.05 gets budget 0 on as few blocks as bring it under, the rest at 0.05:
     the mix the twelve-gigabyte row measured (five of forty blocks at budget 0, 62.4 GiB pinned)."""
-    costs = {  # per unit: (ms, GPU GiB held, pinned GiB); at depth zero: (ms, peak GiB, pinned GiB)
+    costs = {  # as TABLE: per unit (ms, GPU GiB held, pinned GiB); at depth zero (ms, peak GiB, pinned GiB)
         "unsloth-compile, budget 0.05": ((353.0, 0.0, 0.99), (10.0, 7.0, 0.0)),
         "unsloth-compile, budget 0": ((420.0, 0.02, 0.35), (10.0, 9.6, 0.0)),
     }
 
     def measure(config):
-        for label, rung in LADDER:
-            if label in costs and rung == dict(config):
-                (ms, gpu, host), (ms0, peak0, host0) = costs[label]
-                unit = UnitCosts(UNITS, ms, ms0, gpu, peak0, host, host0)
-                return Estimate(peak0 + UNITS * gpu, ms0 + UNITS * ms, host0 + UNITS * host, gpu, "predicted", unit)
-        raise UnsupportedStrategyError("not in this table")
+        return _measure(config, costs)
 
     uniform = advise(WAN.build(), {}, 12.0, measure=measure, static_gib=STATIC, pinnable_gib=5.0)
     assert uniform.chosen.label == "unsloth-compile, budget 0.05" and uniform.per_block is None  # 4.95 GiB fits

@@ -200,11 +200,18 @@ def _selects_fixed_blocks(mine: Sequence[Result]) -> str | None:
     """What makes a ``--config-row``'s per-block entries the same blocks at every depth, said for its status: an entry
     selecting a range of a list (``"blocks[0:5]"``) takes those blocks at every depth, a larger share of a cut model's
     (all five of Wan 2.1 14B's at depth 5, an eighth of them at 40: the thirty-sixth session's 12 GiB mix); an entry
-    naming a whole list takes the same share at every depth. None where no entry selects a range."""
+    naming a whole list (``"blocks"``, ``"blocks[:]"``, ``"blocks[0:]"``) takes the same share at every depth. None
+    where every entry names a whole list."""
+    import re
+
     from ..config import BLOCKS_KEY, SELECTOR
 
+    def whole_list(selector: str) -> bool:  # a --config-row's JSON as written: spaces allowed, as config's parser allows
+        return re.fullmatch(r"[\w.]+(\[0?:\])?", re.sub(r"\s+", "", selector)) is not None
+
     config = next((r.config for r in mine if r.config), None)
-    if config is None or not any("[" in str(dict(entry).get(SELECTOR, "")) for entry in config.get(BLOCKS_KEY) or ()):
+    entries = (config.get(BLOCKS_KEY) or ()) if config is not None else ()
+    if all(whole_list(str(dict(entry).get(SELECTOR, ""))) for entry in entries):
         return None
     return f"its config's per-block entries ({BLOCKS_KEY}) select the same blocks"
 
