@@ -641,3 +641,46 @@ def test_a_candidate_the_compiler_refuses_is_one_unsupported_rung_not_the_end_of
         measure_once(model, inputs, budget_config(0.1), 1, family=family, plan=plan, device="cpu")
     with pytest.raises(BackendCompilerFailed):
         measure_once(model, inputs, {"gradient_checkpointing": True}, 1, family=family, plan=plan, device="cpu")
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["measured", "out-of-memory"])
+def test_a_candidate_that_leaves_gpu_memory_allocated_stops_the_ladder_before_any_later_rung_is_measured(
+        monkeypatch, fails):
+    """As ``auto``'s rows (tests/test_auto.py): every rung is measured from the memory the first found, so one that
+    leaves some of its own allocated on the GPU would have every later rung measured beside it and the advice compare
+    rungs that did not start alike. On the GPU path ``advise`` stops at it, naming the rung and the figures."""
+    from cases import WAN
+
+    from gradseam.tools import advise as advise_module
+    from gradseam.tools import measure as measuring
+
+    levels = iter([1.0, 1.0, 1.0, 10.0])  # GiB allocated beside the model's state: before and after each rung
+    monkeypatch.setattr(measuring, "allocated_beside", lambda model: int(next(levels) * 2**30))
+    fake = FakeMeasure({**LADDER_VALUES, LADDER[1][0]: torch.OutOfMemoryError("CUDA out of memory.")} if fails
+                       else LADDER_VALUES)
+    monkeypatch.setattr(advise_module, "_gpu_measure", lambda *args: (fake, "depths 1 and 2", 0.0, True))
+    model = WAN.fresh()
+    with pytest.raises(GradseamError) as raised:
+        advise(model, WAN.inputs(torch.Generator().manual_seed(1)), "40GiB", block_gib=[], pinnable_gib=64.0)
+    failed = " after it ran out of memory" if fails else ""
+    assert (f"gradseam advise: measuring {LADDER[1][0]}{failed} left 9.00 GiB allocated on the GPU that was not before "
+            "it (1.00 GiB before, 10.00 GiB after its memory was released)") in str(raised.value)
+    assert "no advice is given from candidates measured so" in str(raised.value)
+    assert [_key(c) for c in fake.calls] == [_key(LADDER[0][1]), _key(LADDER[1][1])]  # nothing after it measured
+
+
+def test_a_candidate_that_gives_back_what_it_allocated_is_not_stopped(monkeypatch):
+    """The check's other side: a few MiB left behind (a cuBLAS workspace, compiled kernels' state) is under its
+    threshold, and every rung is measured."""
+    from cases import WAN
+
+    from gradseam.tools import advise as advise_module
+    from gradseam.tools import measure as measuring
+
+    grow = iter(range(0, 10**9, 1 << 20))  # 1 MiB more at each read
+    monkeypatch.setattr(measuring, "allocated_beside", lambda model: next(grow))
+    fake = FakeMeasure(LADDER_VALUES)
+    monkeypatch.setattr(advise_module, "_gpu_measure", lambda *args: (fake, "depths 1 and 2", 0.0, True))
+    advice = advise(WAN.fresh(), WAN.inputs(torch.Generator().manual_seed(1)), "40GiB", block_gib=[],
+                    pinnable_gib=64.0)
+    assert len(fake.calls) > 2 and advice.chosen is not None

@@ -27,6 +27,7 @@ from gradseam.patcher import family_for
 from gradseam.testing import assert_same_step
 from gradseam.testing.steps import Step
 from gradseam.tools import auto_planner, cost_cache, parking
+from gradseam.tools import measure as measuring
 from gradseam.tools.advise import Estimate, NoFitError, UnitCosts
 
 UNITS = 5  # the tiny Wan's blocks
@@ -914,7 +915,6 @@ def test_a_candidate_out_of_memory_while_measured_on_a_gpu_says_what_was_allocat
     streamed ones included, where the same streamed row alone had peaked at 9.6 GiB. Read by the measuring protocol
     itself (:func:`gradseam.tools.measure.measure`), before its first step: here a GPU that holds 9.87 GiB."""
     from gradseam.testing import run_step
-    from gradseam.tools import measure as measuring
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: int(9.87 * 2**30))
@@ -942,7 +942,7 @@ def test_a_row_that_leaves_gpu_memory_allocated_stops_the_measuring_before_any_l
     cached so: measuring stops at it, naming the figures, with the rows before it cached and nothing after."""
     model, inputs = WAN.fresh(), _inputs()
     levels = iter([1.0, 1.0, 1.0, 10.0])  # GiB allocated beside the model's state: before and after each row
-    monkeypatch.setattr(auto_planner._Rows, "_allocated", lambda self: int(next(levels) * 2**30))
+    monkeypatch.setattr(measuring, "allocated_beside", lambda model: int(next(levels) * 2**30))
     measured: list[str] = []
 
     def measure_on(request: Request):
@@ -968,20 +968,20 @@ def test_a_row_that_leaves_gpu_memory_allocated_stops_the_measuring_before_any_l
 
 
 def test_the_state_a_row_may_leave_is_the_models_parameters_buffers_and_gradients_each_storage_once():
-    """What :func:`auto_planner.state_bytes_on` counts out of the memory a row leaves: the model's own state on the
+    """What :func:`gradseam.tools.measure.state_bytes_on` counts out of the memory a row leaves: the model's own state on the
     device, which parking and lending move between rows and a measured backward adds to (its gradients); a tied
     weight (one storage behind two parameters) once, and nothing on another device."""
     model = WAN.fresh()
     cpu = torch.device("cpu")
     state = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()]}
-    assert auto_planner.state_bytes_on(model, cpu) == sum(state.values())
+    assert measuring.state_bytes_on(model, cpu) == sum(state.values())
     model.blocks[1].attn1.to_q.weight = model.blocks[0].attn1.to_q.weight  # tied: one storage, counted once
-    tied = auto_planner.state_bytes_on(model, cpu)
+    tied = measuring.state_bytes_on(model, cpu)
     assert tied == sum(state.values()) - model.blocks[0].attn1.to_q.weight.untyped_storage().nbytes()
     model(**_inputs()).sample.square().mean().backward()
     grads = sum(p.grad.untyped_storage().nbytes() for p in model.parameters() if p.grad is not None)
-    assert grads > 0 and auto_planner.state_bytes_on(model, cpu) == tied + grads
-    assert auto_planner.state_bytes_on(model, torch.device("meta")) == 0
+    assert grads > 0 and measuring.state_bytes_on(model, cpu) == tied + grads
+    assert measuring.state_bytes_on(model, torch.device("meta")) == 0
 
 
 def test_a_candidate_out_of_memory_on_a_gpu_is_cached_with_the_memory_it_was_measured_within(monkeypatch):

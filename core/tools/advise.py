@@ -674,6 +674,7 @@ def advise(
     if measure is None:
         measure, note, static_gib, supports_interval = _gpu_measure(model, example_inputs, loss_fn, static_gib,
                                                                     depths, depth, plan)
+        measure = stopping_at_what_is_left_behind(measure, model)
         from ..patcher import family_for
         from .host_link import measure_model_gib_s
 
@@ -747,6 +748,29 @@ def label_of(config: Mapping[str, Any]) -> str:
     if label is None:
         return str(dict(config))
     return f"{label} + stream {config[STREAM_KEY]}" if STREAM_KEY in config else label
+
+
+def stopping_at_what_is_left_behind(measure: Measure, model: Any) -> Measure:
+    """``measure`` raising :class:`GradseamError` after a candidate that leaves GPU memory allocated that was not
+    before it (:class:`gradseam.tools.measure.LeftBehind`, as ``auto``'s rows do): every later rung would be
+    measured beside that memory, and the advice would compare candidates that did not start from the same GPU."""
+    from .measure import LeftBehind, drop_frames, is_oom
+
+    left_behind = LeftBehind(model, "gradseam advise", then="no advice is given from candidates measured so")
+
+    def measured(config: Mapping[str, Any]) -> Estimate | tuple[float, float]:
+        before, failed = left_behind.before(), False
+        try:
+            return measure(config)
+        except Exception as exc:
+            if is_oom(exc):
+                drop_frames(exc)  # the failed step's activations go with its frames' variables, before the check
+                failed = True
+            raise
+        finally:
+            left_behind.check(label_of(config), before, failed=failed)
+
+    return measured
 
 
 def reporting(measure: Measure, progress: Callable[[str, bool], None]) -> Measure:

@@ -70,6 +70,7 @@ from . import cost_cache, plan_check
 from .advise import LADDER, label_of, run_ladder
 from .compiled import compiles, gradseam_keys
 from .estimates import Advice, Estimate, Measure, NoFitError
+from .measure import LeftBehind
 
 GiB = 1 << 30
 DEFAULT: dict[str, Any] = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch"}
@@ -313,22 +314,6 @@ def choose(table: cost_cache.Table, gpu_gib: float, static_gib: float, host_gib:
     return advice
 
 
-def state_bytes_on(model: Any, device: Any) -> int:
-    """The bytes of ``model``'s parameters, buffers and gradients on ``device`` (each storage once; a quantized weight's
-    inner and side tensors included, :func:`gradseam.offload.state.state_parts`): what a row may leave there that is not
-    its own, since a parking session or a lent block moves weights on and off the GPU between rows, and a measured
-    backward leaves gradients."""
-    from ..offload.state import state_bytes
-
-    params = list(model.parameters())
-    return state_bytes([*params, *model.buffers(), *(p.grad for p in params if p.grad is not None)], device)
-
-
-# What a measured row may leave allocated on the GPU after it (the first matmul's cuBLAS workspace, a few MiB of
-# compiled kernels' state) before measuring stops (_Rows._check_left_behind): far below a block's activations
-LEFT_BEHIND_BYTES = 256 << 20
-
-
 def torch_oom(reason: str) -> BaseException:
     """A cached failure raised again, carrying the memory its step began with as a live one does
     (:func:`gradseam.tools.measure.allocated_when_measuring_began`)."""
@@ -352,6 +337,8 @@ class _Rows:
         self._run: tuple[Measure, str, float] | None = None
         self.seconds = 0.0  # spent measuring rows, for the last progress line
         self.took: list[tuple[bool, float]] = []  # each row measured: whether it compiles, and its seconds
+        self.left_behind = LeftBehind(request.model, 'gradient_checkpointing_backend "auto"',
+                                      then="what was measured before it is cached, and the next run resumes from there")
 
     @property
     def setup(self) -> tuple[Measure, str, float]:
@@ -427,10 +414,10 @@ class _Rows:
         """``run(config)``'s estimate, or ``oom(first line, exception)`` for an out-of-memory error (and, with
         ``unsupported``, ``"unsupported: ..."`` for a refused config), and the seconds it took (added to the total).
         Raises :class:`GradseamError` where the run left GPU memory allocated that was not before it
-        (:meth:`_check_left_behind`)."""
+        (:class:`gradseam.tools.measure.LeftBehind`)."""
         from .measure import is_oom
 
-        before = self._allocated()
+        before = self.left_behind.before()
         start = time.perf_counter()
         try:
             got = run(dict(config))
@@ -443,46 +430,12 @@ class _Rows:
             if not is_oom(exc):
                 raise
             outcome = oom(str(exc).splitlines()[0] if str(exc) else type(exc).__name__, exc)
-        if isinstance(outcome, str) and outcome.startswith("OOM"):
-            # the measuring call released memory while the error's traceback still held the failed step's
-            # tensors; with the exception gone they are free, and go back before the next run
-            from .measure import release
-
-            release(_device(self.request.model).type)
         seconds = time.perf_counter() - start
         self.seconds += seconds
-        self._check_left_behind(label, before, outcome)
+        # the measuring call released memory while the error's traceback still held the failed step's tensors; with
+        # the exception gone they are free, and go back before the check reads what is left
+        self.left_behind.check(label, before, failed=isinstance(outcome, str) and outcome.startswith("OOM"))
         return outcome, seconds
-
-    def _allocated(self) -> int | None:
-        """The bytes allocated on the model's GPU now beside the model's own state there (:func:`state_bytes_on`), or
-        None off a GPU."""
-        import torch
-
-        device = _device(self.request.model)
-        if device.type != "cuda":
-            return None
-        return torch.cuda.memory_allocated(device) - state_bytes_on(self.request.model, device)
-
-    def _check_left_behind(self, label: str, before: int | None, outcome: Estimate | str) -> None:
-        """Every row is measured from the memory the first found: one that leaves some of its own allocated (a failed
-        step's activations still referenced, a block's weights left on the GPU) has each later row measured beside
-        it, run out of memory beside it, and cached so. Stopped here, with the figures, before any of that is
-        cached. Why: on an H100 every one of 28 candidates of ``"auto"`` for Wan 2.1 14B under 12 GiB ran out of
-        memory with 11.3 to 11.9 GiB allocated (ten of them at 11.59 GiB exactly, eager and compiled, whole-block and
-        FFN alike), where the same streamed row measured alone peaked at 9.6 GiB; what each candidate's step began
-        beside was not recorded then."""
-        after = self._allocated()
-        if before is None or after is None or after - before <= LEFT_BEHIND_BYTES:
-            return
-        failed = " after it ran out of memory" if isinstance(outcome, str) and outcome.startswith("OOM") else ""
-        raise GradseamError(
-            f"gradient_checkpointing_backend \"auto\": measuring {label}{failed} left {(after - before) / GiB:.2f} GiB "
-            f"allocated on the GPU that was not before it ({before / GiB:.2f} GiB before, {after / GiB:.2f} GiB after "
-            "its memory was released). Every candidate after it would be measured beside that memory, so measuring "
-            "stops here; what was measured before it is cached, and the next run resumes from there. This is a bug in "
-            "gradseam or in what the model's forward keeps (a module holding a tensor of its last call): please "
-            "report it with this message.")
 
     def checker(self, check_on: CheckOn, streamed_gib: Callable[[Mapping[str, Any]], float]) -> Measure:
         """``check_on``'s whole-model run, with a line of progress before and after, and an out-of-memory error

@@ -399,7 +399,7 @@ BEGAN_WITH = "gradseam_allocated_when_measuring_began"
 def allocated_when_measuring_began(exc: BaseException) -> float | None:
     """The GiB allocated on the GPU when the measurement that raised ``exc`` began (None: not known). An out-of-memory
     error names what was allocated when it failed; only this tells a step that filled the GPU itself from one that
-    began beside memory it did not make (why it was added: :meth:`gradseam.tools.auto_planner._Rows._check_left_behind`)."""
+    began beside memory it did not make (why it was added: :class:`LeftBehind`)."""
     began = getattr(exc, BEGAN_WITH, None)
     return began / GiB if began is not None else None
 
@@ -504,3 +504,70 @@ def release(device: str = "cuda") -> None:
         host_empty = getattr(torch._C, "_host_emptyCache", None)
         if host_empty is not None:
             host_empty()
+
+
+# What a measured row may leave allocated on the GPU after it (the first matmul's cuBLAS workspace, a few MiB of
+# compiled kernels' state) before a tool stops measuring (:class:`LeftBehind`): far below a block's activations
+LEFT_BEHIND_BYTES = 256 << 20
+
+
+def state_bytes_on(model: Any, device: Any) -> int:
+    """The bytes of ``model``'s parameters, buffers and gradients on ``device`` (each storage once; a quantized weight's
+    inner and side tensors included, :func:`gradseam.offload.state.state_parts`): what a row may leave there that is not
+    its own, since a parking session or a lent block moves weights on and off the GPU between rows, and a measured
+    backward leaves gradients."""
+    from ..offload.state import state_bytes
+
+    params = list(model.parameters())
+    return state_bytes([*params, *model.buffers(), *(p.grad for p in params if p.grad is not None)], device)
+
+
+def allocated_beside(model: Any) -> int | None:
+    """The bytes allocated on ``model``'s GPU now beside the model's own state there (:func:`state_bytes_on`), or None
+    for a model off a GPU (nothing to read). Its GPU is its first parameter's not in host memory: a streamed block's
+    weights are there."""
+    device = next((p.device for p in model.parameters() if p.device.type != "cpu"), None)
+    if device is None or device.type != "cuda":
+        return None
+    return torch.cuda.memory_allocated(device) - state_bytes_on(model, device)
+
+
+@dataclass
+class LeftBehind:
+    """Stops a tool's run of measured rows at the first that leaves GPU memory allocated that was not before it.
+
+    Every row of ``auto``'s cost table and of ``advise``'s ladder is measured from the memory the first found. One
+    that leaves some of its own allocated (a failed step's activations still referenced, a block's weights left on
+    the GPU) has each later row measured beside it, run out of memory beside it, and compared (or cached) so. Why it
+    exists: on an H100 every one of 28 candidates of ``"auto"`` for Wan 2.1 14B under 12 GiB ran out of memory with
+    11.3 to 11.9 GiB allocated (ten of them at 11.59 GiB exactly, eager and compiled, whole-block and FFN alike),
+    where the same streamed row measured alone peaked at 9.6 GiB; what each candidate's step began beside was not
+    recorded then. ``who`` names the tool in the error, ``then`` says what stopping leaves the user with."""
+
+    model: Any
+    who: str
+    then: str
+
+    def before(self) -> int | None:
+        """What is allocated beside the model's state as a row starts (None off a GPU)."""
+        return allocated_beside(self.model)
+
+    def check(self, label: str, before: int | None, *, failed: bool) -> None:
+        """Raise :class:`gradseam.errors.GradseamError` where ``label``'s row (``failed``: it ran out of memory) left
+        more than :data:`LEFT_BEHIND_BYTES` allocated beside the model's state, once the allocator has been emptied."""
+        from ..errors import GradseamError
+
+        if failed:  # the failed step's tensors are free once its exception is gone: give them back before reading
+            release("cuda")
+        if before is None:
+            return
+        after = allocated_beside(self.model)
+        if after is None or after - before <= LEFT_BEHIND_BYTES:
+            return
+        oom = " after it ran out of memory" if failed else ""
+        raise GradseamError(
+            f"{self.who}: measuring {label}{oom} left {(after - before) / GiB:.2f} GiB allocated on the GPU that was "
+            f"not before it ({before / GiB:.2f} GiB before, {after / GiB:.2f} GiB after its memory was released). "
+            f"Every candidate after it would be measured beside that memory, so measuring stops here; {self.then}. "
+            "This is a bug in gradseam or in what the model's forward keeps (a module holding a tensor of its last "
+            "call): please report it with this message.")
