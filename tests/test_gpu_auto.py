@@ -7,6 +7,7 @@ the table and measures nothing. The plan's speed against the best uniform row is
 from __future__ import annotations
 
 import gc
+import re
 
 import pytest
 import torch
@@ -340,6 +341,32 @@ def test_gpu_advise_measures_the_users_whole_model_with_the_blocks_outside_each_
         assert now[name] is t and t.device.type == "cuda" and torch.equal(t, data), f"{name} did not come back"
         assert (t.grad is None) if grad is None else torch.equal(t.grad, grad), f"{name}'s gradient changed"
     torch.cuda.synchronize()
+
+
+def test_gpu_advise_stops_at_a_candidate_whose_model_keeps_gpu_memory_after_its_step(monkeypatch):
+    """A model whose forward keeps a tensor on a module (here 320 MiB, past the 256 MiB a row may leave) makes every
+    later candidate start beside it: ``advise`` stops at the first, naming it and the memory, on the real allocator
+    (the CPU tests read a patched figure), and measures nothing after it."""
+    from gradseam import GradseamError
+    from gradseam.tools import advise as advising
+
+    monkeypatch.setattr(advising, "LADDER", [("none", dict(advising.OFF)), ("torch", {"gradient_checkpointing": True})])
+    gpu = _on_cuda(WIDE_WAN)
+    model = _frozen(gpu)
+
+    def keep(module, args, output):
+        module.kept = torch.empty(320 << 20, dtype=torch.uint8, device="cuda")  # a tensor of its last call
+
+    model.blocks[0].register_forward_hook(keep)
+    lines: list[str] = []
+    with pytest.raises(GradseamError) as raised:
+        advising.advise(model, gpu.inputs(torch.Generator().manual_seed(0)), 40.0, block_gib=[], pinnable_gib=8.0,
+                        progress=lambda line, done: lines.append(line))
+    # 0.31 GiB kept, and a few MiB of the first matmul's workspace where no test before made one in this process
+    assert re.search(r"gradseam advise: measuring none left 0\.3\d GiB allocated on the GPU that was not before it",
+                     str(raised.value)), raised.value
+    assert not any("torch" in line for line in lines), lines  # the next rung never started
+    del model.blocks[0].kept
 
 
 def test_gpu_bench_auto_row_patches_a_model_larger_than_its_cap_on_the_cpu_and_gives_it_back(tmp_path, monkeypatch):
