@@ -684,3 +684,35 @@ def test_a_candidate_that_gives_back_what_it_allocated_is_not_stopped(monkeypatc
     advice = advise(WAN.fresh(), WAN.inputs(torch.Generator().manual_seed(1)), "40GiB", block_gib=[],
                     pinnable_gib=64.0)
     assert len(fake.calls) > 2 and advice.chosen is not None
+
+
+def test_a_candidate_that_fails_otherwise_ends_the_ladder_as_its_own_error_not_as_memory_left_behind(monkeypatch):
+    """A failure that is neither out of memory nor a refusal ends the ladder (``_try`` raises it again): it must reach
+    the user as itself, not as a reading of the GPU memory its traceback still holds."""
+    from cases import WAN
+
+    from gradseam.tools import advise as advise_module
+    from gradseam.tools import measure as measuring
+
+    levels = iter([1.0, 1.0, 1.0, 10.0, 10.0])
+    monkeypatch.setattr(measuring, "allocated_beside", lambda model: int(next(levels) * 2**30))
+    fake = FakeMeasure({**LADDER_VALUES, LADDER[1][0]: RuntimeError("a bug in the model's forward")})
+    monkeypatch.setattr(advise_module, "_gpu_measure", lambda *args: (fake, "depths 1 and 2", 0.0, True))
+    with pytest.raises(RuntimeError, match="a bug in the model's forward"):
+        advise(WAN.fresh(), WAN.inputs(torch.Generator().manual_seed(1)), "40GiB", block_gib=[], pinnable_gib=64.0)
+
+
+def test_a_refused_candidate_that_leaves_gpu_memory_allocated_stops_the_ladder_too(monkeypatch):
+    """A refused rung is recorded and the ladder goes on past it, so what it left is read as a measured rung's is."""
+    from cases import WAN
+
+    from gradseam.tools import advise as advise_module
+    from gradseam.tools import measure as measuring
+
+    levels = iter([1.0, 1.0, 1.0, 10.0])
+    monkeypatch.setattr(measuring, "allocated_beside", lambda model: int(next(levels) * 2**30))
+    fake = FakeMeasure({**LADDER_VALUES, LADDER[1][0]: UnsupportedStrategyError("the compiler refused it")})
+    monkeypatch.setattr(advise_module, "_gpu_measure", lambda *args: (fake, "depths 1 and 2", 0.0, True))
+    with pytest.raises(GradseamError, match=f"gradseam advise: measuring {re.escape(LADDER[1][0])} left 9.00 GiB"):
+        advise(WAN.fresh(), WAN.inputs(torch.Generator().manual_seed(1)), "40GiB", block_gib=[], pinnable_gib=64.0)
+    assert len(fake.calls) == 2

@@ -759,16 +759,21 @@ def stopping_at_what_is_left_behind(measure: Measure, model: Any) -> Measure:
     left_behind = LeftBehind(model, "gradseam advise", then="no advice is given from candidates measured so")
 
     def measured(config: Mapping[str, Any]) -> Estimate | tuple[float, float]:
-        before, failed = left_behind.before(), False
+        before = left_behind.before()
         try:
-            return measure(config)
-        except Exception as exc:
-            if is_oom(exc):
-                drop_frames(exc)  # the failed step's activations go with its frames' variables, before the check
-                failed = True
+            got = measure(config)
+        except UnsupportedStrategyError as exc:  # the ladder goes on past a refused rung: checked as a measured one
+            drop_frames(exc)  # what the refused step held goes with its frames' variables, before the check
+            left_behind.check(label_of(config), before, failed=False)
             raise
-        finally:
-            left_behind.check(label_of(config), before, failed=failed)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise  # any other failure ends the ladder as itself, not as the memory its traceback still holds
+            drop_frames(exc)
+            left_behind.check(label_of(config), before, failed=True)
+            raise
+        left_behind.check(label_of(config), before, failed=False)
+        return got
 
     return measured
 

@@ -554,10 +554,11 @@ class LeftBehind:
 
     def check(self, label: str, before: int | None, *, failed: bool) -> None:
         """Raise :class:`gradseam.errors.GradseamError` where ``label``'s row (``failed``: it ran out of memory) left
-        more than :data:`LEFT_BEHIND_BYTES` allocated beside the model's state, once the allocator has been emptied."""
+        more than :data:`LEFT_BEHIND_BYTES` allocated beside the model's state (off a GPU, where ``before`` is None,
+        nothing is read)."""
         from ..errors import GradseamError
 
-        if failed:  # the failed step's tensors are free once its exception is gone: give them back before reading
+        if failed:  # the failed step's tensors are free once its frames are gone: give them back before reading
             release("cuda")
         if before is None:
             return
