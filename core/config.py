@@ -193,6 +193,20 @@ SELECTOR = "blocks"  # an entry's block selector: "list", "list[i]" or "list[a:b
 BlockOverride = tuple[tuple[str, Any], ...]  # ("blocks", selector) first, then the entry's keys as stored
 
 
+def selector_parts(selector: str) -> tuple[str, int, int | None]:
+    """An entry's selector, already validated (:func:`_parse_block_overrides`), as ``(list path, first index, end
+    index)``, the end None where it runs to the list's end (``"list"``, ``"list[a:]"``): which blocks that is needs
+    the model's list lengths (:func:`gradseam.planning`), whether it is a whole list does not (``gradseam bench``)."""
+    import re
+
+    path, _, rest = re.sub(r"\s+", "", selector).partition("[")
+    inside = rest.rstrip("]")
+    if not rest or ":" in inside:
+        lo, _, hi = inside.partition(":")
+        return path, int(lo or 0), int(hi) if hi else None
+    return path, int(inside), int(inside) + 1
+
+
 def _parse_block_overrides(key: str, value: Any, nullable: bool = True) -> tuple[BlockOverride, ...] | None:
     """Per-block settings: a list of entries, each ``{"blocks": SELECTOR, KEY: VALUE, ...}`` with keys from
     :data:`BLOCK_KEYS`, validated as the top-level keys are (each message names the entry). A JSON string

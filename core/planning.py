@@ -25,7 +25,15 @@ import torch
 from torch import nn
 
 from .backends import Destination, Kept, Offload, Scope
-from .config import BLOCKS_KEY, DEFAULT_STREAM_PREFETCH, SELECTOR, STREAM_KEY, BlockOverride, CheckpointConfig
+from .config import (
+    BLOCKS_KEY,
+    DEFAULT_STREAM_PREFETCH,
+    SELECTOR,
+    STREAM_KEY,
+    BlockOverride,
+    CheckpointConfig,
+    selector_parts,
+)
 from .errors import UnsupportedModelError, UnsupportedStrategyError, warn_once
 from .family import BlockClass, BlockList, Family
 from .kinds import ATTENTION_OFFLOAD, check_config
@@ -465,8 +473,7 @@ def _selection(model: nn.Module, lists: list[tuple[BlockList, list[nn.Module]]],
                selector: str) -> tuple[str, range]:
     """The block list and the indices an entry of ``gradient_checkpointing_blocks`` names; a list the model
     lacks or a range outside it is refused, naming the model's lists and lengths."""
-    text = selector.replace(" ", "")
-    path, _, rest = text.partition("[")
+    path, lo, end = selector_parts(selector)
     lengths = {bl.path: len(blocks) for bl, blocks in lists}
     shown = ", ".join(f"{p} ({k} blocks)" for p, k in lengths.items())
     if path not in lengths:
@@ -475,15 +482,9 @@ def _selection(model: nn.Module, lists: list[tuple[BlockList, list[nn.Module]]],
             f"block lists: {shown}."
         )
     count = lengths[path]
-    if not rest:
+    if "[" not in selector:
         return path, range(count)
-    inside = rest.rstrip("]")
-    if ":" in inside:
-        lo_text, _, hi_text = inside.partition(":")
-        lo, hi = int(lo_text or 0), int(hi_text) if hi_text else count
-    else:
-        lo = int(inside)
-        hi = lo + 1
+    hi = count if end is None else end
     if not lo < hi <= count:
         raise UnsupportedStrategyError(
             f"{BLOCKS_KEY}[{n}] selects {selector!r}, but {path} has {count} blocks (indices 0 to {count - 1}; a "

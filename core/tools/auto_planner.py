@@ -70,7 +70,7 @@ from . import cost_cache, plan_check
 from .advise import LADDER, label_of, run_ladder
 from .compiled import compiles, gradseam_keys
 from .estimates import Advice, Estimate, Measure, NoFitError
-from .measure import LeftBehind
+from .measure import LeftBehind, compute_device
 
 GiB = 1 << 30
 DEFAULT: dict[str, Any] = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch"}
@@ -110,7 +110,7 @@ def plan(request: Request, *, measure_on: MeasureOn | None = None, check_on: Che
 def _plan(request: Request, measure_on: MeasureOn | None, check_on: CheckOn | None, cache_dir: str | None) -> Planned:
     import torch
 
-    cuda = _device(request.model).type == "cuda"
+    cuda = compute_device(request.model).type == "cuda"
     candidates = CANDIDATES
     key = cost_cache.key_of(request, candidates)
     table = cost_cache.load(key, cache_dir)
@@ -121,7 +121,7 @@ def _plan(request: Request, measure_on: MeasureOn | None, check_on: CheckOn | No
         else None
     if table is not None and not table.complete and rows is None:
         table = None  # a run stopped while measuring: only a run that can measure finishes it
-    if table is not None and rows is not None and (limit := gpu_limit_gib(_device(request.model))) is not None:
+    if table is not None and rows is not None and (limit := gpu_limit_gib(compute_device(request.model))) is not None:
         # a row that ran out of memory says so only of the GPU memory it was measured within: a table measured
         # under a 32 GiB cap (bench's "auto @ 32GiB") marked every eager candidate of HunyuanVideo 1.5 at 480p out
         # of memory, and without this a later run on the whole 80 GiB card read them as not fitting any budget
@@ -146,7 +146,7 @@ def _plan(request: Request, measure_on: MeasureOn | None, check_on: CheckOn | No
     weights = streamable_gib(request)
     if weights and rows is not None and not request.streamed and _nothing_fitted(table):
         raise _no_room_beside_weights(request, table, lambda: cost_cache.save(key, table, cache_dir))
-    static = torch.cuda.memory_allocated(_device(request.model)) / GiB if cuda else table.static_gib
+    static = torch.cuda.memory_allocated(compute_device(request.model)) / GiB if cuda else table.static_gib
     if request.streamed and weights:
         # a model larger than its GPU holds no block's weights there now: counted as if resident, as for any model,
         # each unit then carries its own share, on the GPU where the plan keeps it, in host memory where it streams
@@ -221,7 +221,7 @@ def _no_room_beside_weights(request: Request, table: cost_cache.Table,
     out of memory leave the table first (saved so): measured with the weights resident, they say nothing of the
     candidates with the weights in host memory, and the next pass measures them so."""
     name = type(request.model).__name__
-    limit = gpu_limit_gib(_device(request.model))
+    limit = gpu_limit_gib(compute_device(request.model))
     within = f" within {limit:.2f} GiB of GPU memory" if limit is not None else ""
     dropped = table.forget_out_of_memory()
     save()
@@ -357,7 +357,7 @@ class _Rows:
         # each candidate's own time, so a user waiting on a big model sees where the planning goes (compiled
         # candidates compile at both depths; a streamed one copies every block's weights in twice a step)
         # what it ran out of memory within is part of the result: a larger limit measures it again
-        limit = gpu_limit_gib(_device(self.request.model))
+        limit = gpu_limit_gib(compute_device(self.request.model))
         with self.parked():
             outcome, seconds = self._timed(run, config, lambda what, exc: cost_cache.oom_while_measuring(
                 f"{what} (at {where_raised(exc)}{began_with(exc)})", limit), unsupported=True, label=label)
@@ -389,7 +389,7 @@ class _Rows:
 
         name = type(self.request.model).__name__
         start = time.perf_counter()
-        rate = measure_model_gib_s(self.request.model, self.request.family, _device(self.request.model))
+        rate = measure_model_gib_s(self.request.model, self.request.family, compute_device(self.request.model))
         if rate is not None:
             print(f"gradseam auto: {name}: host link {rate:.1f} GiB/s (one block's weights copied in, measured in "
                   f"{time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
@@ -545,7 +545,7 @@ def gpu_measure_on(request: Request) -> tuple[Measure, str, float]:
 
     from .advise import depth_measure
 
-    device = _device(request.model)
+    device = compute_device(request.model)
     torch.cuda.synchronize(device)
     static = torch.cuda.memory_allocated(device) / GiB
     run, note = depth_measure(request.model, request.inputs, family=request.family)
@@ -566,7 +566,7 @@ def default_gpu_gib(model: Any) -> float:
     """What the GPU has free plus what this process holds, within its per-process memory fraction, less 5%."""
     import torch
 
-    device = _device(model)
+    device = compute_device(model)
     free, _ = torch.cuda.mem_get_info(device)
     limit = gpu_limit_gib(device)
     assert limit is not None, "called for a model on a CUDA GPU"
@@ -589,17 +589,10 @@ def _host_default() -> float | None:
     return pinnable_gib()
 
 
-def _device(model: Any) -> Any:
-    """Where the model runs: its first parameter not in host memory (a streamed block's weights are), else the CPU."""
-    import torch
-
-    return next((p.device for p in model.parameters() if p.device.type != "cpu"), torch.device("cpu"))
-
-
 def _default(request: Request, where: str) -> Planned:
     name = type(request.model).__name__
     labels = ", ".join(label for label, _ in CANDIDATES)
-    why = (f"{name} is on {_device(request.model)}, not a CUDA GPU, and no measured costs for it and these shapes are "
+    why = (f"{name} is on {compute_device(request.model)}, not a CUDA GPU, and no measured costs for it and these shapes are "
            f"cached in {where}")
     warn_once(f"gradseam: gradient_checkpointing_backend \"auto\" measures each candidate ({labels}) at two shallow "
               "depths of the model on its CUDA GPU (one forward and backward each, a few seconds) and plans each block "

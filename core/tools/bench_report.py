@@ -174,9 +174,10 @@ def full_depth_rows(run: RealRun) -> list[dict[str, Any]]:
             failed = at_full if at_full is not None and at_full.status != "ok" else next(
                 (r for r in mine if r.status != "ok"), None)
             row["status"] = failed.status if failed is not None else "not measured"
-        counted = _streams_a_count(strategy, mine) or _selects_fixed_blocks(mine)
-        if at_full is None and counted is not None and all(r.status == "ok" for r in mine):
-            row = _count_not_predicted(row, counted, run)
+        if at_full is None and all(r.status == "ok" for r in mine):  # measured, so its config was valid
+            counted = _streams_a_count(strategy, mine) or _selects_fixed_blocks(mine)
+            if counted is not None:
+                row = _count_not_predicted(row, counted, run)
         out.append(row)
     return full_depth_ratios(out)
 
@@ -202,16 +203,11 @@ def _selects_fixed_blocks(mine: Sequence[Result]) -> str | None:
     (all five of Wan 2.1 14B's at depth 5, an eighth of them at 40: the thirty-sixth session's 12 GiB mix); an entry
     naming a whole list (``"blocks"``, ``"blocks[:]"``, ``"blocks[0:]"``) takes the same share at every depth. None
     where every entry names a whole list."""
-    import re
-
-    from ..config import BLOCKS_KEY, SELECTOR
-
-    def whole_list(selector: str) -> bool:  # a --config-row's JSON as written: spaces allowed, as config's parser allows
-        return re.fullmatch(r"[\w.]+(\[0?:\])?", re.sub(r"\s+", "", selector)) is not None
+    from ..config import BLOCKS_KEY, SELECTOR, selector_parts
 
     config = next((r.config for r in mine if r.config), None)
     entries = (config.get(BLOCKS_KEY) or ()) if config is not None else ()
-    if all(whole_list(str(dict(entry).get(SELECTOR, ""))) for entry in entries):
+    if all(selector_parts(dict(entry)[SELECTOR])[1:] == (0, None) for entry in entries):
         return None
     return f"its config's per-block entries ({BLOCKS_KEY}) select the same blocks"
 

@@ -522,12 +522,16 @@ def state_bytes_on(model: Any, device: Any) -> int:
     return state_bytes([*params, *model.buffers(), *(p.grad for p in params if p.grad is not None)], device)
 
 
+def compute_device(model: Any) -> torch.device:
+    """Where the model runs: its first parameter not in host memory (a streamed block's weights are), else the CPU."""
+    return next((p.device for p in model.parameters() if p.device.type != "cpu"), torch.device("cpu"))
+
+
 def allocated_beside(model: Any) -> int | None:
-    """The bytes allocated on ``model``'s GPU now beside the model's own state there (:func:`state_bytes_on`), or None
-    for a model off a GPU (nothing to read). Its GPU is its first parameter's not in host memory: a streamed block's
-    weights are there."""
-    device = next((p.device for p in model.parameters() if p.device.type != "cpu"), None)
-    if device is None or device.type != "cuda":
+    """The bytes allocated on ``model``'s GPU (:func:`compute_device`) now beside the model's own state there
+    (:func:`state_bytes_on`), or None for a model off a GPU (nothing to read)."""
+    device = compute_device(model)
+    if device.type != "cuda":
         return None
     return torch.cuda.memory_allocated(device) - state_bytes_on(model, device)
 
