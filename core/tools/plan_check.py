@@ -23,14 +23,25 @@ prediction:
 - **More than** :data:`SLOWER` **slower than predicted**: a uniform candidate's costs become what it measured and the
   planner chooses again (the same choice again ends it); a mix gives way to the best uniform candidate where that is
   predicted faster than the mix measured.
+- **Held, but crowded**: a plan whose timed step retried at least :data:`CROWDED` allocations (each frees the
+  allocator's cache and synchronizes the device) is planned again under a GPU budget that leaves twice the room it
+  left, and the faster of the two as measured runs. The costs were measured under the same budget and paid for the
+  crowding too, so only the whole model's run shows it: on an H100 under a 32 GiB cap, HunyuanVideo 1.5's
+  ``unsloth-compile`` at budget 0.05 (27.2 GiB, 4.8 GiB free) retried 113 allocations in its step and took 40,968 ms;
+  the same with 20 blocks' weights streamed (20.2 GiB) retried 2 and took 36,774 ms, its forward 4.0 s shorter
+  (thirty-eighth session). Wan 2.1 14B's ``budget 0.05 + stream 34`` retried 18 a step under 16 GiB and 2 under 24
+  GiB, 1.6% faster there.
 - At most :data:`ROUNDS` plans are run. The answer is the fastest one that held both budgets as measured, with its
   measured figures beside its predicted ones in the report; where none held, the error names each plan and what it
   took.
 
-What each plan measured is kept in the cost table (:attr:`gradseam.tools.cost_cache.Table.checked`), so a restart,
-or every rank of a distributed run, replays the same rounds from it and settles on the same plan without running one. A plan that ran out of memory is
-kept with the GPU budget it ran under (another budget runs it again); a measured one for every budget, since the
-peak and the time do not depend on the budget.
+A plan that cannot be run here (a replay from the table, a rank of a distributed run) gives way to the fastest that
+ran and held, where one did: only with none does a prediction stand unrun.
+
+What each plan measured is kept in the cost table (:attr:`gradseam.tools.cost_cache.Table.checked`), saved as soon as
+it has run, so a restart, or every rank of a distributed run, replays the same rounds from it and settles on the same
+plan without running one. A plan that ran out of memory is kept with the GPU budget it ran under (another budget runs
+it again); a measured one for every budget, since the peak and the time do not depend on the budget.
 """
 
 from __future__ import annotations
@@ -44,12 +55,13 @@ from ..errors import GradseamError
 from . import cost_cache
 from .advise import spread_weights_gib
 from .compiled import gradseam_keys
-from .estimates import Advice, Estimate, Measure
+from .estimates import Advice, Estimate, Measure, NoFitError
 
 ROUNDS = 3  # plans run on the whole model at most, before the fastest that held is taken
 SLOWER = 0.05  # a plan measured this much slower than predicted is planned again from what it measured
 MARGIN = 0.05  # of the GPU budget: how much lower a mix that ran out of memory (overshoot unknown) is planned again
 STEP = 0.01  # of the GPU budget: lowered this much more than a mix overshot, so the next mix is not the same one
+CROWDED = 10  # allocator retries in the plan's timed step at which it is planned again with more room (above)
 
 # (GPU budget GiB, host budget GiB or None) -> the planner's advice from the table as it is now (raises NoFitError)
 Rechoose = Callable[[float, "float | None"], Advice]
@@ -115,9 +127,10 @@ def _failure_key(config: dict[str, Any], gpu: float) -> str:
     return f"{cost_cache.config_id(config)} under {gpu:.2f} GiB"
 
 
-def _outcome(table: cost_cache.Table, config: dict[str, Any], gpu: float, check: Measure | None
-             ) -> Estimate | str | None:
-    """What the plan measured on the whole model: read from the table, else run (None: it cannot be run here)."""
+def _outcome(table: cost_cache.Table, config: dict[str, Any], gpu: float, check: Measure | None,
+             saved: Callable[[], Any] | None = None) -> Estimate | str | None:
+    """What the plan measured on the whole model: read from the table, else run (None: it cannot be run here), and
+    ``saved()`` once it is in the table."""
     found = table.checked.get(cost_cache.config_id(config)) or table.checked.get(_failure_key(config, gpu))
     if found is not None or check is None:
         return found
@@ -127,6 +140,8 @@ def _outcome(table: cost_cache.Table, config: dict[str, Any], gpu: float, check:
         table.checked[cost_cache.config_id(config)] = outcome
     else:
         table.checked[_failure_key(config, gpu)] = outcome
+    if saved is not None:
+        saved()
     return outcome
 
 
@@ -211,11 +226,10 @@ def _lowered(advice: Advice, gpu: float, measured: Estimate | None, gpu_gib: flo
     return gpu - beyond - STEP * gpu_gib
 
 
-# why a plan's allocator retries are named, with the one measurement that priced them
-RETRIES_WHY = ("each frees the allocator's cache and synchronizes the device; on an H100, HunyuanVideo 1.5's plan "
-               "under a 32 GiB cap retried 113 times a step at a 27.4 GiB peak and stepped 12% slower than "
-               "unsloth-compile uncapped: more room, from a lower gradient_checkpointing_gpu_memory that streams "
-               "more blocks' weights, may step faster")
+# why a plan's allocator retries are named, with the measurement that priced them
+RETRIES_WHY = ("each frees the allocator's cache and synchronizes the device; on an H100 under a 32 GiB cap, "
+               "HunyuanVideo 1.5's unsloth-compile at budget 0.05 retried 113 times in a step at 27.2 GiB and took "
+               "40,968 ms, and with 20 blocks' weights streamed for room, 2 times at 20.2 GiB in 36,774 ms")
 
 
 RETRIED = "allocator retries in its step"
@@ -227,19 +241,46 @@ def _retried(outcome: Estimate) -> str:
     return f", {outcome.alloc_retries} {RETRIED}" if outcome.alloc_retries else ""
 
 
-def settle(advice: Advice, table: cost_cache.Table, check: Measure | None, rechoose: Rechoose, *,
-           gpu_gib: float, host_gib: float | None, depth: str = "") -> Settled:
-    """The plan the first step runs (see the module docstring). ``check`` runs a config on the whole model (None:
-    only what the table holds is read, and a plan it lacks runs unchecked)."""
-    from .estimates import NoFitError
+def _crowded(outcome: Estimate) -> bool:
+    """Whether the plan's timed step retried enough allocations to plan it again with more room (a table written
+    before retries were kept has none to read: its plans stand)."""
+    return (outcome.alloc_retries or 0) >= CROWDED
 
+
+def _roomier(advice: Advice, measured: Estimate, rechoose: Rechoose, gpu_gib: float, host_gib: float | None
+             ) -> tuple[Advice, float] | None:
+    """The plan made again under a GPU budget that leaves twice the room ``measured`` left under ``gpu_gib`` (and
+    :data:`STEP` more, so the search cannot return the same plan), with the bound it was made under; None where no
+    plan fits it. Where a model can stream its frozen weights, the planner frees the room that way, the cheapest for
+    a video model, whose blocks compute far longer than their weights take to copy."""
+    used = advice.static_gib + measured.peak_gib
+    bound = used - (gpu_gib - used) - STEP * gpu_gib
+    if bound <= 0:
+        return None
+    host = advice.pinnable_gib if advice.pinnable_gib is not None else host_gib
+    try:
+        return rechoose(bound, host), bound
+    except NoFitError:
+        return None
+
+
+def settle(advice: Advice, table: cost_cache.Table, check: Measure | None, rechoose: Rechoose, *,
+           gpu_gib: float, host_gib: float | None, depth: str = "", saved: Callable[[], Any] | None = None) -> Settled:
+    """The plan the first step runs (see the module docstring). ``check`` runs a config on the whole model (None:
+    only what the table holds is read, and a plan it lacks runs unchecked). ``saved()`` is called after each plan
+    run, once the table holds it: a run stopped during the next one (a time limit's SIGTERM ends Python without its
+    ``finally``; HunyuanVideo 1.5's plans take over two minutes each on an H100) keeps what ran, and the next run
+    replays it instead of running it again."""
     held: list[tuple[Advice, Estimate]] = []
     lines: list[str] = []
     for round_ in range(1, ROUNDS + 1):
         config = config_of(advice)
-        outcome = _outcome(table, config, gpu_gib, check)
-        if outcome is None:
-            return Settled(advice, None, lines)  # nothing to check with: the prediction stands
+        outcome = _outcome(table, config, gpu_gib, check, saved)
+        if outcome is None:  # nothing to check with (a replay from the table, a rank of a distributed run)
+            if held:  # a plan measured to hold beats one only predicted to
+                lines.append(f"{name_of(advice)}: not run here, so the plan that ran stands")
+                break
+            return Settled(advice, None, lines)  # the prediction stands
         said = _said(advice)
         step = said["step_ms"]
         name = name_of(advice)
@@ -256,6 +297,13 @@ def settle(advice: Advice, table: cost_cache.Table, check: Measure | None, recho
                          + (": over the host budget" if over_host else ""))
             if not (over_gpu or over_host):
                 held.append((advice, outcome))
+                if _crowded(outcome) and round_ < ROUNDS:
+                    roomier = _roomier(advice, outcome, rechoose, gpu_gib, host_gib)
+                    if roomier is not None and config_of(roomier[0]) != config:
+                        lines[-1] += f": planned again to leave more room (under {roomier[1]:.2f} GiB)"
+                        advice = roomier[0]
+                        continue
+                    lines[-1] += ": no other plan leaves more room within the budgets"
                 if outcome.step_ms <= step * (1 + SLOWER):
                     break  # as predicted
         try:
