@@ -328,9 +328,10 @@ def demo(
         "fits. "
         "Weights that do not fit the card: gradient_checkpointing_stream_weights keeps the frozen weights in "
         "host memory and copies each block in while the one before it computes (Wan 14B at 480p, all 40 "
-        "blocks streamed with unsloth-compile: 9.9 GiB of GPU memory at 1.01x, 24 of them with memory budget 0.05: "
-        "19.8 GiB at ~1.02x with 55 GiB of host memory pinned; image models at a few thousand "
-        "tokens: stream as few blocks as fit, each costs about its copy time). "
+        "blocks streamed with unsloth-compile: 9.9 GiB of GPU memory at 1.01x, 34 of them with memory budget 0.05: "
+        "13.5 GiB at 1.02-1.03x with 62 GiB of host memory pinned, a 16 or 24 GB card; leave a few GiB free under "
+        "the card, since a step that finds too little room retries allocations and slows; image models at a few "
+        "thousand tokens: stream as few blocks as fit, each costs about its copy time). "
         "`gradseam advise` finds the crossover for your model at its real depth."
     )
 
