@@ -15,7 +15,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from gradseam.tools import bench_isolated, cli
+from gradseam.tools import bench_isolated, checks, cli
 from gradseam.tools import bench_report as report
 from gradseam.tools.depth import DepthPlan
 from gradseam.tools.results import RealRun, Result
@@ -173,3 +173,26 @@ def test_the_sweeps_json_holds_the_rows_so_far_after_each_row(gpu, monkeypatch, 
     _invoke("bench", "--family", "flux", "--row", "none", "--row", "torch", "--json", str(path), "--isolate-rows")
     assert seen == [["none", "none"]], "the first row's two depths were not in the file when the second started"
     assert "partial" not in json.loads(path.read_text())["title"]
+
+
+@pytest.mark.parametrize("isolate", [True, False], ids=["isolated", "one process"])
+def test_a_full_row_naming_no_measured_row_is_refused_before_anything_runs(gpu, monkeypatch, tmp_path, isolate):
+    """``--full-row`` picks which measured rows also run at the full depth: one that no ``--row`` names was measured
+    nowhere and said nothing (on an H100 a call spent 67 s on the other row's fit depths alone). Refused, naming the
+    label and the ``--row`` to add; a config row it names, and a default row with no ``--row`` at all, are fine."""
+    from gradseam.tools import bench
+
+    calls: list[list[str]] = []
+    monkeypatch.setattr(bench_isolated, "spawn_process", fake_process(calls))
+    monkeypatch.setattr(bench, "real", lambda *args, **kwargs: pytest.fail("the bench ran"))
+    streamed = "unsloth-compile, budget 0.05 + stream 34 @ 24GiB"
+    result = _invoke("bench", "--family", "wan", "--preset", "14b-480p", "--row", "unsloth-compile", "--full",
+                     "--full-row", streamed, "--json", str(tmp_path / "wan.json"), *(["--isolate-rows"] * isolate))
+    assert result.exit_code == 2 and not calls, result.output
+    said = " ".join(result.output.split())
+    assert f"'{streamed}' is not among the rows this bench measures" in said, said
+    assert f"add --row '{streamed}'" in said, said
+    assert checks.full_rows_measured(["torch"], None, None) is None  # every default row is measured
+    assert checks.full_rows_measured(["mine"], ["none"], None, [("mine", {})]) is None
+    with pytest.raises(checks.OptionError, match="'torch' is not among"):
+        checks.full_rows_measured(["torch"], None, ["torch"])  # skipped, so not measured

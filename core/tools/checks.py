@@ -21,6 +21,7 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from ..config import parse_size
 from ..errors import GradseamError
@@ -200,6 +201,29 @@ def known_rows(labels: Sequence[str] | None, option: str = "--skip-row") -> None
             real_rows(list(labels))
         except GradseamError as exc:
             raise OptionError(str(exc), option) from None
+
+
+def full_rows_measured(full_rows: Sequence[str] | None, rows: Sequence[str] | None, skip_rows: Sequence[str] | None,
+                       extra: Sequence[tuple[str, Any]] = ()) -> None:
+    """Every ``--full-row`` names a row the bench measures. ``--full-row`` picks which of the measured rows run at the
+    full depth, so one naming no measured row measured nothing, and said nothing: on an H100, ``--row unsloth-compile
+    --full-row 'unsloth-compile, budget 0.05 + stream 34 @ 24GiB'`` spent 67 s of device time on the first row's fit
+    depths alone. ``extra``: the ``--config-row`` rows, measured whatever ``--row`` names."""
+    if not full_rows:
+        return
+    from .bench_rows import real_rows
+
+    try:
+        measured = {label for label, _ in real_rows(list(rows) if rows else None, extra=list(extra))}
+    except GradseamError:
+        return  # an unknown --row: refused, naming it, where the rows are built
+    measured -= set(skip_rows or ())
+    missing = [label for label in full_rows if label not in measured]
+    if missing:
+        raise OptionError(
+            f"{', '.join(map(repr, missing))} {'is' if len(missing) == 1 else 'are'} not among the rows this bench "
+            "measures, and --full-row only picks which measured rows also run at the full depth; add "
+            + " ".join(f"--row {label!r}" for label in missing) + " (or leave out the --full-row).", "--full-row")
 
 
 def find_family(name: str) -> Family:

@@ -612,6 +612,8 @@ def bench(
         bad("--config-row", str(exc))
     if isolate_rows and family is None:
         fail("--isolate-rows measures each row of a real-size model's sweep in a process of its own; it needs --family.")
+    with refused():
+        checks.full_rows_measured(full_rows, rows, skip_rows, extra_rows)
     if host_gib is not None and not any(is_auto_row(r) for r in rows or ()):
         fail("--host-memory is the budget the 'auto' row plans within; add --row auto (or --row 'auto @ 24GiB').")
     fam, preset = _family(family, preset) if family is not None else (None, preset)
