@@ -197,8 +197,6 @@ def selector_parts(selector: str) -> tuple[str, int, int | None]:
     """An entry's selector, already validated (:func:`_parse_block_overrides`), as ``(list path, first index, end
     index)``, the end None where it runs to the list's end (``"list"``, ``"list[a:]"``): which blocks that is needs
     the model's list lengths (:func:`gradseam.planning`), whether it is a whole list does not (``gradseam bench``)."""
-    import re
-
     path, _, rest = re.sub(r"\s+", "", selector).partition("[")
     inside = rest.rstrip("]")
     if not rest or ":" in inside:

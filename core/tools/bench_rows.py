@@ -154,6 +154,14 @@ def row_variant(label: str, known: dict[str, dict[str, Any] | None]) -> tuple[st
     return label, config
 
 
+def chosen_rows(rows: Sequence[str] | None, skip_rows: Sequence[str] | None) -> list[str] | None:
+    """The labels ``bench`` measures, before its ``--config-row`` rows: ``--row``'s, every built-in row but
+    ``--skip-row``'s, or None for every built-in row (:func:`real_rows` reads each)."""
+    if skip_rows:
+        return [name for name, _ in real_rows() if name not in skip_rows]
+    return list(rows) if rows else None
+
+
 def real_rows(rows: list[str] | None = None, *, extra: Sequence[tuple[str, dict[str, Any]]] | None = None,
               ) -> list[tuple[str, dict[str, Any] | None]]:
     """The real-model rows, in table order; ``rows`` picks some by label, and may add any of gradseam's rows with

@@ -211,13 +211,12 @@ def full_rows_measured(full_rows: Sequence[str] | None, rows: Sequence[str] | No
     depths alone. ``extra``: the ``--config-row`` rows, measured whatever ``--row`` names."""
     if not full_rows:
         return
-    from .bench_rows import real_rows
+    from .bench_rows import chosen_rows, real_rows
 
     try:
-        measured = {label for label, _ in real_rows(list(rows) if rows else None, extra=list(extra))}
+        measured = {label for label, _ in real_rows(chosen_rows(rows, skip_rows), extra=list(extra))}
     except GradseamError:
         return  # an unknown --row: refused, naming it, where the rows are built
-    measured -= set(skip_rows or ())
     missing = [label for label in full_rows if label not in measured]
     if missing:
         raise OptionError(

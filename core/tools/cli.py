@@ -413,11 +413,9 @@ def _sweep_family(sweep: _Sweep, family: str, preset: str, *, depths: str | None
     """The rows chosen (--row, every row but --skip-row's, or all, then --config-row's) on the family's real-size
     model (bench.real), on a quantized ``base`` and with a LoRA where asked; a failure stops the command."""
     from . import bench as b
-    from .bench_rows import full_depth_rows
+    from .bench_rows import chosen_rows, full_depth_rows
 
-    rows = list(rows) if rows else None
-    if skip_rows:
-        rows = [name for name, _ in b.real_rows() if name not in skip_rows]
+    rows = chosen_rows(rows, skip_rows)
     full_rows = list(full_rows) if full_rows else None
     per_tokens = len(tokens or [None])
 
@@ -520,10 +518,9 @@ def _bench_isolated(family: str, preset: str, json_path: Path, png_path: Path, *
     step of progress per row, then the rows shown as one sweep shows them."""
     from . import bench_isolated as isolated
     from . import bench_report as report
-    from .bench_rows import CPU_STATUS_WHY, config_rows, real_rows
+    from .bench_rows import CPU_STATUS_WHY, chosen_rows, config_rows, real_rows
 
-    if skip_rows:
-        rows = [name for name, _ in real_rows() if name not in skip_rows]
+    rows = chosen_rows(rows, skip_rows)
     labels = [name for name, _ in real_rows(rows, extra=config_rows(config_row_specs))]
     sweep = isolated.Sweep(family, preset, depths, full, full_rows, depth, tokens, steps, base, lora, gpu_memory,
                            host_memory, config_row_specs)
