@@ -1493,3 +1493,45 @@ def test_hunyuanvideo15_under_24_gib_and_a_64_gib_host_settles_on_the_mix_the_h1
     report = settled.report()
     assert "128 allocator retries in its step: planned again to leave more room" in report, report
     assert "not run here, so the plan that ran stands" in report, report
+
+
+def test_hunyuanvideo15_under_32_gib_replays_the_h100s_second_round_that_streamed_13_blocks_for_room():
+    """``auto @ 32GiB`` with a 64 GiB host on an H100 (thirty-ninth session, its cost table as the GPU saved it): the
+    first plan, ``unsloth-compile`` at budget 0.05 on every block, held both budgets on the whole model but retried 113
+    allocations (41,126.5 ms); planned again to leave twice the room, the planner measured the streamed rows that
+    budget asked for and chose the same with 13 blocks' weights streamed, which ran in 37,092.2 ms with 2 retries and
+    is the plan. Replayed, the table settles on it without running anything; planned with each run answered by what
+    the GPU measured, the same two plans run in the same order: the planner makes the GPU's decisions from its costs."""
+    from gradseam.tools import plan_check
+
+    model, blocks, table = _hunyuanvideo15_costs("hunyuanvideo15-480p-h100-32gib-room.json")
+
+    def rechoose(gpu: float, host: float | None):
+        return auto_planner.choose(table, gpu, table.static_gib, host, model, block_gib=blocks)
+
+    uniform = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth-compile",
+               "gradient_checkpointing_memory_budget": 0.05}
+    streamed = {**uniform, auto_planner.STREAM_KEY: 13}
+    first = rechoose(32.0, 64.0)
+    assert plan_check.config_of(first) == uniform, plan_check.name_of(first)
+    settled = plan_check.settle(first, table, None, rechoose, gpu_gib=32.0, host_gib=64.0)
+    assert plan_check.config_of(settled.advice) == streamed, plan_check.name_of(settled.advice)
+    assert settled.measured is not None and settled.measured.step_ms == pytest.approx(37092.2, abs=0.1)
+    gpu = table.static_gib + settled.measured.peak_gib
+    predicted = plan_check.predicted(settled.advice)
+    assert gpu <= 32.0 and settled.measured.pinned_gib <= 64.0, (gpu, settled.measured)
+    assert gpu == pytest.approx(predicted["gpu_gib"], rel=0.03), (gpu, predicted)  # within 3%, as issue 41 asks
+    report = settled.report()
+    assert "113 allocator retries in its step: planned again to leave more room" in report, report
+    assert "not run here" not in report, report
+
+    ran = dict(table.checked)
+    table.checked.clear()
+    runs: list[dict] = []
+
+    def check(config: dict):
+        runs.append(config)
+        return ran[cost_cache.config_id(config)]
+
+    again = plan_check.settle(rechoose(32.0, 64.0), table, check, rechoose, gpu_gib=32.0, host_gib=64.0)
+    assert runs == [uniform, streamed] and plan_check.config_of(again.advice) == streamed
