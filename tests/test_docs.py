@@ -323,6 +323,24 @@ def test_families_table_gives_the_figures_the_benchmarks_page_shows_and_the_char
     assert "gpu" not in data, "this run names its card now: the test's H200 comes from the default, check it"
 
 
+def test_a_familys_weight_streaming_run_adds_its_row_to_the_families_table_against_the_main_runs_none():
+    """Issue 42's weight-streaming row is measured in a run of its own (``bench-FAMILY-stream.json``, one row, so no
+    none beside it): the table and the chart add it to the family's rows, its ratio taken against the main run's none,
+    and a family without such a run keeps its four rows."""
+    spec = importlib.util.spec_from_file_location("families_chart", DOCS / "scripts" / "families_chart.py")
+    chart = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chart)
+    streamed = json.loads((DOCS / "data" / "bench-sana-wm-refiner-stream.json").read_text())["full_depth"][0]
+    assert streamed["vs_none"] is None and streamed["strategy"] == chart.STREAMED
+    _, rows = chart.load("sana-wm-refiner")
+    none = next(r for r in rows if r["strategy"] == "none")
+    row = next(r for r in rows if r["strategy"] == chart.STREAMED)
+    assert row["vs_none"] == round(streamed["step_ms"] / none["step_ms"], 3) and row["vs_none"] > 2
+    assert chart.table(["sana-wm-refiner"]).splitlines()[-1].startswith(
+        "| | | `unsloth-compile` + every block's weights streamed | ~11.07 |")
+    assert len(chart.table(["hidream"]).splitlines()) == 2 + 4
+
+
 def test_a_failed_rows_message_stays_on_its_line_of_the_families_table():
     """Sana-WM's compiled row failed at depth 4 with inductor's message, which goes on over several lines with the graph
     node and a traceback (H100, torch 2.11): written as it came, it broke the page's table in two, and joined into one
