@@ -3,7 +3,8 @@
 ``python docs/scripts/families_chart.py [--out docs/img/families-full-depth.png] [--table] FAMILY ...`` reads
 ``docs/data/bench-FAMILY-full.json`` (a ``gradseam bench --family FAMILY --depths 2,4 --full`` run)
 where there is one, else ``docs/data/bench-FAMILY.json`` (the same without ``--full``: every
-full-depth figure predicted), and draws, per family, the full-depth activation peak of each row on a log scale (left) and its step
+full-depth figure predicted), with a family's weight-streaming row from ``docs/data/bench-FAMILY-stream.json``
+where it was measured, and draws, per family, the full-depth activation peak of each row on a log scale (left) and its step
 time relative to no checkpointing (right). Hollow markers are predicted from the two fit depths,
 filled ones measured at full depth; a row that failed (OOM, compiler error) is drawn as a cross at
 the left edge with its status, so a gap never reads as "no cost". A table answers "how much"; this
@@ -22,11 +23,11 @@ DATA = Path(__file__).resolve().parents[1] / "data"
 # bench's JSON names the GPU that measured it since the twenty-second session; every family run before that was
 # on the H200 (docs/benchmarks.md says so for each)
 BEFORE_RECORDED = "H200"
-# how the benchmarks page writes each row's name
 # issue 42's weight-streaming row: every block's frozen weights in pinned host memory, copied in ahead of its compute.
 # Measured apart (bench-FAMILY-stream.json): "stream all" streams every block at every depth, so its line through the
 # two fit depths predicts the full one, as no count of blocks streamed would
 STREAMED = "unsloth-compile + stream all"
+# how the benchmarks page writes each row's name
 LABELS = {"none": "none", "torch": "`torch`", "unsloth + attention offload": "`unsloth` + attention offload",
           "unsloth-compile": "`unsloth-compile`", STREAMED: "`unsloth-compile` + every block's weights streamed"}
 ROWS = ("none", "torch", "unsloth + attention offload", "unsloth-compile", STREAMED)
