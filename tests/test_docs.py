@@ -341,6 +341,21 @@ def test_a_familys_weight_streaming_run_adds_its_row_to_the_families_table_again
     assert len(chart.table(["hidream"]).splitlines()) == 2 + 4
 
 
+def test_the_weight_streaming_loops_family_list_is_the_families_chart_of_issue_42_with_each_runs_preset():
+    """The loop that measures issue 42's weight-streaming row reads ``docs/data/families-42-presets.txt``: every family
+    of the page's issue-42 chart once, at the preset its main run measured (the streamed row is compared with that
+    run's none), so no family is left out of the sweep or measured at another size."""
+    text = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
+    command = re.search(r"families_chart\.py --out docs/img/families-42\.png --table\s([^`]*)`", text)
+    assert command, "benchmarks.md no longer gives the issue-42 chart's command"
+    listed = [line.split() for line in (DOCS / "data" / "families-42-presets.txt").read_text().splitlines()]
+    assert all(len(entry) == 2 for entry in listed), listed
+    assert sorted(family for family, _ in listed) == sorted(command.group(1).split())
+    for family, preset in listed:
+        assert json.loads((DOCS / "data" / f"bench-{family}.json").read_text())["preset"] == preset, family
+    assert "done < docs/data/families-42-presets.txt" in text
+
+
 def test_a_failed_rows_message_stays_on_its_line_of_the_families_table():
     """Sana-WM's compiled row failed at depth 4 with inductor's message, which goes on over several lines with the graph
     node and a traceback (H100, torch 2.11): written as it came, it broke the page's table in two, and joined into one
