@@ -282,6 +282,14 @@ def test_gpu_requirements_and_tested_versions(page):
         assert needs_cuda in section
 
 
+def _families_chart():
+    """docs/scripts/families_chart.py, loaded as a module (it is a script, not part of the package)."""
+    spec = importlib.util.spec_from_file_location("families_chart", DOCS / "scripts" / "families_chart.py")
+    chart = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(chart)
+    return chart
+
+
 def test_families_chart_draws_every_family_the_benchmarks_page_lists(tmp_path):
     """The chart on the benchmarks page is drawn from the committed JSON of every family its command
     names: a family whose data is missing, or a row (like HunyuanVideo's compiled OOM of 2026-12-02) the
@@ -292,9 +300,7 @@ def test_families_chart_draws_every_family_the_benchmarks_page_lists(tmp_path):
     assert command, "benchmarks.md no longer gives the families chart's command"
     families = command.group(1).replace("\\", " ").split()
     assert len(families) >= 15 and (DOCS / "img" / "families-full-depth.png").exists()
-    spec = importlib.util.spec_from_file_location("families_chart", DOCS / "scripts" / "families_chart.py")
-    chart = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(chart)
+    chart = _families_chart()
     loaded = {f: chart.load(f) for f in families}
     assert all(rows for _, rows in loaded.values()), "a family of the command has no full-depth rows"
     # a row that failed (an OOM, a compiler error) is drawn as a cross, never left out: make one failed
@@ -309,9 +315,7 @@ def test_families_table_gives_the_figures_the_benchmarks_page_shows_and_the_char
     """``families_chart.py --table`` writes the page's families table from the committed JSON: for families measured
     at the full depth, each of its rows (past the family's name, which the page writes in full) is the page's row,
     bold marks aside. The chart's title names the card the JSON recorded (H200 for runs from before the field)."""
-    spec = importlib.util.spec_from_file_location("families_chart", DOCS / "scripts" / "families_chart.py")
-    chart = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(chart)
+    chart = _families_chart()
     page = (DOCS / "benchmarks.md").read_text(encoding="utf-8").replace("**", "")
     lines = chart.table(["hidream", "ideogram4"]).splitlines()
     assert len(lines) == 2 + 8
@@ -327,9 +331,7 @@ def test_a_familys_weight_streaming_run_adds_its_row_to_the_families_table_again
     """Issue 42's weight-streaming row is measured in a run of its own (``bench-FAMILY-stream.json``, one row, so no
     none beside it): the table and the chart add it to the family's rows, its ratio taken against the main run's none,
     and a family without such a run keeps its four rows."""
-    spec = importlib.util.spec_from_file_location("families_chart", DOCS / "scripts" / "families_chart.py")
-    chart = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(chart)
+    chart = _families_chart()
     streamed = json.loads((DOCS / "data" / "bench-sana-wm-refiner-stream.json").read_text())["full_depth"][0]
     assert streamed["vs_none"] is None and streamed["strategy"] == chart.STREAMED
     _, rows = chart.load("sana-wm-refiner")
@@ -360,9 +362,7 @@ def test_a_failed_rows_message_stays_on_its_line_of_the_families_table():
     """Sana-WM's compiled row failed at depth 4 with inductor's message, which goes on over several lines with the graph
     node and a traceback (H100, torch 2.11): written as it came, it broke the page's table in two, and joined into one
     line mkdocs read part of it as a link. A failed row shows its message's first line."""
-    spec = importlib.util.spec_from_file_location("families_chart", DOCS / "scripts" / "families_chart.py")
-    chart = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(chart)
+    chart = _families_chart()
     status = next(r["status"] for r in chart.load("sana-wm")[1] if r["strategy"] == "unsloth-compile")
     assert "\n" in status  # the committed run's message, as bench wrote it
     lines = chart.table(["sana-wm"]).splitlines()

@@ -41,7 +41,7 @@ What it does, and why each step is where it is:
    fit even alone.
 
 5. **The plan run once.** Before the first step runs the plan, :mod:`gradseam.tools.plan_check` runs it on the whole
-   model (one warm-up, one timed step) and plans again where it did not hold the budgets or ran well slower than
+   model (a warm-up, two where blocks compile, then one timed step) and plans again where it did not hold the budgets or ran well slower than
    predicted (the fits through two shallow depths are lines, and on an H100 one of Flux's was 40% off at the real
    depth, and a mix predicted 6% under its budget ran out of memory). A plan that held but whose step retried many
    allocations near the GPU budget is planned again to leave more room, and the faster of the two runs (on an H100

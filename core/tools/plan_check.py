@@ -12,8 +12,8 @@ cannot afford:
   no checkpointing, 523 ms), took 603 ms at the real depth, where ``unsloth-compile`` at its default budget took
   541 ms: ``auto`` chose the slowest compiled row.
 
-So before the first step runs a plan, :func:`settle` runs it on the whole model, as that step will (one warm-up, one
-timed step: :func:`gradseam.tools.advise.full_depth_check`), and reads what it measured against the budgets and the
+So before the first step runs a plan, :func:`settle` runs it on the whole model, as that step will (a warm-up, two
+where blocks compile, then one timed step: :func:`gradseam.tools.advise.full_depth_check`), and reads what it measured against the budgets and the
 prediction:
 
 - **Over a budget, or out of memory**: the plan is made again under a GPU budget lowered by what it overshot (by
