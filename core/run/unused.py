@@ -30,7 +30,8 @@ steps its moments and weight decay on a zero one. Why it is built this way:
 * **Outputs that are views of one graph output** (Flux's single block returns two slices of one
   tensor) need nothing: that output is used, or the node does not run. **Where the block's outputs
   do not all come from one compiled node** (a graph break inside the block), or the eager forward
-  fails, nothing is changed: zeros, as ``torch.compile`` gives, and a warning once.
+  fails, nothing is changed: zeros, as ``torch.compile`` gives, and a warning once. A failed probe is
+  tried again after 1, 2, 4, ... of the block's calls (:class:`_Backoff`), not at every call.
 """
 
 from __future__ import annotations
@@ -179,11 +180,35 @@ def _edge_variables(node: Any) -> list[torch.Tensor | None]:
             for next_node, _ in node.next_functions]
 
 
+class _Backoff:
+    """A block whose probe failed: tried again after 1, then 2, 4, 8, ... of its calls.
+
+    The probe runs when the step is most crowded (the compiled call's outputs and every saved activation
+    are alive): under a capped card, HunyuanVideo 1.5's ran out of memory asking for a 4.90 GiB attention
+    buffer (H100, 32 GiB). Trying again at every call cost an eager forward up to that allocation in
+    every block of every step, for nothing while the step stays as crowded; never trying again would keep
+    the zeros after one crowded moment. Doubling bounds the cost to a few forwards a run, and still finds
+    a calmer call (a shorter clip, a smaller batch) when one comes."""
+
+    __slots__ = ("left", "wait")
+
+    def __init__(self, wait: int) -> None:
+        self.wait = self.left = wait
+
+    def due(self) -> bool:
+        """Count one call of the block; True on the first call after ``wait`` skipped ones."""
+        self.left -= 1
+        return self.left < 0
+
+    def doubled(self) -> _Backoff:
+        return _Backoff(self.wait * 2)
+
+
 class UnusedOutputs:
     """Per compiled-block handler: what each block's outputs reach, and the hooks that drop the zeros."""
 
     def __init__(self) -> None:
-        self._reach: weakref.WeakKeyDictionary[nn.Module, _Reach | None] = weakref.WeakKeyDictionary()
+        self._reach: weakref.WeakKeyDictionary[nn.Module, _Reach | _Backoff] = weakref.WeakKeyDictionary()
 
     def __getstate__(self) -> dict[str, Any]:
         return {}  # a copy (deepcopy, pickling) probes its own blocks again: the map is a cache, and weak
@@ -206,9 +231,17 @@ class UnusedOutputs:
                       "graphs (a graph break inside the block); an output the loss does not use gives its "
                       "parameters zero gradients there, not None as in eager autograd.")
         direct = _edge_variables(node) if node is not None else []
-        reach = self._reach.get(block)
-        if reach is None or not all(reach.knows(v) for v in direct if isinstance(v, nn.Parameter)):
-            reach = self._reach[block] = self._probe(function, first, block, args, kwargs, len(tensors))
+        known = self._reach.get(block)
+        if isinstance(known, _Backoff):
+            if not known.due():
+                return
+            reach = self._probe(function, first, block, args, kwargs, len(tensors))
+            self._reach[block] = reach if reach is not None else known.doubled()
+        elif known is None or not all(known.knows(v) for v in direct if isinstance(v, nn.Parameter)):
+            reach = self._probe(function, first, block, args, kwargs, len(tensors))
+            self._reach[block] = reach if reach is not None else _Backoff(1)
+        else:
+            reach = known
         if reach is None:
             return
         # several outputs of one graph (not views of one output): the unused ones' zeros are dropped there
@@ -230,7 +263,8 @@ class UnusedOutputs:
             # every block (H100), each message naming another amount of free memory
             warn_once(f"gradseam: could not run a compiled {type(block).__name__} eagerly to learn which "
                       f"parameters each of its outputs reaches ({type(exc).__name__}: {exc}); an output the "
-                      "loss does not use gives its parameters zero gradients there, not None as in eager.",
+                      "loss does not use gives its parameters zero gradients there, not None as in eager, "
+                      "until the probe runs (it is tried again after 1, 2, 4, ... of the block's calls).",
                       key=("reach probe", type(block), type(exc)))
             return None
         return _Reach(found, list(block.parameters())) if len(found) == count else None
