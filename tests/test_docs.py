@@ -343,6 +343,22 @@ def test_a_familys_weight_streaming_run_adds_its_row_to_the_families_table_again
     assert len(chart.table(["hidream"]).splitlines()) == 2 + 4
 
 
+def test_the_issue_42_families_table_on_the_page_is_what_its_command_writes_from_the_committed_runs():
+    """Every line of issue 42's families table (44 families, each run's rows and its weight-streaming row) is what
+    ``families_chart.py --table`` writes from docs/data for the families its command names, as one block: a run
+    added to docs/data without regenerating the table, or a figure edited by hand, fails here."""
+    chart = _families_chart()
+    page = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
+    command = re.search(r"families_chart\.py --out docs/img/families-42\.png --table\s+([a-z0-9\- \n]+)`", page)
+    assert command, "benchmarks.md no longer gives issue 42's table command"
+    families = command.group(1).split()
+    assert len(families) == 44
+    written = chart.table(families)
+    assert written in page, "regenerate issue 42's families table (the command above it) and paste it whole"
+    streamed = [line for line in written.splitlines() if chart.LABELS[chart.STREAMED] in line]
+    assert len(streamed) == sum((DOCS / "data" / f"bench-{f}-stream.json").exists() for f in families) >= 25
+
+
 def test_the_weight_streaming_loops_family_list_is_the_families_chart_of_issue_42_with_each_runs_preset():
     """The loop that measures issue 42's weight-streaming row reads ``docs/data/families-42-presets.txt``: every family
     of the page's issue-42 chart once, at the preset its main run measured (the streamed row is compared with that
