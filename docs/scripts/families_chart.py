@@ -79,8 +79,8 @@ def draw(families: list[str], out: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = [load(f) for f in families]
-    fig, (peak_ax, step_ax) = plt.subplots(1, 2, figsize=(12, 0.55 * len(runs) * len(ROWS) / 2 + 1.5),
-                                           sharey=True)
+    height = 0.55 * len(runs) * len(ROWS) / 2 + 1.5  # inches
+    fig, (peak_ax, step_ax) = plt.subplots(1, 2, figsize=(12, height), sharey=True)
     # the left edge: a power of ten below every measured peak (0.1 GiB unless a row holds less: the audio DiTs' do),
     # where failed rows are drawn
     peaks = [r["peak_gib"] for _, rows in runs for r in rows if r.get("status") == "ok" and r.get("peak_gib")]
@@ -112,16 +112,23 @@ def draw(families: list[str], out: Path) -> None:
     step_ax.axvline(1.0, color="#7f7f7f", lw=0.8, ls="--")
     step_ax.set_xlabel("step time / no checkpointing")
     peak_ax.set_yticks(ticks, names, fontsize=8)
-    peak_ax.invert_yaxis()
+    # top to bottom, one row of space at each end: matplotlib's own 5% margin was two families' height of blank
+    # space above the first on the tall charts
+    peak_ax.set_ylim(len(runs) * (len(ROWS) + 1) - 1, -1)
     for ax in (peak_ax, step_ax):
         ax.grid(axis="x", alpha=0.3)
-    handles = [plt.Line2D([], [], marker="o", ls="", color=c, label=n) for n, c in COLOURS.items()]
+    drawn = {r["strategy"] for _, rows in runs for r in rows}  # a row no family has gets no legend entry
+    handles = [plt.Line2D([], [], marker="o", ls="", color=c, label=n) for n, c in COLOURS.items() if n in drawn]
     handles.append(plt.Line2D([], [], marker="o", ls="", color="k", markerfacecolor="none",
                               label="hollow: predicted from the two fit depths"))
     cards = ", ".join(dict.fromkeys(card(f) for f in families))
-    fig.suptitle(f"gradseam bench, {cards}, bf16 frozen weights: every row at the family's full depth", fontsize=10)
-    fig.legend(handles=handles, loc="upper center", ncol=3, fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.975))
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    # the title and the legend take a fixed 1.1 inches at the top, not a share of the height: a share left a blank
+    # band of several inches above the tall charts (44 families)
+    fig.suptitle(f"gradseam bench, {cards}, bf16 frozen weights: every row at the family's full depth", fontsize=10,
+                 y=1 - 0.12 / height)
+    fig.legend(handles=handles, loc="upper center", ncol=3, fontsize=8, frameon=False,
+               bbox_to_anchor=(0.5, 1 - 0.35 / height))
+    fig.tight_layout(rect=(0, 0, 1, 1 - 1.1 / height))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
 
