@@ -183,12 +183,13 @@ def _edge_variables(node: Any) -> list[torch.Tensor | None]:
 class _Backoff:
     """A block whose probe failed: tried again after 1, then 2, 4, 8, ... of its calls.
 
-    The probe runs when the step is most crowded (the compiled call's outputs and every saved activation
-    are alive): under a capped card, HunyuanVideo 1.5's ran out of memory asking for a 4.90 GiB attention
-    buffer (H100, 32 GiB). Trying again at every call cost an eager forward up to that allocation in
-    every block of every step, for nothing while the step stays as crowded; never trying again would keep
-    the zeros after one crowded moment. Doubling bounds the cost to a few forwards a run, and still finds
-    a calmer call (a shorter clip, a smaller batch) when one comes."""
+    The probe runs right after the block's compiled call, with its outputs and every activation saved so
+    far alive: under a capped card, HunyuanVideo 1.5's ran out of memory asking for a 4.90 GiB attention
+    buffer (H100, 32 GiB), and AnyFlow-FAR's eager flex attention asks for 134.83 GiB on any card. Trying
+    again at every call repeated that eager forward up to the failing allocation (and, out of memory, the
+    allocator's emptying of its cache) at every call of the block, for nothing while the calls stay as
+    crowded; never trying again would keep the zeros after one crowded moment. Doubling bounds the cost to
+    a few forwards a run, and still finds a calmer call (a shorter clip, a smaller batch) when one comes."""
 
     __slots__ = ("left", "wait")
 
