@@ -264,6 +264,21 @@ def _roomier(advice: Advice, measured: Estimate, rechoose: Rechoose, gpu_gib: fl
         return None
 
 
+def _with_room(advice: Advice, held: Estimate, rechoose: Rechoose, gpu_gib: float, host_gib: float | None,
+               lines: list[str]) -> Advice | None:
+    """The next plan to run where ``advice`` held the budgets but its step was crowded (:func:`_crowded`): made
+    again with more room (:func:`_roomier`), which ``lines``' last line then says. None where the step was not
+    crowded, or no other plan leaves more room (said too)."""
+    if not _crowded(held):
+        return None
+    roomier = _roomier(advice, held, rechoose, gpu_gib, host_gib)
+    if roomier is not None and config_of(roomier[0]) != config_of(advice):
+        lines[-1] += f": planned again to leave more room (under {roomier[1]:.2f} GiB)"
+        return roomier[0]
+    lines[-1] += ": no other plan leaves more room within the budgets"
+    return None
+
+
 def settle(advice: Advice, table: cost_cache.Table, check: Measure | None, rechoose: Rechoose, *,
            gpu_gib: float, host_gib: float | None, depth: str = "", saved: Callable[[], Any] | None = None) -> Settled:
     """The plan the first step runs (see the module docstring). ``check`` runs a config on the whole model (None:
@@ -297,13 +312,10 @@ def settle(advice: Advice, table: cost_cache.Table, check: Measure | None, recho
                          + (": over the host budget" if over_host else ""))
             if not (over_gpu or over_host):
                 held.append((advice, outcome))
-                if _crowded(outcome) and round_ < ROUNDS:
-                    roomier = _roomier(advice, outcome, rechoose, gpu_gib, host_gib)
-                    if roomier is not None and config_of(roomier[0]) != config:
-                        lines[-1] += f": planned again to leave more room (under {roomier[1]:.2f} GiB)"
-                        advice = roomier[0]
-                        continue
-                    lines[-1] += ": no other plan leaves more room within the budgets"
+                roomier = _with_room(advice, outcome, rechoose, gpu_gib, host_gib, lines) if round_ < ROUNDS else None
+                if roomier is not None:
+                    advice = roomier
+                    continue
                 if outcome.step_ms <= step * (1 + SLOWER):
                     break  # as predicted
         try:
