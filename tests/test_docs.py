@@ -338,8 +338,14 @@ def test_a_familys_weight_streaming_run_adds_its_row_to_the_families_table_again
     none = next(r for r in rows if r["strategy"] == "none")
     row = next(r for r in rows if r["strategy"] == chart.STREAMED)
     assert row["vs_none"] == round(streamed["step_ms"] / none["step_ms"], 3) and row["vs_none"] > 2
+    # predicted from its forward pass's line: marked as the upper bound it is (families_chart.upper_bound)
     assert chart.table(["sana-wm-refiner"]).splitlines()[-1].startswith(
-        "| | | `unsloth-compile` + every block's weights streamed | ~11.07 |")
+        "| | | `unsloth-compile` + every block's weights streamed | ~11.07 † |")
+    assert row["peak_fit"] == "forward" and chart.upper_bound(row) and row["deepest_peak_gib"] == 2.73
+    cosmos = {r["strategy"]: r for r in chart.load("cosmos3")[1]}  # a resident row's forward line is not marked
+    assert cosmos["unsloth-compile"]["peak_fit"] == "forward" and not chart.upper_bound(cosmos["unsloth-compile"])
+    far = next(r for r in chart.load("anyflow-far")[1] if r["strategy"] == chart.STREAMED)
+    assert far["peak_fit"] == "step" and not chart.upper_bound(far)  # nor a streamed row fitted on the whole step
     assert len(chart.table(["hidream"]).splitlines()) == 2 + 4
 
 
