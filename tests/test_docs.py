@@ -349,15 +349,20 @@ def test_a_familys_weight_streaming_run_adds_its_row_to_the_families_table_again
     assert len(chart.table(["hidream"]).splitlines()) == 2 + 4
 
 
+def _issue_42_families(page: str) -> list[str]:
+    """The families the benchmarks page's issue-42 chart and table command names."""
+    command = re.search(r"families_chart\.py --out docs/img/families-42\.png --table\s([^`]*)`", page)
+    assert command, "benchmarks.md no longer gives the issue-42 chart's command"
+    return command.group(1).split()
+
+
 def test_the_issue_42_families_table_on_the_page_is_what_its_command_writes_from_the_committed_runs():
     """Every line of issue 42's families table (44 families, each run's rows and its weight-streaming row) is what
     ``families_chart.py --table`` writes from docs/data for the families its command names, as one block: a run
     added to docs/data without regenerating the table, or a figure edited by hand, fails here."""
     chart = _families_chart()
     page = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
-    command = re.search(r"families_chart\.py --out docs/img/families-42\.png --table\s+([a-z0-9\- \n]+)`", page)
-    assert command, "benchmarks.md no longer gives issue 42's table command"
-    families = command.group(1).split()
+    families = _issue_42_families(page)
     assert len(families) == 44
     written = chart.table(families)
     assert written in page, "regenerate issue 42's families table (the command above it) and paste it whole"
@@ -370,11 +375,9 @@ def test_the_weight_streaming_loops_family_list_is_the_families_chart_of_issue_4
     of the page's issue-42 chart once, at the preset its main run measured (the streamed row is compared with that
     run's none), so no family is left out of the sweep or measured at another size."""
     text = (DOCS / "benchmarks.md").read_text(encoding="utf-8")
-    command = re.search(r"families_chart\.py --out docs/img/families-42\.png --table\s([^`]*)`", text)
-    assert command, "benchmarks.md no longer gives the issue-42 chart's command"
     listed = [line.split() for line in (DOCS / "data" / "families-42-presets.txt").read_text().splitlines()]
     assert all(len(entry) == 2 for entry in listed), listed
-    assert sorted(family for family, _ in listed) == sorted(command.group(1).split())
+    assert sorted(family for family, _ in listed) == sorted(_issue_42_families(text))
     for family, preset in listed:
         assert json.loads((DOCS / "data" / f"bench-{family}.json").read_text())["preset"] == preset, family
     assert "done < docs/data/families-42-presets.txt" in text

@@ -233,16 +233,14 @@ class UnusedOutputs:
                       "parameters zero gradients there, not None as in eager autograd.")
         direct = _edge_variables(node) if node is not None else []
         known = self._reach.get(block)
-        if isinstance(known, _Backoff):
-            if not known.due():
-                return
-            reach = self._probe(function, first, block, args, kwargs, len(tensors))
-            self._reach[block] = reach if reach is not None else known.doubled()
-        elif known is None or not all(known.knows(v) for v in direct if isinstance(v, nn.Parameter)):
-            reach = self._probe(function, first, block, args, kwargs, len(tensors))
-            self._reach[block] = reach if reach is not None else _Backoff(1)
-        else:
+        if isinstance(known, _Backoff) and not known.due():
+            return
+        if isinstance(known, _Reach) and all(known.knows(v) for v in direct if isinstance(v, nn.Parameter)):
             reach = known
+        else:  # never probed, the block changed, or a failed probe's wait is over
+            reach = self._probe(function, first, block, args, kwargs, len(tensors))
+            failed = known.doubled() if isinstance(known, _Backoff) else _Backoff(1)
+            self._reach[block] = reach if reach is not None else failed
         if reach is None:
             return
         # several outputs of one graph (not views of one output): the unused ones' zeros are dropped there
